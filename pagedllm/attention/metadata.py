@@ -1,0 +1,47 @@
+"""Attention metadata: how the flat token batch maps onto sequences and KV-cache slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the batch, passed explicitly to every attention layer.
+
+    The batch is flat: the new tokens of all scheduled sequences are concatenated, sequences
+    whose query is a single token (decodes) first, then the multi-token ones (prefills or prefill
+    chunks). ``T`` = total new tokens, ``S`` = sequences.
+
+    Attributes:
+        slot_mapping: [T] int64, KV-cache slot of each new token
+            (``block_table[pos // block_size] * block_size + pos % block_size``).
+        block_tables: [S, max_blocks] int32, physical block ids per sequence, padded with 0.
+        seq_lens: [S] int32, tokens of context per sequence after this step (cached + new).
+        query_start_loc: [S + 1] int32, offsets of each sequence's new tokens in the flat batch
+            (``cu_seqlens_q``).
+        seq_lens_list / query_lens_list / query_start_loc_list: the same values as Python ints
+            (for loops on the host without a tensor -> list conversion per layer).
+        num_decodes: the first ``num_decodes`` sequences have exactly one new token.
+        block_size: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    query_start_loc_list: list[int]
+    num_decodes: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

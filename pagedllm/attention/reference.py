@@ -1,0 +1,104 @@
+"""Pure-PyTorch paged attention: the obviously-right oracle every faster backend is tested against.
+
+KV-cache layout (per layer): ``key_cache`` and ``value_cache`` of shape
+[num_blocks, block_size, num_kv_heads, head_dim]. A token at position ``p`` of a sequence lives
+in physical block ``block_table[p // block_size]`` at offset ``p % block_size`` (paper section 4.1,
+figure 5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the new tokens' K and V into their slots (``reshape_and_cache``).
+
+    Args:
+        key, value: [T, num_kv_heads, head_dim].
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        slot_mapping: [T] int64 slot ids (block * block_size + offset).
+    """
+    kvh, hd = key.shape[1], key.shape[2]
+    key_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_table: list[int], context_len: int) -> torch.Tensor:
+    """Read a sequence's first ``context_len`` tokens from the paged cache.
+
+    Returns:
+        [context_len, num_kv_heads, head_dim].
+    """
+    bs = cache.shape[1]
+    rows = [cache[block_table[p // bs], p % bs] for p in range(context_len)]
+    return torch.stack(rows)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    One sequence at a time, token by token, with explicit GQA head repetition and a float32
+    softmax: slow, simple, and the definition of the right answer.
+
+    Args:
+        query: [T, num_heads, head_dim] (new tokens, flat batch as in ``meta``).
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], already holding
+            the new tokens' K/V (call ``write_kv`` first).
+        meta: batch layout.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        [T, num_heads, head_dim], dtype of ``query``.
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    tables = meta.block_tables.tolist()
+    starts = meta.query_start_loc_list
+    for i, ctx in enumerate(meta.seq_lens_list):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        k = gather_kv(key_cache, tables[i], ctx).float().repeat_interleave(group, dim=1)
+        v = gather_kv(value_cache, tables[i], ctx).float().repeat_interleave(group, dim=1)
+        first_pos = ctx - (q_hi - q_lo)
+        for t in range(q_lo, q_hi):
+            pos = first_pos + (t - q_lo)
+            q = query[t].float()  # [H, D]
+            scores = torch.einsum("hd,lhd->hl", q, k[: pos + 1]) * scale
+            probs = torch.softmax(scores, dim=-1)
+            out[t] = torch.einsum("hl,lhd->hd", probs, v[: pos + 1]).to(query.dtype)
+    return out
+
+
+class ReferenceAttention:
+    """``paged_attention_reference`` behind the backend interface (tests run whole models on it)."""
+
+    name = "reference"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        return paged_attention_reference(query, key_cache, value_cache, meta, scale)

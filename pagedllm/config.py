@@ -1,0 +1,118 @@
+"""Engine configuration: cache, scheduler and model options, validated once at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# 1 GiB of KV cache by default: for SmolLM2-135M in fp32 (46,080 bytes per token) that is about
+# 23,000 tokens, far more than the batch limits below can fill on a 2-core CPU.
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map "float32" / "bfloat16" / "float16" (or a torch dtype) to a torch dtype.
+
+    Raises:
+        ValueError: naming ``dtype`` when it is not one of the supported types.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    key = str(dtype).lower().replace("torch.", "")
+    if key == "auto":
+        return torch.float32
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPES[key]
+
+
+@dataclass
+class EngineConfig:
+    """Every option of the engine, in the units the user gives them.
+
+    Attributes:
+        model: path to a GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
+        dtype: weight, activation and KV-cache dtype. Default float32: on this CPU (AVX-512 without
+            AMX) fp32 matmuls run at ~320 GFLOP/s against ~190 for bf16, and decode batches are
+            matmul-bound, so fp32 is the faster choice here despite the 2x memory.
+        block_size: tokens per KV block (the paper's block size, section 4.2).
+        kv_cache_memory: bytes given to the KV block pool; the number of blocks follows from it.
+        num_gpu_blocks_override: force the number of KV blocks (tests use tiny pools).
+        max_num_seqs: most sequences in one step's batch.
+        max_num_batched_tokens: most tokens computed in one step (prefill chunks + decodes).
+            None = max(max_model_len, 2048) without chunked prefill, 512 with it.
+        max_model_len: longest sequence (prompt + output tokens); None = the model's context length.
+        enable_chunked_prefill: split prompts longer than the step's token budget over several steps.
+        seed: seeds the random seeds given to requests that do not set their own.
+        num_threads: torch intra-op threads; None = all cores.
+        max_logprobs: most top logprobs a request may ask for.
+        check_invariants: run the block-manager invariant check after every step (tests).
+    """
+
+    model: str | None = None
+    dtype: str | torch.dtype = "float32"
+    block_size: int = 16
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = False
+    seed: int = 0
+    num_threads: int | None = None
+    max_logprobs: int = 20
+    check_invariants: bool = False
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = parse_dtype(self.dtype)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.num_threads is None:
+            self.num_threads = os.cpu_count() or 1
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill the defaults that depend on the loaded model (called once by the engine).
+
+        Raises:
+            ValueError: naming ``max_model_len`` / ``max_num_batched_tokens`` when inconsistent.
+        """
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                512 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) unless enable_chunked_prefill is set: a whole prompt must "
+                "fit in one step"
+            )

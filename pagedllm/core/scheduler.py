@@ -1,0 +1,226 @@
+"""FCFS scheduler with iteration-level (continuous) batching and preemption (paper section 4.5).
+
+Every step the scheduler decides which sequences compute how many tokens, in the vocabulary of
+``num_computed_tokens``: a sequence with ``k`` tokens not yet in the KV cache gets up to ``k`` of
+them this step (all of a prompt, one for a decode, a chunk with chunked prefill). Decisions are
+emitted as a plain ``SchedulerOutput``; the scheduler never touches tensors.
+
+Policy:
+- Running groups are served oldest first; waiting groups are admitted in arrival order, only when
+  their blocks fit and only if no running group had to be preempted this step.
+- When a running sequence needs a block and none is free, the most recently arrived running group
+  is preempted whole (all-or-nothing) by recompute: its blocks are freed and it goes back to the
+  head of the waiting queue, keeping its generated tokens and sampling state.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work in a step.
+
+    Attributes:
+        seq_id: the sequence.
+        token_ids: the tokens to compute this step (their K/V get written).
+        start_pos: position of ``token_ids[0]`` (= ``num_computed_tokens`` before the step).
+        block_table: physical block ids covering positions ``0 .. start_pos + len(token_ids) - 1``.
+        do_sample: True when this step reaches the end of the sequence, so a token is sampled
+            from the logits at its last position.
+        prompt_logprobs: True when the logits of every computed prompt position are wanted.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    do_sample: bool
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """The scheduler's decision for one step; the only thing workers receive.
+
+    Attributes:
+        scheduled: (request_id, sequence work) in batch order.
+        num_batched_tokens: total tokens computed this step.
+        blocks_to_copy: (src, dst) copy-on-write pairs to apply before the forward pass.
+        blocks_to_swap_in / blocks_to_swap_out: (src, dst) block moves between pools.
+        preempted: request ids preempted (by recompute) during this step's scheduling.
+    """
+
+    scheduled: list[tuple[str, ScheduledSequence]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduler limits.
+
+    Attributes:
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens computed in one step.
+        max_model_len: longest sequence (tokens).
+        enable_chunked_prefill: allow a prompt to take several steps.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = False
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager.
+
+    Args:
+        config: limits.
+        block_manager: the pool whose blocks the scheduler hands out.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        # Kept sorted by arrival_index so that "oldest first" and "newest = victim" are O(1).
+        self.running: list[SequenceGroup] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Remove a request wherever it is and free its blocks; returns it (or None)."""
+        for queue in (self.running, self.waiting):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if not seq.is_finished():
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return group
+        return None
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Drop finished groups from ``running`` and free their blocks; returns them."""
+        done = [g for g in self.running if g.is_finished()]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished()]
+            for group in done:
+                for seq in group.seqs:
+                    self.block_manager.free(seq)
+        return done
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work. See the module docstring for the policy."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+
+        # 1. Running groups, oldest first. A victim is always taken from the newest end, which
+        #    is never a group already scheduled in this loop.
+        idx = 0
+        while idx < len(self.running):
+            group = self.running[idx]
+            seqs = group.unfinished_seqs()
+            num_new = seqs[0].num_uncomputed_tokens
+            if chunked:
+                num_new = min(num_new, budget)
+            if num_new == 0 or num_new > budget:
+                idx += 1
+                continue
+            while not self.block_manager.can_append_slots(seqs, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                self._schedule_group(group, seqs, num_new, out)
+                budget -= num_new * len(seqs)
+                idx += 1
+                continue
+            # The group preempted itself: it was the newest; nothing after it remains.
+            break
+
+        # 2. Waiting groups in FCFS order, unless memory was short this step.
+        if not out.preempted:
+            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+                group = self.waiting[0]
+                seqs = group.unfinished_seqs()
+                num_new = seqs[0].num_uncomputed_tokens
+                if num_new > budget:
+                    if not chunked:
+                        break
+                    num_new = budget
+                if not self.block_manager.can_allocate(seqs, num_new):
+                    break
+                self.waiting.popleft()
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, group, key=lambda g: g.arrival_index)
+                self._schedule_group(group, seqs, num_new, out)
+                budget -= num_new * len(seqs)
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_group(
+        self, group: SequenceGroup, seqs: list[Sequence], num_new: int, out: SchedulerOutput
+    ) -> None:
+        want_prompt_logprobs = group.sampling_params.prompt_logprobs is not None
+        for seq in seqs:
+            self.block_manager.allocate_slots(seq, num_new)
+            start = seq.num_computed_tokens
+            end = start + num_new
+            out.scheduled.append(
+                (
+                    group.request_id,
+                    ScheduledSequence(
+                        seq_id=seq.seq_id,
+                        token_ids=seq.token_ids[start:end],
+                        start_pos=start,
+                        block_table=self.block_manager.get_block_table(seq),
+                        do_sample=end == seq.num_tokens,
+                        prompt_logprobs=want_prompt_logprobs and start < seq.num_prompt_tokens,
+                    ),
+                )
+            )
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Preempt a running group by recompute: free all its blocks, requeue it at the head."""
+        self.running.remove(group)
+        for seq in group.unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+        group.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(group)
+        out.preempted.append(group.request_id)

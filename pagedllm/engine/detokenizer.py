@@ -1,0 +1,144 @@
+"""Incremental (streaming) detokenization and stop-string search."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Number of prompt tokens decoded in front of the output so the first output token's leading
+#: space (SentencePiece "▁", byte-level "Ġ") is rendered as it is in context.
+INITIAL_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text one token at a time, never splitting a UTF-8 character.
+
+    Technique (prefix offset / read offset): the ids kept are the last few prompt ids followed by
+    the output ids. ``tokens[prefix_offset:read_offset]`` is a small window already emitted;
+    each step decodes it and ``tokens[prefix_offset:]`` and emits the extra characters. While the
+    decoded tail ends with U+FFFD (a multi-byte character split over byte tokens) nothing is
+    emitted and the offsets stay put; the text is released once the character is complete. The
+    offsets only move to a point where the decoded text ends with a whole character, so the
+    window always starts on a character boundary and decoding it is context-free for byte-level
+    BPE (GPT-2 / SmolLM2) tokenizers.
+
+    For a byte-level BPE tokenizer, the concatenation of every :meth:`append` result and
+    :meth:`flush` equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` (provided the
+    prompt does not end in the middle of a character).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (anything with ``decode(ids, skip_special_tokens=...,
+            spaces_between_special_tokens=...)``).
+        prompt_token_ids: the prompt's ids; only the last few are used as context.
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: forwarded to ``decode`` (slow tokenizers only).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
+        self._tokens: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._num_context = len(context)
+        self._chunks: list[str] = []
+        self._text_cache: str | None = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
+    def _delta(self, final: bool) -> str:
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._tokens[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text):
+            return ""
+        if not final and new_text.endswith(_REPLACEMENT_CHAR):
+            return ""  # incomplete multi-byte character: hold back
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self._chunks.append(delta)
+        self._text_cache = None
+        return delta
+
+    def append(self, token_id: int) -> str:
+        """Add one generated token id.
+
+        Returns:
+            The newly stable text (may be ``""``): never ends with a partial UTF-8 character.
+        """
+        self._tokens.append(int(token_id))
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """At finish: release whatever is held back (may contain U+FFFD if truly invalid)."""
+        return self._delta(final=True)
+
+    @property
+    def output_text(self) -> str:
+        """All stable text of the output so far (the concatenation of the returned deltas)."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._chunks)
+            self._chunks = [self._text_cache]
+        return self._text_cache
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output ids appended so far (without the prompt context)."""
+        return self._tokens[self._num_context :]
+
+
+def find_stop_string(
+    text: str, new_text_len: int, stops: list[str], include_stop: bool
+) -> int | None:
+    """Look for a stop string that newly appeared at the end of ``text``.
+
+    Only occurrences that end inside the last ``new_text_len`` characters are considered (the
+    search region is the last ``new_text_len + len(stop) - 1`` characters for each stop); older
+    ones would have been found on an earlier call. When several stops match, the one that is
+    completed first (smallest end position; ties: the longest) wins, as it would when streaming
+    one character at a time.
+
+    Args:
+        text: the full output text so far (characters).
+        new_text_len: number of characters appended to ``text`` since the last call (>= 0).
+        stops: stop strings (non-empty).
+        include_stop: keep the stop string in the output.
+
+    Returns:
+        The length (characters) to truncate ``text`` to: the end of the match when
+        ``include_stop`` else its start; None when no stop string appeared.
+    """
+    if new_text_len <= 0 or not stops:
+        return None
+    best: tuple[int, int] | None = None  # (end, -len)
+    best_start = 0
+    n = len(text)
+    for stop in stops:
+        if not stop:
+            continue
+        start = max(0, n - new_text_len - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx < 0:
+            continue
+        key = (idx + len(stop), -len(stop))
+        if best is None or key < best:
+            best = key
+            best_start = idx
+    if best is None:
+        return None
+    return best[0] if include_stop else best_start

@@ -1,0 +1,454 @@
+"""The synchronous engine: add requests, then ``step()`` = schedule -> execute -> process outputs.
+
+One step (paper section 4.5, iteration-level scheduling):
+1. the scheduler picks the sequences and token counts of this step and their block tables;
+2. the executor runs the model on them (writing their K/V into the paged cache);
+3. the engine samples one token for every sequence that reached its end, detokenizes it, checks
+   the stop conditions, and frees the blocks of finished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.block_manager import BlockManager, cdiv
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
+from pagedllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life.
+
+    Attributes:
+        num_steps: steps that ran the model.
+        prompt_tokens / generation_tokens: tokens computed for prompts / sampled.
+        peak_blocks_used: most KV blocks in use after any step.
+        slot_utilization_sum: sum over steps of (tokens held in the cache / slots of the blocks
+            in use); divide by ``num_steps`` for the mean share of allocated KV slots that hold
+            real token states (the paper's figure 2 metric for a paged cache).
+    """
+
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    peak_blocks_used: int = 0
+    slot_utilization_sum: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def mean_slot_utilization(self) -> float:
+        return self.slot_utilization_sum / self.num_steps if self.num_steps else 0.0
+
+
+class LLMEngine:
+    """Owns the tokenizer, the scheduler (with the block manager) and the executor.
+
+    Args:
+        config: engine options.
+        loaded: an already loaded model (tests share one); None = load ``config.model``.
+        attention_backend: "auto", "torch_native" or "reference".
+
+    Raises:
+        FileNotFoundError / ValueError: from loading or an inconsistent config.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.config = config
+        loaded = loaded or load_model(config.model, config.torch_dtype)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        mc = loaded.config
+        config.finalize(mc.max_position_embeddings)
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        self.max_model_len: int = config.max_model_len
+        self.eos_token_ids: list[int] = list(mc.eos_token_ids)
+
+        dtype = config.torch_dtype
+        num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
+            mc, config.block_size, dtype, config.kv_cache_memory
+        )
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        self.num_blocks = num_blocks
+        logger.info(
+            "model: %s | weights %.1f MiB | KV %d bytes/token (2 x %d layers x %d kv heads x %d dims x "
+            "%d bytes) | %d blocks x %d tokens = %d tokens in cache (%.1f MiB)",
+            loaded.source,
+            loaded.weight_bytes / 2**20,
+            mc.kv_bytes_per_token(dtype_bytes),
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype_bytes,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            num_blocks * kv_block_bytes(mc, config.block_size, dtype) / 2**20,
+        )
+
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        worker = Worker(
+            mc,
+            loaded.state_dict,
+            dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            attention_backend=attention_backend,
+            num_threads=config.num_threads,
+        )
+        self.executor = UniProcExecutor(worker)
+        self.sampler = Sampler(mc.vocab_size)
+        self._seed_rng = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.requests: dict[str, SequenceGroup] = {}
+        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        self.stats = EngineStats()
+
+    # ---- requests --------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request before it enters the engine; returns its effective max_tokens.
+
+        Raises:
+            ValueError: naming the field: ``prompt`` (empty, ids outside the vocabulary, too
+                long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or more blocks
+                than the whole pool), ``n`` / ``use_beam_search`` (not supported yet),
+                ``logprobs`` (over ``max_logprobs``), ``stop_token_ids`` / ``logit_bias`` (ids
+                outside the vocabulary).
+        """
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        params.verify_token_ids(self.vocab_size)
+        if params.n != 1 or (params.best_of is not None and params.best_of != 1):
+            raise ValueError(
+                "n > 1 and best_of > 1 are not supported yet (parallel sampling lands with memory sharing)"
+            )
+        if params.use_beam_search:
+            raise ValueError("use_beam_search is not supported yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {k}")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n_prompt} tokens; max_model_len is {self.max_model_len}, which leaves no "
+                "room for an output token"
+            )
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if cdiv(n_prompt + max_tokens, self.config.block_size) > self.num_blocks:
+            raise ValueError(
+                f"max_tokens: the request needs up to {n_prompt + max_tokens} tokens of KV cache but "
+                f"the whole pool holds {self.num_blocks * self.config.block_size}"
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request.
+
+        Args:
+            request_id: unique among live requests.
+            prompt: text (tokenized with the model's tokenizer) or token ids.
+            params: sampling parameters (default ``SamplingParams()``).
+            arrival_time: ``time.monotonic()`` seconds; default now.
+
+        Raises:
+            ValueError: see ``validate_request``; also a duplicate ``request_id``.
+        """
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = self.tokenize(prompt) if prompt else []
+        else:
+            prompt_text = None
+            token_ids = list(prompt)
+        max_tokens = self.validate_request(token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(next(self._seq_ids), token_ids, seed)
+        if params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[seq],
+            sampling_params=params,
+            prompt=prompt_text,
+            arrival_index=next(self._arrivals),
+            metrics=RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
+            max_tokens=max_tokens,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        self.requests[request_id] = group
+        self._seqs[seq.seq_id] = (seq, group)
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Returns False if it was not live."""
+        group = self.scheduler.abort(request_id)
+        if group is None:
+            return False
+        self._forget(group)
+        group.metrics.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        result = self.executor.execute_model(sched)
+        touched: dict[str, SequenceGroup] = {}
+        for request_id, work in sched.scheduled:
+            seq, group = self._seqs[work.seq_id]
+            seq.num_computed_tokens += len(work.token_ids)
+            touched[request_id] = group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            n_prompt_part = max(0, min(seq.num_prompt_tokens - work.start_pos, len(work.token_ids)))
+            self.stats.prompt_tokens += n_prompt_part
+        for seq_id, logits in result.prompt_logits.items():
+            self._add_prompt_logprobs(*self._seqs[seq_id], logits)
+        if result.sample_seq_ids:
+            self._process_samples(result.sample_seq_ids, result.logits)
+
+        outputs = [self._make_output(g) for g in touched.values()]
+        self._account(sched)
+        for group in self.scheduler.free_finished():
+            group.metrics.finished_time = time.monotonic()
+            self._forget(group)
+        if self.config.check_invariants:
+            self.block_manager.check_invariants()
+        return outputs
+
+    def _process_samples(self, seq_ids: list[int], logits: torch.Tensor) -> None:
+        pairs = [self._seqs[s] for s in seq_ids]
+        batch = SamplingBatch(
+            params=[g.sampling_params for _, g in pairs],
+            seeds=[s.seed for s, _ in pairs],
+            output_token_ids=[s.output_token_ids for s, _ in pairs],
+            prompt_token_ids=[s.prompt_token_ids for s, _ in pairs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        out = self.sampler(logits, batch)
+        now = time.monotonic()
+        for i, (seq, group) in enumerate(pairs):
+            token = out.sampled_token_ids[i]
+            seq.append_token(token, out.sampled_logprobs[i])
+            self.stats.generation_tokens += 1
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            params = group.sampling_params
+            if params.logprobs is not None:
+                entry: PositionLogprobs = {
+                    token: Logprob(
+                        out.sampled_logprobs[i], out.sampled_ranks[i], self._token_text(token)
+                    )
+                }
+                for rank, (tid, lp) in enumerate(out.top_logprobs[i] or [], start=1):
+                    entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
+                seq.output_logprobs.append(entry)
+            self._check_stop(seq, group, token)
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
+        """Apply stop conditions after ``token`` was appended (order as in vLLM)."""
+        params = group.sampling_params
+        n_out = seq.num_output_tokens
+        stopped_by_token = False
+        if n_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                stopped_by_token = True
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = token
+                stopped_by_token = True
+        # A stop token's text is left out unless the user asks for stop strings in the output.
+        if seq.detokenizer is not None and (
+            not stopped_by_token or params.include_stop_str_in_output
+        ):
+            new_text = seq.detokenizer.append(token)
+            seq.output_text += new_text
+            if params.stop and not stopped_by_token and n_out >= params.min_tokens:
+                cut = find_stop_string(
+                    seq.output_text, len(new_text), params.stop, params.include_stop_str_in_output
+                )
+                if cut is not None:
+                    matched = self._matched_stop(seq.output_text, cut, params)
+                    seq.output_text = seq.output_text[:cut]
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                    seq.stop_reason = matched
+        if not seq.is_finished() and (
+            n_out >= group.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        if (
+            seq.is_finished()
+            and seq.detokenizer is not None
+            and seq.status != SequenceStatus.FINISHED_STOPPED
+        ):
+            seq.output_text += seq.detokenizer.flush()
+
+    @staticmethod
+    def _matched_stop(text: str, cut: int, params: SamplingParams) -> str | None:
+        stops = params.stop or []
+        for s in stops:
+            if params.include_stop_str_in_output and text[:cut].endswith(s):
+                return s
+            if not params.include_stop_str_in_output and text.startswith(s, cut):
+                return s
+        return stops[0] if stops else None
+
+    def _add_prompt_logprobs(
+        self, seq: Sequence, group: SequenceGroup, logits: torch.Tensor
+    ) -> None:
+        """Logits row j of a prompt chunk predicts prompt token start + j + 1."""
+        plp = group.prompt_logprobs
+        if plp is None or len(plp) >= seq.num_prompt_tokens:
+            return  # not asked, or already complete (a recompute after preemption)
+        start = len(plp) - 1
+        targets = seq.token_ids[start + 1 : start + 1 + logits.shape[0]]
+        n = min(len(targets), seq.num_prompt_tokens - len(plp))
+        if n <= 0:
+            return
+        k = group.sampling_params.prompt_logprobs or 0
+        lps, ranks, tops = compute_prompt_logprobs(
+            logits[:n], torch.tensor(targets[:n], dtype=torch.long), k
+        )
+        for j in range(n):
+            tid = targets[j]
+            entry: PositionLogprobs = {tid: Logprob(lps[j], ranks[j], self._token_text(tid))}
+            for rank, (alt, lp) in enumerate(tops[j], start=1):
+                entry.setdefault(alt, Logprob(lp, rank, self._token_text(alt)))
+            plp.append(entry)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        finished = group.is_finished()
+        # While running, hold back text that might still turn out to start a stop string.
+        holdback = max((len(s) for s in params.stop or []), default=1) - 1
+        completions = []
+        for i, seq in enumerate(group.seqs):
+            text = seq.output_text
+            if not seq.is_finished() and holdback:
+                text = text[: max(0, len(text) - holdback)]
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        complete_plp = group.prompt_logprobs is not None and len(group.prompt_logprobs) >= len(
+            group.prompt_token_ids
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=list(group.prompt_logprobs)
+            if complete_plp and group.prompt_logprobs
+            else None,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=group.metrics,
+        )
+
+    def _account(self, sched: SchedulerOutput) -> None:
+        bm = self.block_manager
+        used = bm.num_used_blocks
+        self.stats.num_steps += 1
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if used:
+            # Finished sequences still hold their blocks until free_finished() right after this.
+            held = sum(s.num_computed_tokens for g in self.scheduler.running for s in g.seqs)
+            self.stats.slot_utilization_sum += held / (used * bm.block_size)
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self.requests.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._seqs.pop(seq.seq_id, None)

@@ -1,0 +1,193 @@
+"""The offline API, shaped like vLLM's ``LLM``: batch generation from Python."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.model.loader import LoadedModel
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Generate completions for many prompts with continuous batching over a paged KV cache.
+
+    Args:
+        model: GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
+        dtype: "float32" (default, fastest on this CPU) or "bfloat16".
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV block pool.
+        max_num_seqs: most sequences per step.
+        max_model_len: longest prompt + output (tokens); default the model's context length.
+        seed: seeds the per-request seeds of requests that set none.
+        **kwargs: any other ``EngineConfig`` field (e.g. ``num_gpu_blocks_override``,
+            ``enable_chunked_prefill``, ``max_num_batched_tokens``, ``check_invariants``), plus
+            ``loaded`` (a ``LoadedModel`` to reuse) and ``attention_backend``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "float32",
+        block_size: int = 16,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        loaded: LoadedModel | None = kwargs.pop("loaded", None)
+        backend: str = kwargs.pop("attention_backend", "auto")
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            seed=seed,
+            **kwargs,
+        )
+        self.engine = LLMEngine(config, loaded=loaded, attention_backend=backend)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in input order.
+
+        Args:
+            prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or
+                ``{"prompt": "..."}``, or a list of those.
+            sampling_params: one for all prompts or one per prompt (default greedy-free
+                ``SamplingParams()``).
+            use_tqdm: show a progress bar.
+
+        Raises:
+            ValueError: naming the field of the first invalid prompt or parameter; no request is
+                queued then.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, Seq):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: got {len(sampling_params)} for {len(prompt_list)} prompts"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+
+        engine = self.engine
+        # Validate everything first, so one bad prompt queues nothing.
+        resolved = []
+        for p, sp in zip(prompt_list, params_list, strict=True):
+            ids = _prompt_ids(engine, p)
+            engine.validate_request(ids, sp)
+            resolved.append((p, ids, sp))
+        request_ids = []
+        for p, ids, sp in resolved:
+            rid = str(next(self._ids))
+            engine.add_request(rid, p if isinstance(p, str) else ids, sp)
+            request_ids.append(rid)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        Raises:
+            ValueError: naming ``messages`` when a conversation is empty.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            if not conv:
+                raise ValueError("messages must not be empty")
+            prompts.append(
+                {
+                    "prompt_token_ids": apply_chat_template(
+                        self.engine.tokenizer, conv, add_generation_prompt, continue_final_message
+                    )
+                }
+            )
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req")
+        try:
+            while len(done) < len(wanted) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in wanted - done.keys():  # e.g. KeyboardInterrupt: leave no blocks behind
+                engine.abort_request(rid)
+        return [done[r] for r in request_ids]
+
+
+def apply_chat_template(
+    tokenizer,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template.
+
+    Raises:
+        ValueError: naming ``messages`` if the template cannot render them.
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+        )
+    except Exception as e:  # jinja errors, bad roles
+        raise ValueError(f"messages could not be rendered by the chat template: {e}") from e
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt of token ids
+    return list(prompts)
+
+
+def _prompt_ids(engine: LLMEngine, p: PromptType) -> list[int]:
+    if isinstance(p, str):
+        return engine.tokenize(p) if p else []
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return engine.tokenize(p["prompt"]) if p["prompt"] else []
+        raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return list(p)

@@ -1,0 +1,271 @@
+"""A Llama-family decoder over a flat token batch with a paged KV cache.
+
+Shapes: T = new tokens in the step (all sequences concatenated), S = sampled positions,
+d = hidden size, H / KVH = query / key-value heads, D = head dim, V = vocabulary.
+
+Projections are fused at load time (Q, K and V in one matrix; gate and up in another) so that a
+layer does four matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.model.config import LlamaArchConfig
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: LlamaArchConfig) -> torch.Tensor:
+    """Inverse frequencies [D / 2] float32, with the config's RoPE scaling applied.
+
+    Base: theta^(-2i / D) (Su et al. 2021, RoFormer eq. 15). Scaling: "linear" divides every
+    frequency by ``factor``; "llama3" (Llama 3.1) keeps high frequencies, divides low ones by
+    ``factor`` and interpolates smoothly between ``low_freq_factor`` and ``high_freq_factor``.
+
+    Raises:
+        ValueError: naming ``rope_scaling`` for an unsupported type.
+    """
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = config.rope_scaling
+    kind = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+    if sc is None or kind == "default":
+        return inv
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_len = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout of Hugging Face checkpoints, with a
+    cos/sin table precomputed for every position up to ``max_positions``."""
+
+    def __init__(self, config: LlamaArchConfig, max_positions: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]; positions: [T] int64. Returns x rotated, same shape and dtype."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False, dtype=dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(positions, q.view(t, self.num_heads, self.head_dim))
+        k = rotary(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
+
+    def __init__(self, config: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, positions, x, kv_cache, meta, rotary, backend) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, rotary, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder with an LM head that only computes the logits it is asked for.
+
+    Args:
+        config: architecture.
+        dtype: parameter and activation dtype (float32 or bfloat16).
+        backend: paged-attention implementation.
+        max_positions: size of the RoPE table (the engine's max_model_len).
+    """
+
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+                requires_grad=False,
+            )
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids: [T] int64 new tokens; positions: [T] int64 their positions.
+            kv_caches: per layer (key_cache, value_cache), each
+                [num_blocks, block_size, KVH, D].
+            meta: batch layout and slots.
+            logits_indices: [S] int64 rows of the batch whose next-token logits are wanted.
+
+        Returns:
+            logits [S, V] float32.
+        """
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h = layer(positions, h, kv, meta, self.rotary, self.backend)
+        h = self.norm(h[logits_indices])
+        return F.linear(h, self.lm_head_weight).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
+
+        Raises:
+            ValueError: naming a missing tensor or one with the wrong shape.
+        """
+
+        def get(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"weight {name!r} is missing from the checkpoint")
+            return state_dict[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"weight {name!r}: expected {tuple(param.shape)}, got {tuple(value.shape)}"
+                )
+            param.copy_(value.to(param.dtype))
+
+        with torch.no_grad():
+            put(
+                self.embed_tokens.weight,
+                get("model.embed_tokens.weight"),
+                "model.embed_tokens.weight",
+            )
+            put(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
+            if not self.config.tie_word_embeddings:
+                put(self.lm_head_weight, get("lm_head.weight"), "lm_head.weight")
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                put(
+                    layer.input_layernorm.weight,
+                    get(p + "input_layernorm.weight"),
+                    p + "input_layernorm",
+                )
+                put(
+                    layer.post_attention_layernorm.weight,
+                    get(p + "post_attention_layernorm.weight"),
+                    p + "post_attention_layernorm",
+                )
+                qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+                put(layer.self_attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj")
+                put(
+                    layer.self_attn.o_proj.weight,
+                    get(p + "self_attn.o_proj.weight"),
+                    p + "self_attn.o_proj",
+                )
+                gate_up = torch.cat(
+                    [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0
+                )
+                put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj")
+                put(
+                    layer.mlp.down_proj.weight, get(p + "mlp.down_proj.weight"), p + "mlp.down_proj"
+                )
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters (tied embeddings counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total

@@ -1,0 +1,110 @@
+"""``load_model``: one entry point for the bundled model, GGUF files and Hugging Face folders."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.loader.bundled import bundled_model_path
+from pagedllm.model.loader.gguf_loader import load_gguf_weights
+from pagedllm.model.loader.hf_loader import load_hf_weights
+from pagedllm.model.loader.tokenizer import eos_token_ids, load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to be placed on a device.
+
+    Attributes:
+        config: architecture, with ``bos_token_id`` and ``eos_token_ids`` filled in.
+        state_dict: Hugging Face names -> contiguous tensors of the requested dtype; linears are
+            ``[out_features, in_features]``, the embedding ``[vocab, hidden]``, norms ``[hidden]``.
+            No ``lm_head.weight`` when ``config.tie_word_embeddings``.
+        tokenizer: the model's tokenizer (with its chat template when it has one).
+        source: the ``.gguf`` file or Hugging Face folder that was loaded (absolute).
+        weight_bytes: bytes of ``state_dict`` (sum of ``numel * element_size``).
+    """
+
+    config: LlamaArchConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: PreTrainedTokenizerBase
+    source: Path
+    weight_bytes: int
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """Decide what ``model`` designates.
+
+    Returns:
+        ``(path, kind)`` with kind ``"gguf"`` (path is the file) or ``"hf"`` (path is the folder).
+        ``None`` -> the bundled GGUF; a ``.gguf`` file -> it; a folder with ``config.json`` -> HF;
+        a folder with exactly one ``.gguf`` file -> that file.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or ``None`` and the bundled model is missing.
+        ValueError: a folder with neither config.json nor exactly one ``.gguf`` file.
+    """
+    if model is None:
+        return bundled_model_path(), "gguf"
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path not found: {p}")
+    p = p.resolve()
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return p, "hf"
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], "gguf"
+        if not ggufs:
+            raise ValueError(f"{p} has neither a config.json nor a .gguf file")
+        names = ", ".join(g.name for g in ggufs)
+        raise ValueError(f"{p} holds several .gguf files ({names}); pass the file itself")
+    # Any other file is tried as GGUF: a renamed file works, anything else fails with
+    # "<path> is not a valid GGUF file: ...".
+    return p, "gguf"
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Load config, weights and tokenizer of a Llama-family model.
+
+    Args:
+        model: ``None`` for the bundled SmolLM2-135M-Instruct GGUF, a ``.gguf`` file, a folder
+            holding exactly one ``.gguf`` file, or a Hugging Face folder (``config.json`` +
+            ``*.safetensors``).
+        dtype: torch.float32 (default), torch.bfloat16 or torch.float16. GGUF tensors are
+            dequantized to float32 first, then cast.
+
+    Returns:
+        A :class:`LoadedModel`. ``config.eos_token_ids`` collects the tokenizer's EOS, the GGUF
+        / config.json / generation_config.json EOS ids and the chat template's end-of-turn token.
+
+    Raises:
+        FileNotFoundError: the path does not exist (the message names it).
+        ValueError: ``"<path> is not a valid GGUF file: ..."`` for a corrupt or truncated file;
+            an unsupported architecture (names ``general.architecture`` or ``model_type``);
+            an unsupported tensor type (names the tensor and type); an unsupported dtype.
+    """
+    path, kind = resolve_model_path(model)
+    if kind == "gguf":
+        config, state = load_gguf_weights(path, dtype)
+        tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+        gguf_eos = config.eos_token_ids[0] if config.eos_token_ids else None
+        config.eos_token_ids = eos_token_ids(tokenizer, gguf_eos_token_id=gguf_eos)
+    else:
+        config, state = load_hf_weights(path, dtype)
+        tokenizer = load_tokenizer(path)
+        config.eos_token_ids = eos_token_ids(tokenizer, hf_folder=path)
+    if config.bos_token_id is None and tokenizer.bos_token_id is not None:
+        config.bos_token_id = int(tokenizer.bos_token_id)
+    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    return LoadedModel(
+        config=config, state_dict=state, tokenizer=tokenizer, source=path, weight_bytes=weight_bytes
+    )

@@ -1,0 +1,144 @@
+"""Sequences and sequence groups: the per-request state the scheduler and engine share.
+
+A *sequence* is one token stream (prompt + generated tokens) with its progress counter
+``num_computed_tokens`` (how many of its tokens already have K/V in the cache). A *sequence group*
+is every sequence of one request (the ``n`` parallel samples or the beams of beam search); the
+scheduler admits, preempts and finishes a group as a whole (paper section 4.5).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedllm.outputs import PositionLogprobs, RequestMetrics
+
+if TYPE_CHECKING:
+    from pagedllm.engine.detokenizer import IncrementalDetokenizer
+    from pagedllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+class Sequence:
+    """One token stream.
+
+    Attributes:
+        seq_id: engine-wide unique id; the block manager keys block tables by it.
+        token_ids: prompt followed by generated tokens.
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        num_computed_tokens: leading tokens whose K/V are in the cache. A step computes
+            ``token_ids[num_computed_tokens : num_computed_tokens + n]``; a sample is drawn when
+            that reaches the end of ``token_ids``.
+        seed: seed of this sequence's counter-based random stream (see ``sampling.sampler``).
+        cumulative_logprob: sum of raw-model logprobs of the generated tokens.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], seed: int) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.seed = seed
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[PositionLogprobs] = []
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cached K/V (preemption by recompute); tokens and sampling state stay."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )
+
+
+@dataclass
+class SequenceGroup:
+    """All sequences of one request, scheduled as a unit.
+
+    Attributes:
+        request_id: the caller's id.
+        seqs: the group's sequences (one until parallel sampling / beam search).
+        sampling_params: the request's ``SamplingParams``.
+        prompt: prompt text, if given as text.
+        arrival_index: engine-wide arrival counter, the FCFS priority (lower = older).
+        metrics: timestamps.
+        max_tokens: generated tokens allowed (``SamplingParams.max_tokens`` capped by
+            ``max_model_len - prompt length``).
+        prompt_logprobs: filled once the prompt has been computed, when asked.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    prompt: str | None
+    arrival_index: int
+    metrics: RequestMetrics
+    max_tokens: int = 16
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished()]
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs)

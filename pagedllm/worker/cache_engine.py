@@ -1,0 +1,69 @@
+"""The KV cache tensors: one pool of physical blocks per layer (paper section 4.1)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.model.config import LlamaArchConfig
+
+
+def kv_block_bytes(config: LlamaArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one physical block takes across all layers (K and V)."""
+    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def num_blocks_for_memory(
+    config: LlamaArchConfig, block_size: int, dtype: torch.dtype, kv_cache_memory: int
+) -> int:
+    """How many blocks fit in ``kv_cache_memory`` bytes (at least 1)."""
+    return max(1, kv_cache_memory // kv_block_bytes(config, block_size, dtype))
+
+
+class CacheEngine:
+    """Allocates and owns the per-layer KV tensors.
+
+    Each layer has ``key_cache`` and ``value_cache`` of shape
+    [num_blocks, block_size, num_kv_heads, head_dim]; block ``b`` of every layer together holds
+    the same ``block_size`` tokens.
+
+    Args:
+        config: model shape.
+        num_blocks: physical blocks (the block manager's pool size).
+        block_size: tokens per block.
+        dtype: cache dtype (the model's activation dtype).
+        device: torch device.
+    """
+
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy block ``src`` to ``dst`` in every layer, one batched op per layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))

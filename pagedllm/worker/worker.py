@@ -1,0 +1,57 @@
+"""A worker: owns the device, the model weights and the KV cache; executes scheduler outputs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention import get_attention_backend
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Builds the model from a state dict and the KV cache, then runs steps.
+
+    Args:
+        config: model shape.
+        state_dict: Hugging Face-named weights.
+        dtype: compute and cache dtype.
+        num_blocks: KV blocks to allocate.
+        block_size: tokens per block.
+        max_model_len: longest sequence (sizes the RoPE table).
+        attention_backend: backend name (see ``pagedllm.attention``).
+        num_threads: torch intra-op threads.
+    """
+
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        attention_backend: str = "auto",
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        backend = get_attention_backend(attention_backend)
+        self.model = LlamaForCausalLM(config, dtype, backend, max_positions=max_model_len)
+        self.model.load_weights(state_dict)
+        self.model.eval()
+        self.cache = CacheEngine(config, num_blocks, block_size, dtype)
+        self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's block copies, then run the forward pass."""
+        self.cache.copy_blocks(sched.blocks_to_copy)
+        with torch.inference_mode():
+            return self.runner.execute(sched)

@@ -1,0 +1,170 @@
+"""Shared fixtures: a tiny random Llama (fast tests) and the bundled SmolLM2 (slow tests)."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from pagedllm.model.config import LlamaArchConfig
+
+TINY_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "paged attention stores keys and values in blocks",
+    "a block table maps logical blocks to physical blocks",
+    "continuous batching lets new requests join between steps",
+    "hello world, hello engine; 123 456 789!",
+    string.ascii_letters + string.digits + string.punctuation,
+]
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in-process on a few sentences (vocab ~400), with
+    ``</s>`` as EOS, wrapped as a transformers fast tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        TINY_CORPUS * 4, vocab_size=400, min_frequency=1, special_tokens=["</s>", "<s>"]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="</s>", bos_token="<s>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    return tok
+
+
+def make_tiny_config(vocab_size: int, eos_id: int, **over) -> LlamaArchConfig:
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_ids=[eos_id],
+    )
+    kw.update(over)
+    return LlamaArchConfig(**kw)
+
+
+def make_random_state_dict(cfg: LlamaArchConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named random weights, scaled so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * (shape[-1] ** -0.5)
+
+    d, h, kv, hd, inter = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    sd = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, d, generator=g)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+        sd[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+        sd[p + "self_attn.q_proj.weight"] = w(h * hd, d)
+        sd[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
+        sd[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
+        sd[p + "self_attn.o_proj.weight"] = w(d, h * hd)
+        sd[p + "mlp.gate_proj.weight"] = w(inter, d)
+        sd[p + "mlp.up_proj.weight"] = w(inter, d)
+        sd[p + "mlp.down_proj.weight"] = w(d, inter)
+    sd["model.norm.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = w(cfg.vocab_size, d)
+    return sd
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_tokenizer):
+    """A ``LoadedModel`` with a tiny random Llama (2 layers, 4 heads / 2 KV heads, GQA)."""
+    from pathlib import Path
+
+    from pagedllm.model.loader import LoadedModel
+
+    cfg = make_tiny_config(len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    sd = make_random_state_dict(cfg)
+    return LoadedModel(
+        config=cfg,
+        state_dict=sd,
+        tokenizer=tiny_tokenizer,
+        source=Path("<tiny-random-llama>"),
+        weight_bytes=sum(t.numel() * t.element_size() for t in sd.values()),
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_model(tiny_loaded):
+    """The same tiny weights in transformers' LlamaForCausalLM (the reference implementation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = tiny_loaded.config
+    hf_cfg = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=c.eos_token_ids[0],
+        pad_token_id=c.eos_token_ids[0],
+    )
+    model = LlamaForCausalLM(hf_cfg).eval()
+    model.load_state_dict(tiny_loaded.state_dict, strict=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The bundled SmolLM2-135M-Instruct, loaded once per test run (fp32)."""
+    from pagedllm.model.loader import load_model
+
+    return load_model(None, torch.float32)
+
+
+@pytest.fixture
+def tiny_llm_factory(tiny_loaded):
+    """Build an ``LLM`` on the tiny model with invariant checks after every step."""
+    from pagedllm.entrypoints.llm import LLM
+
+    made = []
+
+    def make(**kw):
+        kw.setdefault("check_invariants", True)
+        kw.setdefault("max_model_len", 256)
+        kw.setdefault("kv_cache_memory", 1 << 22)
+        llm = LLM(loaded=tiny_loaded, **kw)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:  # every test leaves an empty pool behind
+        bm = llm.engine.block_manager
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"

@@ -1,0 +1,179 @@
+"""Scheduler: FCFS admission, continuous batching, limits and preemption by recompute."""
+
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.outputs import RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_ids = iter(range(10**6))
+
+
+def group(rid: str, n_prompt: int, arrival: int) -> SequenceGroup:
+    s = Sequence(next(_ids), list(range(1, n_prompt + 1)), seed=0)
+    return SequenceGroup(
+        rid, [s], SamplingParams(max_tokens=100), None, arrival, RequestMetrics(0.0), max_tokens=100
+    )
+
+
+def make(num_blocks=8, block_size=4, max_num_seqs=8, max_tokens=64, chunked=False):
+    bm = BlockManager(num_blocks, block_size, watermark=0)
+    cfg = SchedulerConfig(max_num_seqs, max_tokens, 256, enable_chunked_prefill=chunked)
+    return Scheduler(cfg, bm), bm
+
+
+def finish_step(sched_out, groups):
+    """What the engine does after the forward pass: advance computed tokens, append a token."""
+    by_id = {s.seq_id: s for g in groups for s in g.seqs}
+    for _, w in sched_out.scheduled:
+        s = by_id[w.seq_id]
+        s.num_computed_tokens += len(w.token_ids)
+        if w.do_sample:
+            s.append_token(7, 0.0)
+
+
+def test_fcfs_admission_and_block_tables():
+    sch, bm = make()
+    a, b = group("a", 5, 0), group("b", 3, 1)
+    sch.add_seq_group(a)
+    sch.add_seq_group(b)
+    out = sch.schedule()
+    assert [
+        (r, w.start_pos, len(w.token_ids), w.block_table, w.do_sample) for r, w in out.scheduled
+    ] == [
+        ("a", 0, 5, [0, 1], True),
+        ("b", 0, 3, [2], True),
+    ]
+    assert out.num_batched_tokens == 8
+    assert [g.request_id for g in sch.running] == ["a", "b"] and not sch.waiting
+    finish_step(out, [a, b])
+    # Decode: one token each; b (4 tokens in block 2) fills it, a has room in block 1.
+    out = sch.schedule()
+    assert [(r, w.token_ids, w.start_pos, w.block_table) for r, w in out.scheduled] == [
+        ("a", [7], 5, [0, 1]),
+        ("b", [7], 3, [2]),
+    ]
+    finish_step(out, [a, b])
+    out = sch.schedule()  # b's 5th token needs a new block: 3
+    assert dict((r, w.block_table) for r, w in out.scheduled) == {"a": [0, 1], "b": [2, 3]}
+    bm.check_invariants()
+
+
+def test_new_requests_join_between_decode_steps():
+    sch, _ = make()
+    a = group("a", 4, 0)
+    sch.add_seq_group(a)
+    finish_step(sch.schedule(), [a])
+    b = group("b", 6, 1)
+    sch.add_seq_group(b)
+    out = sch.schedule()
+    assert [(r, len(w.token_ids)) for r, w in out.scheduled] == [("a", 1), ("b", 6)]
+
+
+def test_max_num_seqs_and_token_budget():
+    sch, _ = make(max_num_seqs=2, max_tokens=10)
+    gs = [group(str(i), 4, i) for i in range(4)]
+    for g in gs:
+        sch.add_seq_group(g)
+    out = sch.schedule()
+    assert [r for r, _ in out.scheduled] == ["0", "1"]  # max_num_seqs
+    sch2, _ = make(max_num_seqs=8, max_tokens=10)
+    for g in [group("x", 6, 0), group("y", 6, 1)]:
+        sch2.add_seq_group(g)
+    assert [r for r, _ in sch2.schedule().scheduled] == ["x"]  # 12 tokens > budget 10
+    assert [g.request_id for g in sch2.waiting] == ["y"]
+
+
+def test_admission_waits_for_blocks():
+    sch, _ = make(num_blocks=3)
+    a, b = group("a", 8, 0), group("b", 8, 1)  # 2 blocks each
+    sch.add_seq_group(a)
+    sch.add_seq_group(b)
+    out = sch.schedule()
+    assert [r for r, _ in out.scheduled] == ["a"]
+    assert [g.request_id for g in sch.waiting] == ["b"]
+
+
+def test_preempts_newest_by_recompute_never_the_oldest():
+    sch, bm = make(num_blocks=4, block_size=4)
+    a, b = group("a", 8, 0), group("b", 8, 1)  # 2 blocks each: pool full
+    sch.add_seq_group(a)
+    sch.add_seq_group(b)
+    out = sch.schedule()
+    assert bm.num_free_blocks == 0
+    finish_step(out, [a, b])  # both now have 9 tokens, need a 3rd block
+    out = sch.schedule()
+    assert out.preempted == ["b"]
+    assert [(r, w.block_table) for r, w in out.scheduled] == [("a", [0, 1, 3])]
+    # b's blocks were freed tail first (3 then 2), then a took the front of the free list (3).
+    assert bm.allocator.free_block_ids() == [2]
+    bs = b.seqs[0]
+    assert bs.status == SequenceStatus.WAITING and bs.num_computed_tokens == 0
+    assert bs.token_ids[-1] == 7 and bs.num_tokens == 9  # generated token kept
+    assert list(sch.waiting) == [b] and b.metrics.num_preemptions == 1
+    assert sch.num_preemptions == 1
+    bm.check_invariants()
+    finish_step(out, [a, b])
+    # While a still runs, b cannot come back (needs 3 blocks, 1 free).
+    out = sch.schedule()
+    assert [r for r, _ in out.scheduled] == ["a"]
+    # a finishes: b is readmitted and recomputes prompt + generated token in one prefill.
+    for s in a.seqs:
+        s.status = SequenceStatus.FINISHED_STOPPED
+    sch.free_finished()
+    out = sch.schedule()
+    assert [(r, w.start_pos, len(w.token_ids)) for r, w in out.scheduled] == [("b", 0, 9)]
+
+
+def test_preemption_frees_only_what_is_needed():
+    sch, bm = make(num_blocks=6, block_size=4)
+    gs = [group(n, 8, i) for i, n in enumerate("abc")]
+    for g in gs:
+        sch.add_seq_group(g)
+    finish_step(sch.schedule(), gs)  # pool full, each sequence has 9 tokens in 2 blocks
+    out = sch.schedule()
+    # a needs a 3rd block: c (newest) is preempted, freeing 5 then 4; a takes 5, b takes 4.
+    assert out.preempted == ["c"]
+    assert [(r, w.block_table) for r, w in out.scheduled] == [("a", [0, 1, 5]), ("b", [2, 3, 4])]
+    assert list(sch.waiting) == [gs[2]] and [g.request_id for g in sch.running] == ["a", "b"]
+    bm.check_invariants()
+
+
+def test_two_victims_requeue_in_fcfs_order():
+    sch, bm = make(num_blocks=4, block_size=4)
+    gs = [group(n, 4, i) for i, n in enumerate("abcd")]  # 1 block each: pool full
+    for g in gs:
+        sch.add_seq_group(g)
+    finish_step(sch.schedule(), gs)  # each now has 5 tokens: position 4 needs a 2nd block
+    out = sch.schedule()
+    # a preempts d; b preempts c; the waiting queue reads c, d (oldest first).
+    assert out.preempted == ["d", "c"]
+    assert [g.request_id for g in sch.waiting] == ["c", "d"]
+    assert [r for r, _ in out.scheduled] == ["a", "b"]
+    bm.check_invariants()
+
+
+def test_abort_frees_blocks_from_any_queue():
+    sch, bm = make()
+    a, b = group("a", 8, 0), group("b", 4, 1)
+    sch.add_seq_group(a)
+    sch.schedule()
+    sch.add_seq_group(b)
+    assert sch.abort("a") is a and a.seqs[0].status == SequenceStatus.FINISHED_ABORTED
+    assert sch.abort("b") is b
+    assert sch.abort("zzz") is None
+    assert bm.num_free_blocks == 8 and not sch.has_unfinished()
+    bm.check_invariants()
+
+
+def test_chunked_prefill_splits_prompt_over_steps():
+    sch, bm = make(max_tokens=4, chunked=True)
+    a = group("a", 10, 0)
+    sch.add_seq_group(a)
+    spans = []
+    for _ in range(3):
+        out = sch.schedule()
+        spans += [(w.start_pos, len(w.token_ids), w.do_sample) for _, w in out.scheduled]
+        finish_step(out, [a])
+    assert spans == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    assert bm.get_block_table(a.seqs[0]) == [0, 1, 2]
