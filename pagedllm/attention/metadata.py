@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ class AttentionMetadata:
             (for loops on the host without a tensor -> list conversion per layer).
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
         block_size: tokens per KV block.
+        backend_cache: scratch space for a backend's per-step precomputation (filled by the
+            first layer, reused by the others).
     """
 
     slot_mapping: torch.Tensor
@@ -37,6 +40,8 @@ class AttentionMetadata:
     query_start_loc_list: list[int]
     num_decodes: int
     block_size: int
+    # Per-step values a backend derives once and reuses in every layer (index lists, masks).
+    backend_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -1,9 +1,10 @@
 """Pure-PyTorch paged attention: the obviously-right oracle every faster backend is tested against.
 
 KV-cache layout (per layer): ``key_cache`` and ``value_cache`` of shape
-[num_blocks, block_size, num_kv_heads, head_dim]. A token at position ``p`` of a sequence lives
+[num_kv_heads, num_blocks, block_size, head_dim]. A token at position ``p`` of a sequence lives
 in physical block ``block_table[p // block_size]`` at offset ``p % block_size`` (paper section 4.1,
-figure 5).
+figure 5). Heads come first so that gathering a batch's blocks yields, per head, one contiguous
+[tokens, head_dim] matrix per sequence, ready for a batched matmul without another copy.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ def write_kv(
 
     Args:
         key, value: [T, num_kv_heads, head_dim].
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim], same dtype.
         slot_mapping: [T] int64 slot ids (block * block_size + offset).
     """
     kvh, hd = key.shape[1], key.shape[2]
-    key_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, value)
+    key_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    value_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def gather_kv(cache: torch.Tensor, block_table: list[int], context_len: int) -> torch.Tensor:
@@ -38,8 +39,8 @@ def gather_kv(cache: torch.Tensor, block_table: list[int], context_len: int) -> 
     Returns:
         [context_len, num_kv_heads, head_dim].
     """
-    bs = cache.shape[1]
-    rows = [cache[block_table[p // bs], p % bs] for p in range(context_len)]
+    bs = cache.shape[2]
+    rows = [cache[:, block_table[p // bs], p % bs] for p in range(context_len)]
     return torch.stack(rows)
 
 
@@ -57,7 +58,7 @@ def paged_attention_reference(
 
     Args:
         query: [T, num_heads, head_dim] (new tokens, flat batch as in ``meta``).
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], already holding
+        key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim], already holding
             the new tokens' K/V (call ``write_kv`` first).
         meta: batch layout.
         scale: softmax scale, usually ``head_dim ** -0.5``.
@@ -66,7 +67,7 @@ def paged_attention_reference(
         [T, num_heads, head_dim], dtype of ``query``.
     """
     num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = key_cache.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     tables = meta.block_tables.tolist()

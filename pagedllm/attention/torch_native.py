@@ -1,7 +1,8 @@
 """Vectorized PyTorch paged attention: the default CPU backend until the C++ kernel exists.
 
 Decodes (one new token per sequence) are done together: their blocks are gathered through the
-block tables into a padded [S, L, kv_heads, D] view, then one masked batched matmul per step.
+block tables with one ``index_select`` per layer into a padded [KVH, S, L, D] tensor (contiguous
+thanks to the head-first cache layout), then two batched matmuls with an additive padding mask.
 Prefill sequences are done one at a time with ``scaled_dot_product_attention`` over the gathered
 context with a causal mask offset by the cached length (so prefix hits and chunks work).
 """
@@ -35,14 +36,16 @@ class TorchNativeAttention:
 
         Args:
             query: [T, H, D]; key, value: [T, KVH, D].
-            key_cache, value_cache: [num_blocks, block_size, KVH, D].
+            key_cache, value_cache: [KVH, num_blocks, block_size, D].
 
         Returns:
             [T, H, D].
         """
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(query)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(query, key_cache, value_cache, meta, scale)
+        out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale)
         starts = meta.query_start_loc_list
@@ -52,11 +55,22 @@ class TorchNativeAttention:
         return out
 
     @staticmethod
-    def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        # [S, nb] block ids -> [S, nb * block_size, KVH, D]
-        s, nb = tables.shape
-        g = cache[tables]
-        return g.view(s, nb * cache.shape[1], cache.shape[2], cache.shape[3])
+    def _decode_plan(
+        meta: AttentionMetadata, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Once per step: flat block ids to gather and the additive padding mask [1, S, 1, L]."""
+        plan = meta.backend_cache.get("decode")
+        if plan is None:
+            nd = meta.num_decodes
+            bs = meta.block_size
+            nb = -(-max(meta.seq_lens_list[:nd]) // bs)
+            index = meta.block_tables[:nd, :nb].reshape(-1)
+            length = nb * bs
+            pad = torch.arange(length) >= meta.seq_lens[:nd, None]  # [S, L]
+            bias = torch.zeros(nd, length, dtype=dtype).masked_fill_(pad, float("-inf"))
+            plan = (index, bias.view(1, nd, 1, length), length)
+            meta.backend_cache["decode"] = plan
+        return plan
 
     def _decode(
         self,
@@ -66,23 +80,19 @@ class TorchNativeAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        nd = q.shape[0]
-        bs = meta.block_size
-        max_len = max(meta.seq_lens_list[:nd])
-        nb = -(-max_len // bs)
-        tables = meta.block_tables[:nd, :nb]
-        k = self._gather(key_cache, tables)  # [S, L, KVH, D]
-        v = self._gather(value_cache, tables)
-        _, length, kvh, d = k.shape
-        h = q.shape[1]
+        nd, h, d = q.shape
+        kvh = key_cache.shape[0]
         g = h // kvh
-        qg = q.view(nd, kvh, g, d)  # [S, KVH, G, D]
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [S, KVH, G, L]
-        pad = torch.arange(length) >= meta.seq_lens[:nd, None]  # [S, L]
-        scores = scores.float().masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [S, KVH, G, D]
-        return o.reshape(nd, h, d)
+        index, bias, length = self._decode_plan(meta, q.dtype)
+        # [KVH, NB, BS, D] -> [KVH, S * nb, BS, D] -> [KVH * S, L, D], contiguous, one copy.
+        k = key_cache.index_select(1, index).view(kvh * nd, length, d)
+        v = value_cache.index_select(1, index).view(kvh * nd, length, d)
+        qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
+        scores = torch.bmm(qg, k.transpose(1, 2)).view(kvh, nd, g, length)
+        scores = scores.mul_(scale).add_(bias)
+        probs = torch.softmax(scores, dim=-1).view(kvh * nd, g, length)
+        o = torch.bmm(probs, v).view(kvh, nd, g, d)  # [KVH, S, G, D]
+        return o.transpose(0, 1).reshape(nd, h, d)
 
     def _prefill(
         self,
@@ -95,22 +105,21 @@ class TorchNativeAttention:
     ) -> torch.Tensor:
         ctx = meta.seq_lens_list[i]
         ql = q.shape[0]
+        kvh, d = key_cache.shape[0], key_cache.shape[3]
         nb = -(-ctx // meta.block_size)
-        tables = meta.block_tables[i : i + 1, :nb]
-        k = self._gather(key_cache, tables)[0, :ctx]  # [L, KVH, D]
-        v = self._gather(value_cache, tables)[0, :ctx]
+        index = meta.block_tables[i, :nb]
+        k = key_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
+        v = value_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        kh = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        vh = v.transpose(0, 1).unsqueeze(0)
         if ql == ctx:
             o = F.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
+                qh, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             # Query t sits at position ctx - ql + t and sees keys 0 .. that position.
             q_pos = torch.arange(ctx - ql, ctx)[:, None]
             mask = torch.arange(ctx)[None, :] <= q_pos
             o = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+                qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
         return o[0].transpose(0, 1)

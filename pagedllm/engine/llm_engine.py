@@ -39,6 +39,18 @@ from pagedllm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+class ContextLengthExceededError(ValueError):
+    """The prompt (plus ``max_tokens``) does not fit in ``max_model_len`` or in the KV pool.
+
+    Attributes:
+        param: the request field to blame ("prompt" or "max_tokens").
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class EngineStats:
     """Counters over the engine's life.
@@ -181,21 +193,24 @@ class LLMEngine:
                 raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {k}")
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n_prompt} tokens; max_model_len is {self.max_model_len}, which leaves no "
-                "room for an output token"
+            raise ContextLengthExceededError(
+                f"prompt is {n_prompt} tokens; max_model_len is {self.max_model_len}, which leaves "
+                "no room for an output token",
+                "prompt",
             )
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(
+            raise ContextLengthExceededError(
                 f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
+                f"max_model_len ({self.max_model_len})",
+                "max_tokens",
             )
         if cdiv(n_prompt + max_tokens, self.config.block_size) > self.num_blocks:
-            raise ValueError(
-                f"max_tokens: the request needs up to {n_prompt + max_tokens} tokens of KV cache but "
-                f"the whole pool holds {self.num_blocks * self.config.block_size}"
+            raise ContextLengthExceededError(
+                f"max_tokens: the request needs up to {n_prompt + max_tokens} tokens of KV cache "
+                f"but the whole pool holds {self.num_blocks * self.config.block_size}",
+                "max_tokens",
             )
         return max_tokens
 

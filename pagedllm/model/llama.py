@@ -75,12 +75,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; positions: [T] int64. Returns x rotated, same shape and dtype."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a step's positions, [T, 1, D/2] each; computed once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, D] by the step's angles (``RotaryEmbedding.lookup``); same shape."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -98,19 +105,18 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(positions, q.view(t, self.num_heads, self.head_dim))
-        k = rotary(positions, k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # Q and K heads are rotated together: one rotary op per layer.
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -137,8 +143,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, positions, x, kv_cache, meta, rotary, backend) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, rotary, backend)
+    def forward(self, rope, x, kv_cache, meta, backend) -> torch.Tensor:
+        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -200,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
             logits [S, V] float32.
         """
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(positions, h, kv, meta, self.rotary, self.backend)
+            h = layer(rope, h, kv, meta, self.backend)
         h = self.norm(h[logits_indices])
         return F.linear(h, self.lm_head_weight).float()
 

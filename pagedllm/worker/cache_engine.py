@@ -23,8 +23,8 @@ class CacheEngine:
     """Allocates and owns the per-layer KV tensors.
 
     Each layer has ``key_cache`` and ``value_cache`` of shape
-    [num_blocks, block_size, num_kv_heads, head_dim]; block ``b`` of every layer together holds
-    the same ``block_size`` tokens.
+    [num_kv_heads, num_blocks, block_size, head_dim] (see ``attention.reference`` for why heads
+    come first); block ``b`` of every layer together holds the same ``block_size`` tokens.
 
     Args:
         config: model shape.
@@ -44,7 +44,7 @@ class CacheEngine:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
         # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -65,5 +65,5 @@ class CacheEngine:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+            k.index_copy_(1, dst, k.index_select(1, src))
+            v.index_copy_(1, dst, v.index_select(1, src))

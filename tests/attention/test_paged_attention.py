@@ -62,7 +62,7 @@ def test_torch_native_matches_reference(block_size, heads, kv_heads):
     meta, _ = build_batch(
         query_lens, ctx_lens, block_size, num_blocks, kv_heads, hd, seed=block_size
     )
-    shape = (num_blocks, block_size, kv_heads, hd)
+    shape = (kv_heads, num_blocks, block_size, hd)
     # Fill the whole cache with random "history", as if earlier steps had written it.
     kc, vc = torch.randn(shape), torch.randn(shape)
     t = sum(query_lens)
@@ -85,7 +85,7 @@ def test_reference_equals_contiguous_causal_attention_with_shared_blocks():
     ks = [torch.cat([prefix_k, torch.randn(c - 8, kvh, hd)]) for c in ctx]
     vs = [torch.cat([prefix_v, torch.randn(c - 8, kvh, hd)]) for c in ctx]
     qs = [torch.randn(c, heads, hd) for c in ctx]
-    kc, vc = torch.zeros(16, bs, kvh, hd), torch.zeros(16, bs, kvh, hd)
+    kc, vc = torch.zeros(kvh, 16, bs, hd), torch.zeros(kvh, 16, bs, hd)
     write_kv(torch.cat(ks), torch.cat(vs), kc, vc, meta.slot_mapping)
     out = paged_attention_reference(torch.cat(qs), kc, vc, meta, hd**-0.5)
     expect = [

@@ -1,0 +1,33 @@
+"""Helpers shared by the benchmark scripts: data loading and the machine-noise etiquette."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+DATA_DIR = Path(
+    os.environ.get("PAGEDLLM_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data")
+)
+
+
+def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``prompt_len`` tokens: first human turns of ShareGPT, truncated
+    (turns shorter than ``prompt_len`` are skipped)."""
+    records = json.loads((DATA_DIR / "sharegpt_1024.json").read_text())
+    out: list[list[int]] = []
+    for r in records:
+        turns = r.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        ids = tokenizer(turns[0]["value"], add_special_tokens=False).input_ids
+        if len(ids) >= prompt_len:
+            out.append(ids[:prompt_len])
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT prompts have >= {prompt_len} tokens")
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)

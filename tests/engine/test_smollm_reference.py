@@ -1,0 +1,115 @@
+"""The bundled SmolLM2-135M-Instruct: greedy output equals transformers' ``generate`` (fp32).
+
+Real-model tests (marked slow, run in CI). The reference is transformers' LlamaForCausalLM holding
+the same weights (tests/model/test_loader.py checks those equal transformers' own GGUF loading).
+Prompts come from tests/data/real_prompts.json with the chat template applied; the test checks
+that the reference has no near-tie (top-2 logit gap < 1e-3) on any step it compares, so a
+rounding difference cannot legitimately flip a token.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm.entrypoints.llm import LLM, apply_chat_template
+from pagedllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 32
+PROMPTS = json.loads((Path(__file__).parents[1] / "data" / "real_prompts.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(smollm):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.model.loader import hf_config_dict
+
+    model = LlamaForCausalLM(LlamaConfig(**hf_config_dict(smollm.config))).eval()
+    missing, unexpected = model.load_state_dict(smollm.state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm):
+    return [
+        apply_chat_template(smollm.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm, prompt_ids):
+    """Greedy tokens from transformers for each prompt, with the smallest top-2 logit gap."""
+    refs = []
+    for ids in prompt_ids:
+        out = hf_smollm.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NUM_TOKENS,
+            min_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        gap = min((s[0].topk(2).values[0] - s[0].topk(2).values[1]).item() for s in out.scores)
+        refs.append((out.sequences[0, len(ids) :].tolist(), gap))
+    return refs
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def test_prompts_have_no_near_ties(reference):
+    assert len(reference) >= 8
+    for tokens, gap in reference:
+        assert len(tokens) == NUM_TOKENS and gap > 1e-3
+
+
+def test_greedy_equals_transformers(smollm, prompt_ids, reference):
+    llm = LLM(loaded=smollm, check_invariants=True, max_model_len=512)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False)
+    for o, (ref, _) in zip(outs, reference):
+        assert o.outputs[0].token_ids == ref
+    # The chat API renders the same template.
+    chat = llm.chat([{"role": "user", "content": PROMPTS[0]}], GREEDY, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == reference[0][0]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+def test_same_tokens_in_a_batch_of_32_and_any_block_size(smollm, prompt_ids, reference, block_size):
+    """A batch of 32 mixed-length prompts (the real ones plus filler of other lengths)."""
+    filler = [
+        [
+            int(t)
+            for t in torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n))
+        ]
+        for n in range(5, 5 + 7 * (32 - len(prompt_ids)), 7)
+    ]
+    batch = prompt_ids + filler
+    assert len(batch) == 32
+    llm = LLM(loaded=smollm, block_size=block_size, check_invariants=True, max_model_len=512)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    for o, (ref, _) in zip(outs, reference):
+        assert o.outputs[0].token_ids == ref
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_same_tokens_under_recompute_preemption(smollm, prompt_ids, reference):
+    """A pool too small for all sequences at once forces preemption by recompute."""
+    longest = max(len(p) for p in prompt_ids) + NUM_TOKENS
+    blocks = 3 * (-(-longest // 16))  # room for about three sequences
+    llm = LLM(
+        loaded=smollm, num_gpu_blocks_override=blocks, check_invariants=True, max_model_len=512
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False)
+    assert llm.engine.stats.num_preemptions > 0
+    for o, (ref, _) in zip(outs, reference):
+        assert o.outputs[0].token_ids == ref
+    assert llm.engine.block_manager.num_free_blocks == blocks
