@@ -56,6 +56,7 @@ class EngineConfig:
             None = max(max_model_len, 2048) without chunked prefill, 512 with it.
         max_model_len: longest sequence (prompt + output tokens); None = the model's context length.
         enable_chunked_prefill: split prompts longer than the step's token budget over several steps.
+        enable_prefix_caching: reuse the KV blocks of earlier requests with the same prefix.
         seed: seeds the random seeds given to requests that do not set their own.
         num_threads: torch intra-op threads; None = all cores.
         max_logprobs: most top logprobs a request may ask for.
@@ -71,6 +72,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
     max_logprobs: int = 20

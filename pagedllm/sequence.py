@@ -51,10 +51,13 @@ class Sequence:
             ``token_ids[num_computed_tokens : num_computed_tokens + n]``; a sample is drawn when
             that reaches the end of ``token_ids``.
         seed: seed of this sequence's counter-based random stream (see ``sampling.sampler``).
+        cache_salt: extra prefix-cache key material (requests with different salts never share).
         cumulative_logprob: sum of raw-model logprobs of the generated tokens.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], seed: int) -> None:
+    def __init__(
+        self, seq_id: int, prompt_token_ids: list[int], seed: int, cache_salt: bytes | None = None
+    ) -> None:
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -66,6 +69,11 @@ class Sequence:
         self.detokenizer: IncrementalDetokenizer | None = None
         self.output_text = ""
         self.stop_reason: int | str | None = None
+        # Prefix caching: keys of the sequence's full blocks (a hash chain) and how many of its
+        # blocks are registered in the cache; ``cache_salt`` separates users' caches.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +102,21 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the cached K/V (preemption by recompute); tokens and sampling state stay."""
         self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING
+
+    def fork(self, seq_id: int, seed: int) -> Sequence:
+        """A copy sharing this sequence's tokens and progress (the blocks are forked by the
+        block manager); used for parallel samples and beams."""
+        child = Sequence(seq_id, self.prompt_token_ids, seed, self.cache_salt)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_text = self.output_text
+        child.num_registered_blocks = self.num_registered_blocks
+        return child
 
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -55,6 +55,17 @@ class BlockAllocator:
         self.ref_counts[block_id] = 1
         return block_id
 
+    def take(self, block_id: int) -> None:
+        """Take a specific free block (a prefix-cache hit on an evictable block); ref count 1.
+
+        Raises:
+            ValueError: when the block is not free.
+        """
+        if block_id not in self._free:
+            raise ValueError(f"block {block_id} is not free")
+        del self._free[block_id]
+        self.ref_counts[block_id] = 1
+
     def incref(self, block_id: int) -> int:
         """Add an owner to an allocated block (fork / sharing); returns the new count."""
         if self.ref_counts[block_id] <= 0:

@@ -1,4 +1,5 @@
-"""Block tables: the logical -> physical block map of every sequence (paper section 4.2, figure 6).
+"""Block tables: the logical -> physical block map of every sequence (paper section 4.2, figure 6),
+with sharing by reference count (section 4.4): fork, copy-on-write and prefix caching.
 
 A sequence's logical block ``i`` holds its tokens ``i * block_size .. (i + 1) * block_size - 1``;
 ``block_tables[seq_id][i]`` is the physical block holding them. A new physical block is taken only
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedllm.core.block_allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.core.prefix_cache import PrefixCache, hash_block
 from pagedllm.sequence import Sequence
 
 
@@ -18,76 +20,197 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    """Owns the physical block pool and every sequence's block table.
+    """Owns the physical block pool, every sequence's block table and the prefix cache.
 
     Args:
         num_blocks: physical blocks in the pool.
         block_size: tokens per block.
         watermark: fraction of the pool kept free when admitting a *new* sequence, so that
             running sequences can still grow for a while without immediate preemption.
+        enable_prefix_caching: keep full blocks findable by content after their owners finish.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.prefix_cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks not owned by any sequence (cached-but-evictable ones included)."""
         return self.allocator.num_free
 
     @property
     def num_used_blocks(self) -> int:
         return self.allocator.num_used
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding a cached prefix (reusable until evicted)."""
+        if self.prefix_cache is None:
+            return 0
+        return sum(1 for b in self.prefix_cache.key_of if self.allocator.is_free(b))
+
     def usage(self) -> float:
-        """Fraction of the pool in use, 0..1."""
+        """Fraction of the pool owned by sequences, 0..1."""
         return self.allocator.num_used / self.num_blocks
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
 
-    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so the table covers ``num_computed_tokens + num_new_tokens`` tokens."""
-        have = len(self.block_tables.get(seq.seq_id, ()))
-        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - have)
+    def _needs_cow(self, table: list[int], num_computed: int) -> bool:
+        """The next token lands in a partly filled block that other sequences share."""
+        if num_computed % self.block_size == 0:
+            return False
+        idx = num_computed // self.block_size
+        return idx < len(table) and self.allocator.ref_counts[table[idx]] > 1
 
-    def can_allocate(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
-        """Whether a waiting group (no blocks yet) can be admitted, keeping the watermark free."""
-        need = sum(self.num_new_blocks_needed(s, num_new_tokens) for s in seqs)
-        return self.allocator.num_free - need >= self.watermark_blocks
+    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to take so the table covers ``num_computed_tokens + num_new_tokens`` tokens,
+        counting a copy-on-write of a shared last block."""
+        table = self.block_tables.get(seq.seq_id, [])
+        grow = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
+        return grow + int(self._needs_cow(table, seq.num_computed_tokens))
 
     def can_append_slots(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
         """Whether running sequences can each grow by ``num_new_tokens`` (no watermark)."""
         need = sum(self.num_new_blocks_needed(s, num_new_tokens) for s in seqs)
         return need <= self.allocator.num_free
 
+    # ---- admission with prefix caching -----------------------------------------------------
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        """Physical blocks holding the longest cached prefix of ``seq`` (a sequence with no
+        blocks yet). At most ``(num_tokens - 1) // block_size`` blocks, so that at least the last
+        token is computed (its logits are needed) and never into a shared block."""
+        if self.prefix_cache is None:
+            return []
+        self._extend_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        hits: list[int] = []
+        for key in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.prefix_cache.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seqs: list[Sequence], num_new_tokens: int | None = None) -> bool:
+        """Whether waiting sequences (no blocks yet) can be admitted now, keeping the watermark.
+
+        Args:
+            seqs: the group's sequences.
+            num_new_tokens: tokens to compute in the first step (a prefill chunk); None = all.
+        """
+        need = 0
+        for s in seqs:
+            hits = self.cached_prefix_blocks(s)
+            cached = len(hits) * self.block_size
+            n = s.num_tokens - cached if num_new_tokens is None else num_new_tokens
+            need += cdiv(cached + n, self.block_size) - len(hits)
+            # A hit on a free (evictable) block takes it out of the free list too.
+            need += sum(1 for b in hits if self.allocator.is_free(b))
+        return self.allocator.num_free - need >= self.watermark_blocks
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Give a waiting sequence its cached prefix blocks; returns the cached tokens (its new
+        ``num_computed_tokens``)."""
+        hits = self.cached_prefix_blocks(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.queries += max(1, (seq.num_tokens - 1) // self.block_size)
+            self.prefix_cache.hits += len(hits)
+        for b in hits:
+            if self.allocator.is_free(b):
+                self.allocator.take(b)
+            else:
+                self.allocator.incref(b)
+        self.block_tables[seq.seq_id] = list(hits)
+        return len(hits) * self.block_size
+
     # ---- mutations -----------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+    def _take_block(self) -> int:
+        block = self.allocator.allocate()
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(block)  # its old prefix is about to be overwritten
+        return block
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Extend ``seq``'s block table to hold ``num_new_tokens`` more tokens.
 
+        If the next token lands in a shared, partly filled block, that block is copied first
+        (copy-on-write, paper figure 8): a new block replaces it in this table and the old one
+        loses a reference.
+
         Returns:
-            the physical block ids appended (possibly none).
+            (source, destination) block pairs the worker must copy before the forward pass.
 
         Raises:
             NoFreeBlocksError: if the pool runs out; check ``can_append_slots`` first. Nothing is
-                allocated in that case.
+                changed in that case.
         """
         need = self.num_new_blocks_needed(seq, num_new_tokens)
         if need > self.allocator.num_free:
             raise NoFreeBlocksError(f"need {need} blocks, {self.allocator.num_free} free")
         table = self.block_tables.setdefault(seq.seq_id, [])
-        new = [self.allocator.allocate() for _ in range(need)]
-        table.extend(new)
-        return new
+        copies: list[tuple[int, int]] = []
+        if self._needs_cow(table, seq.num_computed_tokens):
+            idx = seq.num_computed_tokens // self.block_size
+            src, dst = table[idx], self._take_block()
+            self.allocator.free(src)
+            table[idx] = dst
+            copies.append((src, dst))
+        grow = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
+        table.extend(self._take_block() for _ in range(grow))
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (reference counts + 1); paper figure 8."""
+        table = self.block_tables.get(parent.seq_id, [])
+        for b in table:
+            self.allocator.incref(b)
+        self.block_tables[child.seq_id] = list(table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register the blocks that became full (all their tokens computed) in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        table = self.block_tables.get(seq.seq_id, [])
+        start = seq.num_registered_blocks
+        if full <= start:
+            return
+        self._extend_hashes(seq, full)
+        for i in range(start, min(full, len(table))):
+            self.prefix_cache.register(table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(
+                hash_block(
+                    hashes[-1] if hashes else None,
+                    seq.token_ids[i * bs : (i + 1) * bs],
+                    seq.cache_salt,
+                )
+            )
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of ``seq``. Blocks go back tail first, so that later prefix caching
+        """Release every block of ``seq``. Blocks go back tail first, so that the prefix cache
         evicts a sequence's tail before its (more shareable) head."""
         table = self.block_tables.pop(seq.seq_id, None)
+        seq.num_registered_blocks = 0
         if not table:
             return
         for block_id in reversed(table):
@@ -96,7 +219,8 @@ class BlockManager:
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the pool is consistent: every block is either free with reference count 0, or
-        owned with reference count equal to the number of block-table entries pointing at it.
+        owned with reference count equal to the number of block-table entries pointing at it;
+        the prefix cache's two maps agree.
 
         Raises:
             AssertionError: describing the first violation found.
@@ -114,3 +238,8 @@ class BlockManager:
             else:
                 assert rc == owners[b], f"block {b}: ref count {rc} != {owners[b]} owners"
                 assert rc > 0, f"block {b} is neither free nor owned"
+        if self.prefix_cache is not None:
+            pc = self.prefix_cache
+            assert len(pc.block_of) == len(pc.key_of), "prefix cache maps disagree"
+            for key, b in pc.block_of.items():
+                assert pc.key_of.get(b) == key, f"prefix cache: block {b} key mismatch"

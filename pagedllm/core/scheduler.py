@@ -101,6 +101,7 @@ class Scheduler:
         # Kept sorted by arrival_index so that "oldest first" and "newest = victim" are O(1).
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self._scheduled_seqs: dict[int, Sequence] = {}
 
     # ---- queue management ----------------------------------------------------------------
     def add_seq_group(self, group: SequenceGroup) -> None:
@@ -143,63 +144,98 @@ class Scheduler:
         """Choose this step's work. See the module docstring for the policy."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
+        self._scheduled_seqs = {}
 
         # 1. Running groups, oldest first. A victim is always taken from the newest end, which
         #    is never a group already scheduled in this loop.
         idx = 0
         while idx < len(self.running):
             group = self.running[idx]
-            seqs = group.unfinished_seqs()
-            num_new = seqs[0].num_uncomputed_tokens
-            if chunked:
-                num_new = min(num_new, budget)
-            if num_new == 0 or num_new > budget:
+            plan = self._plan(group.unfinished_seqs(), budget)
+            if not plan:
                 idx += 1
                 continue
-            while not self.block_manager.can_append_slots(seqs, num_new):
+            while not self._fits(plan):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is group:
                     break
             else:
-                self._schedule_group(group, seqs, num_new, out)
-                budget -= num_new * len(seqs)
+                budget -= self._commit(group, plan, out)
                 idx += 1
                 continue
-            # The group preempted itself: it was the newest; nothing after it remains.
-            break
+            break  # the group preempted itself: it was the newest, nothing after it remains
 
         # 2. Waiting groups in FCFS order, unless memory was short this step.
         if not out.preempted:
-            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
+            while self.waiting and budget > 0:
                 group = self.waiting[0]
                 seqs = group.unfinished_seqs()
-                num_new = seqs[0].num_uncomputed_tokens
-                if num_new > budget:
-                    if not chunked:
+                if num_seqs + len(seqs) > self.config.max_num_seqs:
+                    break
+                if not self.config.enable_chunked_prefill:
+                    bs = self.block_manager.block_size
+                    todo = sum(
+                        s.num_tokens - bs * len(self.block_manager.cached_prefix_blocks(s))
+                        for s in seqs
+                    )
+                    if todo > budget:
                         break
-                    num_new = budget
-                if not self.block_manager.can_allocate(seqs, num_new):
+                if not self.block_manager.can_allocate(seqs):
                     break
                 self.waiting.popleft()
+                cached = 0
                 for seq in seqs:
+                    seq.num_computed_tokens = self.block_manager.allocate_prefix(seq)
+                    cached += seq.num_computed_tokens
                     seq.status = SequenceStatus.RUNNING
+                if group.metrics.first_scheduled_time is None:
+                    group.num_cached_tokens = cached  # reported for the first admission only
                 bisect.insort(self.running, group, key=lambda g: g.arrival_index)
-                self._schedule_group(group, seqs, num_new, out)
-                budget -= num_new * len(seqs)
+                budget -= self._commit(group, self._plan(seqs, budget), out)
+                num_seqs += len(seqs)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _schedule_group(
-        self, group: SequenceGroup, seqs: list[Sequence], num_new: int, out: SchedulerOutput
-    ) -> None:
-        want_prompt_logprobs = group.sampling_params.prompt_logprobs is not None
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """After the forward pass: advance ``num_computed_tokens`` of every scheduled sequence and
+        register its newly full blocks in the prefix cache."""
+        for _, work in out.scheduled:
+            seq = self._scheduled_seqs[work.seq_id]
+            seq.num_computed_tokens += len(work.token_ids)
+            self.block_manager.mark_computed(seq)
+
+    def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+        """Tokens each sequence computes this step, within the budget ([] = none fit)."""
+        plan = []
         for seq in seqs:
-            self.block_manager.allocate_slots(seq, num_new)
+            n = seq.num_uncomputed_tokens
+            if self.config.enable_chunked_prefill:
+                n = min(n, budget)
+            if n > budget:
+                return []  # without chunking a group's work fits whole or waits
+            if n:
+                plan.append((seq, n))
+                budget -= n
+        return plan
+
+    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+        need = sum(self.block_manager.num_new_blocks_needed(s, n) for s, n in plan)
+        return need <= self.block_manager.num_free_blocks
+
+    def _commit(
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput
+    ) -> int:
+        """Allocate the slots of ``plan`` and add it to ``out``; returns the tokens used."""
+        want_prompt_logprobs = group.sampling_params.prompt_logprobs is not None
+        used = 0
+        for seq, n in plan:
+            out.blocks_to_copy.extend(self.block_manager.allocate_slots(seq, n))
             start = seq.num_computed_tokens
-            end = start + num_new
+            end = start + n
+            self._scheduled_seqs[seq.seq_id] = seq
             out.scheduled.append(
                 (
                     group.request_id,
@@ -213,6 +249,8 @@ class Scheduler:
                     ),
                 )
             )
+            used += n
+        return used
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Preempt a running group by recompute: free all its blocks, requeue it at the head."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 #: Number of prompt tokens decoded in front of the output so the first output token's leading
@@ -74,6 +75,13 @@ class IncrementalDetokenizer:
         self._chunks.append(delta)
         self._text_cache = None
         return delta
+
+    def clone(self) -> IncrementalDetokenizer:
+        """An independent copy at the same position (a forked sample continues from here)."""
+        other = copy.copy(self)
+        other._tokens = list(self._tokens)
+        other._chunks = list(self._chunks)
+        return other
 
     def append(self, token_id: int) -> str:
         """Add one generated token id.

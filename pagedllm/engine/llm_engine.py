@@ -30,7 +30,7 @@ from pagedllm.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagedllm.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from pagedllm.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, derive_seed
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
@@ -62,6 +62,9 @@ class EngineStats:
         slot_utilization_sum: sum over steps of (tokens held in the cache / slots of the blocks
             in use); divide by ``num_steps`` for the mean share of allocated KV slots that hold
             real token states (the paper's figure 2 metric for a paged cache).
+        blocks_used_sum / blocks_unshared_sum: sums over steps of the blocks in use, and of the
+            blocks the same sequences would use if nothing were shared (the sum of their block
+            table lengths): the paper's figure 15 memory saving is 1 - used / unshared.
     """
 
     num_steps: int = 0
@@ -70,10 +73,19 @@ class EngineStats:
     peak_blocks_used: int = 0
     slot_utilization_sum: float = 0.0
     num_preemptions: int = 0
+    blocks_used_sum: int = 0
+    blocks_unshared_sum: int = 0
 
     @property
     def mean_slot_utilization(self) -> float:
         return self.slot_utilization_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of KV blocks saved by sharing, averaged over steps (0 when nothing shared)."""
+        if not self.blocks_unshared_sum:
+            return 0.0
+        return 1.0 - self.blocks_used_sum / self.blocks_unshared_sum
 
 
 class LLMEngine:
@@ -126,7 +138,9 @@ class LLMEngine:
             num_blocks * kv_block_bytes(mc, config.block_size, dtype) / 2**20,
         )
 
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -169,7 +183,7 @@ class LLMEngine:
         Raises:
             ValueError: naming the field: ``prompt`` (empty, ids outside the vocabulary, too
                 long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or more blocks
-                than the whole pool), ``n`` / ``use_beam_search`` (not supported yet),
+                than the whole pool), ``use_beam_search`` (not supported yet),
                 ``logprobs`` (over ``max_logprobs``), ``stop_token_ids`` / ``logit_bias`` (ids
                 outside the vocabulary).
         """
@@ -181,10 +195,6 @@ class LLMEngine:
                 f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
         params.verify_token_ids(self.vocab_size)
-        if params.n != 1 or (params.best_of is not None and params.best_of != 1):
-            raise ValueError(
-                "n > 1 and best_of > 1 are not supported yet (parallel sampling lands with memory sharing)"
-            )
         if params.use_beam_search:
             raise ValueError("use_beam_search is not supported yet")
         for name in ("logprobs", "prompt_logprobs"):
@@ -206,10 +216,16 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len})",
                 "max_tokens",
             )
-        if cdiv(n_prompt + max_tokens, self.config.block_size) > self.num_blocks:
+        num_samples = max(params.n, params.best_of or 1)
+        per_seq = cdiv(n_prompt + max_tokens, self.config.block_size)
+        if (
+            per_seq + (num_samples - 1) * (per_seq - n_prompt // self.config.block_size)
+            > self.num_blocks
+        ):
             raise ContextLengthExceededError(
-                f"max_tokens: the request needs up to {n_prompt + max_tokens} tokens of KV cache "
-                f"but the whole pool holds {self.num_blocks * self.config.block_size}",
+                f"max_tokens: the request's {num_samples} sample(s) of up to {n_prompt + max_tokens} "
+                f"tokens need more KV blocks than the whole pool ({self.num_blocks} blocks of "
+                f"{self.config.block_size} tokens)",
                 "max_tokens",
             )
         return max_tokens
@@ -220,6 +236,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request.
 
@@ -228,6 +245,7 @@ class LLMEngine:
             prompt: text (tokenized with the model's tokenizer) or token ids.
             params: sampling parameters (default ``SamplingParams()``).
             arrival_time: ``time.monotonic()`` seconds; default now.
+            cache_salt: requests with different salts never share prefix-cache blocks.
 
         Raises:
             ValueError: see ``validate_request``; also a duplicate ``request_id``.
@@ -243,7 +261,8 @@ class LLMEngine:
             token_ids = list(prompt)
         max_tokens = self.validate_request(token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(next(self._seq_ids), token_ids, seed)
+        salt = cache_salt.encode() if cache_salt else None
+        seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
         if params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -289,9 +308,9 @@ class LLMEngine:
         now = time.monotonic()
         result = self.executor.execute_model(sched)
         touched: dict[str, SequenceGroup] = {}
+        self.scheduler.on_step_done(sched)
         for request_id, work in sched.scheduled:
             seq, group = self._seqs[work.seq_id]
-            seq.num_computed_tokens += len(work.token_ids)
             touched[request_id] = group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
@@ -313,6 +332,25 @@ class LLMEngine:
 
     def _process_samples(self, seq_ids: list[int], logits: torch.Tensor) -> None:
         pairs = [self._seqs[s] for s in seq_ids]
+        rows = list(range(len(pairs)))
+        # Parallel sampling: at a group's first sample its sequence forks into n (or best_of)
+        # sequences sharing every prompt block (paper figure 8); each samples from the same logits
+        # row with its own seed, derive_seed(seed, i).
+        for i in range(len(pairs)):
+            seq, group = pairs[i]
+            want = max(group.sampling_params.n, group.sampling_params.best_of or 1)
+            if len(group.seqs) < want and seq.num_output_tokens == 0:
+                for j in range(len(group.seqs), want):
+                    child = seq.fork(next(self._seq_ids), derive_seed(seq.seed, j))
+                    if seq.detokenizer is not None:
+                        child.detokenizer = seq.detokenizer.clone()
+                    self.block_manager.fork(seq, child)
+                    group.seqs.append(child)
+                    self._seqs[child.seq_id] = (child, group)
+                    pairs.append((child, group))
+                    rows.append(i)
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows)]
         batch = SamplingBatch(
             params=[g.sampling_params for _, g in pairs],
             seeds=[s.seed for s, _ in pairs],
@@ -339,6 +377,8 @@ class LLMEngine:
                     entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
                 seq.output_logprobs.append(entry)
             self._check_stop(seq, group, token)
+            if seq.is_finished() and len(group.seqs) > 1:
+                self.scheduler.free_seq(seq)  # a finished sample gives its blocks back at once
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
         """Apply stop conditions after ``token`` was appended (order as in vLLM)."""
@@ -420,8 +460,14 @@ class LLMEngine:
         finished = group.is_finished()
         # While running, hold back text that might still turn out to start a stop string.
         holdback = max((len(s) for s in params.stop or []), default=1) - 1
+        seqs = group.seqs
+        if finished and len(seqs) > params.n:
+            # best_of > n: keep the n samples with the highest cumulative logprob (vLLM's rule).
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        else:
+            seqs = seqs[: params.n]
         completions = []
-        for i, seq in enumerate(group.seqs):
+        for i, seq in enumerate(seqs):
             text = seq.output_text
             if not seq.is_finished() and holdback:
                 text = text[: max(0, len(text) - holdback)]
@@ -455,13 +501,29 @@ class LLMEngine:
     def _account(self, sched: SchedulerOutput) -> None:
         bm = self.block_manager
         used = bm.num_used_blocks
+        self.stats.blocks_used_sum += used
+        self.stats.blocks_unshared_sum += sum(len(t) for t in bm.block_tables.values())
         self.stats.num_steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if used:
             # Finished sequences still hold their blocks until free_finished() right after this.
-            held = sum(s.num_computed_tokens for g in self.scheduler.running for s in g.seqs)
+            # Shared blocks count once: tokens held = distinct (block, slot) pairs in use.
+            held = self._tokens_held()
             self.stats.slot_utilization_sum += held / (used * bm.block_size)
+
+    def _tokens_held(self) -> int:
+        bs = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        for g in self.scheduler.running:
+            for s in g.seqs:
+                table = self.block_manager.block_tables.get(s.seq_id)
+                if not table:
+                    continue
+                n = s.num_computed_tokens
+                for i, b in enumerate(table):
+                    filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
+        return sum(v for v in filled.values() if v > 0)
 
     def _forget(self, group: SequenceGroup) -> None:
         self.requests.pop(group.request_id, None)

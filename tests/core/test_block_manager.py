@@ -36,15 +36,17 @@ def test_allocator_exhaustion():
 def test_new_block_only_when_last_is_full():
     bm = BlockManager(num_blocks=8, block_size=4, watermark=0)
     s = seq(0, 5)  # 5 prompt tokens -> 2 blocks
-    assert bm.allocate_slots(s, 5) == [0, 1]
+    assert bm.allocate_slots(s, 5) == []  # no copy-on-write
+    assert bm.get_block_table(s) == [0, 1]
     s.num_computed_tokens = 5
     # tokens 6..8 fit in block 1 (slots 5, 6, 7 of the sequence)
     for n in range(6, 9):
         s.token_ids.append(n)
-        assert bm.allocate_slots(s, 1) == []
+        bm.allocate_slots(s, 1)
+        assert bm.get_block_table(s) == [0, 1]
         s.num_computed_tokens += 1
     s.token_ids.append(9)
-    assert bm.allocate_slots(s, 1) == [2]
+    bm.allocate_slots(s, 1)
     assert bm.get_block_table(s) == [0, 1, 2]
     assert bm.allocator.ref_counts[:4] == [1, 1, 1, 0]
     bm.check_invariants()

@@ -207,12 +207,11 @@ def test_logprobs_are_raw_model_logprobs(tiny_llm_factory, hf_tiny_model, tiny_t
         ("hello", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
         ("hello", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
         ("hello", SamplingParams(logprobs=50), "logprobs"),
-        ("hello", SamplingParams(n=2), "n"),
     ],
 )
 def test_bad_input_rejected_before_engine(tiny_llm_factory, prompt, params, field):
     llm = tiny_llm_factory()
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
         llm.generate(["hello world", prompt], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # The engine still serves a good request afterwards.
