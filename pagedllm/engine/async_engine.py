@@ -1,0 +1,383 @@
+"""``AsyncLLMEngine``: the synchronous ``LLMEngine`` driven by one background thread, for asyncio.
+
+Design:
+- One dedicated thread owns the ``LLMEngine``: it is the only code that touches it after start-up
+  (apart from read-only counters read by ``/metrics``). Adds and aborts from the event loop are
+  funnelled through a thread-safe command queue that the thread drains between steps, so new
+  requests join the running batch at the next step and a step (blocking CPU work, 10-300 ms)
+  never runs on the event loop.
+- Each request has its own ``asyncio.Queue``; the thread hands every ``RequestOutput`` to the
+  event loop with ``call_soon_threadsafe``. Outputs are cumulative (text only grows), so a slow
+  consumer simply skips to the newest one.
+- A consumer that goes away (client disconnect -> task cancelled, or the stream closed early)
+  aborts its request; the abort runs before the next step, freeing the request's KV blocks.
+- An exception inside ``step()`` fails every live request with an ``EngineStepError`` and aborts
+  them; the engine is kept if its block pool is consistent afterwards, otherwise it is marked dead
+  (``is_dead``; ``/health`` then answers 500) and every later request fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Consecutive failed steps after which the engine is declared dead.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (a fatal error or shutdown); no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step of the engine raised while this request was live; the request was aborted."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by the server (e.g. shutdown) before it finished."""
+
+
+class RequestStream:
+    """Async iterator over the outputs of one request (the newest output each time).
+
+    Closing it (``aclose``) or cancelling the task iterating it aborts the request if it has
+    not finished.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, q: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = q
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+            # Outputs are cumulative: skip to the newest one already delivered.
+            while not isinstance(item, BaseException) and not self._queue.empty():
+                item = self._queue.get_nowait()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.engine._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request in the engine unless it already finished."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self.engine.abort(self.request_id)
+        self.engine._forget(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a stream dropped without being closed must not leak blocks
+        try:
+            if not self._closed and not self.finished:
+                self.engine.abort(self.request_id)
+        except Exception:
+            pass
+
+
+class AsyncLLMEngine:
+    """Serve an ``LLMEngine`` to asyncio code.
+
+    Args:
+        engine: the engine; from now on only this object's thread may call it.
+        log_stats_interval: seconds between throughput log lines while busy (0 = never).
+
+    Call ``start()`` from the event loop that will consume the outputs (``create_app``'s lifespan
+    does this), and ``shutdown()`` at the end.
+    """
+
+    def __init__(self, engine: LLMEngine, log_stats_interval: float = 5.0) -> None:
+        self.engine = engine
+        self.log_stats_interval = log_stats_interval
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.dead_reason: str | None = None
+        self._step_failures = 0
+        self.num_step_errors = 0
+        self._cmd_lock = threading.Lock()
+        self._exited = False
+
+    # ---- life cycle ------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    def start(self) -> None:
+        """Start the engine thread; outputs are delivered to the running event loop."""
+        if self.is_running:
+            return
+        if self._exited:
+            raise EngineDeadError("an AsyncLLMEngine cannot be restarted")
+        self._loop = asyncio.get_running_loop()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every live request (their consumers get ``RequestAbortedError``), stop the
+        thread and wait for it."""
+        self.abort_all(RequestAbortedError("the server is shutting down"))
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self.dead_reason is None:
+            self.dead_reason = "the engine was shut down"
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request; returns once the engine accepted it.
+
+        Raises:
+            ValueError / ContextLengthExceededError: the engine rejected the request.
+            EngineDeadError: the engine is not running.
+        """
+        self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        stream = RequestStream(self, request_id, q)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cmd_lock:
+            if self._exited:
+                fut.set_exception(EngineDeadError("the engine is not running"))
+            else:
+                self._cmds.put(("add", request_id, prompt, params, arrival_time, fut))
+        self._wake.set()
+        try:
+            await asyncio.wrap_future(fut)
+        except BaseException:
+            # Rejected, or cancelled while waiting: the queued abort runs after the add (if any).
+            stream.finished = fut.done() and not fut.cancelled() and fut.exception() is not None
+            stream.close()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes (each cumulative, the last finished).
+
+        Cancelling the consumer (or closing this generator) aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, idempotent); its blocks are freed before the next step."""
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    def abort_all(self, error: BaseException) -> None:
+        """Fail every live request with ``error`` and abort it in the engine."""
+        for rid in list(self._queues):
+            self._deliver(rid, error)
+            self.abort(rid)
+
+    def num_live_requests(self) -> int:
+        return len(self._queues)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """From any thread: put ``item`` into the request's queue on the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def put() -> None:
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(item)
+
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            put()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(put)
+
+    def _drain_commands(self, reject: BaseException | None = None) -> None:
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, arrival, fut = cmd
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                if reject is not None:
+                    fut.set_exception(reject)
+                    continue
+                try:
+                    eng.add_request(rid, prompt, params, arrival_time=arrival)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(None)
+            elif cmd[0] == "abort":
+                try:
+                    eng.abort_request(cmd[1])
+                except Exception:
+                    logger.exception("abort of request %s failed", cmd[1])
+
+    def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as e:  # a bug in this loop: never leave consumers waiting forever
+            logger.exception("the engine thread crashed")
+            self.dead_reason = f"the engine thread crashed: {e!r}"
+            err = EngineDeadError(self.dead_reason)
+            for rid in list(self._queues):
+                self._deliver(rid, err)
+        finally:
+            # Leaving: refuse queued adds, abort whatever is left so no block stays allocated.
+            with self._cmd_lock:
+                self._exited = True
+                self._drain_commands(reject=EngineDeadError(self.dead_reason or "engine stopped"))
+            for rid in list(getattr(self.engine, "requests", {})):
+                with contextlib.suppress(Exception):
+                    self.engine.abort_request(rid)
+
+    def _loop_forever(self) -> None:
+        eng = self.engine
+        last_log = time.monotonic()
+        last_prompt = eng.stats.prompt_tokens
+        last_gen = eng.stats.generation_tokens
+        while not self._stop:
+            self._drain_commands()
+            if self._stop:
+                break
+            if not eng.has_unfinished_requests():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                last_log = time.monotonic()
+                last_prompt, last_gen = eng.stats.prompt_tokens, eng.stats.generation_tokens
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # noqa: BLE001
+                self._on_step_error(e)
+                continue
+            self._step_failures = 0
+            for out in outputs:
+                # Snapshot what the engine may still mutate (the lists are fresh copies already).
+                out = replace(out, outputs=[replace(c) for c in out.outputs])
+                self._deliver(out.request_id, out)
+            if self.log_stats_interval:
+                now = time.monotonic()
+                if now - last_log >= self.log_stats_interval:
+                    self._log_stats(now - last_log, last_prompt, last_gen)
+                    last_log = now
+                    last_prompt, last_gen = eng.stats.prompt_tokens, eng.stats.generation_tokens
+
+    def _log_stats(self, dt: float, last_prompt: int, last_gen: int) -> None:
+        """One throughput line; never lets a logging problem stop the engine thread."""
+        eng = self.engine
+        try:
+            st = eng.stats
+            logger.info(
+                "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
+                "running: %d, waiting: %d, KV cache usage: %.1f%%, preemptions: %d",
+                (st.prompt_tokens - last_prompt) / dt,
+                (st.generation_tokens - last_gen) / dt,
+                len(eng.scheduler.running),
+                len(eng.scheduler.waiting),
+                100.0 * eng.block_manager.usage(),
+                st.num_preemptions,
+            )
+        except Exception:
+            logger.debug("stats logging failed", exc_info=True)
+
+    def _on_step_error(self, exc: Exception) -> None:
+        eng = self.engine
+        self.num_step_errors += 1
+        self._step_failures += 1
+        logger.exception("engine step failed; failing the live requests", exc_info=exc)
+        live = list(eng.requests) if hasattr(eng, "requests") else list(self._queues)
+        err = EngineStepError(f"internal engine error: {type(exc).__name__}: {exc}")
+        for rid in set(live) | set(self._queues):
+            self._deliver(rid, err)
+        try:
+            for rid in live:
+                eng.abort_request(rid)
+            eng.block_manager.check_invariants()
+            healthy = not eng.has_unfinished_requests() and (
+                eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+            )
+        except Exception:
+            logger.exception("engine could not recover from the failed step")
+            healthy = False
+        if not healthy or self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self.dead_reason = f"a step failed and the engine could not recover: {exc!r}"
+            logger.error("engine marked dead: %s", self.dead_reason)
+            self._stop = True

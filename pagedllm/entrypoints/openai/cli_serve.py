@@ -1,0 +1,62 @@
+"""``pagedllm serve``: the OpenAI-compatible server on the command line.
+
+Importing this module raises ImportError when the server extra (fastapi, uvicorn,
+prometheus-client) is missing, so ``pagedllm`` then simply has no ``serve`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Any
+
+for _mod in ("fastapi", "uvicorn", "prometheus_client"):
+    if importlib.util.find_spec(_mod) is None:
+        raise ImportError(f"pagedllm serve needs {_mod}: pip install 'pagedllm[serve]'")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve [MODEL] --host --port --served-model-name --api-key --max-logprobs ...``."""
+    from pagedllm.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)",
+    )
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name clients pass as `model` (default: the model path, or SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDLLM_API_KEY"),
+        help="require `Authorization: Bearer KEY` on the API (default: $PAGEDLLM_API_KEY, or none)",
+    )
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413"
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=5.0,
+        help="seconds between throughput log lines while busy (0 = off)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    p.set_defaults(func=cmd_serve)
+    return p

@@ -1,0 +1,126 @@
+"""Prometheus metrics of the server, named as vLLM names them (``vllm:...``).
+
+Gauges and token counters are read from the engine at scrape time (a custom collector), so they
+cost nothing per step; the latency histograms are observed when a request finishes. Every app gets
+its own ``CollectorRegistry`` so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Reads the live engine counters at scrape time."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        eng = self.engine
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in the running batch.",
+            len(eng.scheduler.running),
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be scheduled.",
+            len(eng.scheduler.waiting),
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            eng.block_manager.usage(),
+        )
+        yield gauge(
+            "vllm:num_kv_blocks", "KV-cache blocks in the pool.", eng.block_manager.num_blocks
+        )
+        st = eng.stats
+        yield counter("vllm:prompt_tokens", "Prompt tokens computed.", st.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", st.generation_tokens)
+        yield counter(
+            "vllm:num_preemptions", "Preemptions of running requests.", st.num_preemptions
+        )
+
+
+class ServerMetrics:
+    """The metrics of one app.
+
+    Args:
+        engine: the ``LLMEngine`` (read at scrape time).
+        model_name: value of the ``model_name`` label.
+        registry: where to register (default: a fresh ``CollectorRegistry``).
+    """
+
+    def __init__(self, engine: Any, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+        kw: dict[str, Any] = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=_TPOT_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS,
+            **kw,
+        ).labels(model_name)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record the latencies of a finished request."""
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        end = m.finished_time
+        if end is None:
+            return
+        self.e2e.observe(max(0.0, end - m.arrival_time))
+        n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if m.first_token_time is not None and n_tokens > 1:
+            self.tpot.observe(max(0.0, end - m.first_token_time) / (n_tokens - 1))
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

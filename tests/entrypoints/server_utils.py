@@ -1,0 +1,106 @@
+"""Helpers for the server tests: a real uvicorn server on 127.0.0.1 (free port) in a thread."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+
+
+class ServerThread:
+    """Run a FastAPI app with uvicorn in a background thread until ``stop()``."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    @property
+    def engine(self):
+        return self.app.state.async_engine.engine
+
+
+def wait_idle(engine, timeout: float = 5.0) -> None:
+    """Poll until the engine has no request and every KV block is free."""
+    bm = engine.block_manager
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks:
+            bm.check_invariants()
+            return
+        time.sleep(0.02)
+    raise AssertionError(
+        f"not idle after {timeout}s: {bm.num_free_blocks}/{bm.num_blocks} blocks free, "
+        f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting"
+    )
+
+
+def sse_events(client: httpx.Client, path: str, body: dict, headers=None) -> list[Any]:
+    """POST a streaming request and return the parsed ``data:`` events ("[DONE]" kept as str)."""
+    events: list[Any] = []
+    with client.stream("POST", path, json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    for block in raw.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    return events
+
+
+def check_chunk_shape(events: list[Any], n: int = 1, chat: bool = True) -> dict[int, str]:
+    """C18 invariants; returns the streamed text per choice index."""
+    chunks = [e for e in events if e != "[DONE]"]
+    assert not any("error" in c for c in chunks), chunks
+    assert len({(c["id"], c["created"], c["model"]) for c in chunks}) == 1
+    texts: dict[int, str] = {}
+    finished: set[int] = set()
+    seen_role: set[int] = set()
+    for c in chunks:
+        for ch in c["choices"]:
+            i = ch["index"]
+            assert "finish_reason" in ch
+            assert i not in finished, f"choice {i} got a chunk after its finish_reason"
+            if chat:
+                if i not in seen_role:
+                    assert ch["delta"].get("role") == "assistant", ch
+                    seen_role.add(i)
+                texts[i] = texts.get(i, "") + (ch["delta"].get("content") or "")
+            else:
+                texts[i] = texts.get(i, "") + ch["text"]
+            if ch["finish_reason"] is not None:
+                finished.add(i)
+    assert finished == set(range(n)), (finished, n)
+    return texts

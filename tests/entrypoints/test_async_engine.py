@@ -1,0 +1,86 @@
+"""AsyncLLMEngine on the tiny random Llama: outputs, cancellation, step failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from tests.entrypoints.server_utils import wait_idle
+
+
+@pytest.fixture
+def engine(tiny_loaded):
+    cfg = EngineConfig(
+        max_model_len=128, kv_cache_memory=1 << 21, check_invariants=True, num_threads=1
+    )
+    return LLMEngine(cfg, loaded=tiny_loaded)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_concurrent_and_cancel(engine):
+    async def main():
+        ae = AsyncLLMEngine(engine)
+        ae.start()
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+        async def collect(rid, prompt):
+            last = None
+            async for out in ae.generate(rid, prompt, params):
+                assert last is None or out.outputs[0].text.startswith(last.outputs[0].text)
+                last = out
+            return last
+
+        outs = await asyncio.gather(*(collect(f"r{i}", f"hello {i}") for i in range(6)))
+        assert all(o.finished and len(o.outputs[0].token_ids) == 12 for o in outs)
+        alone = await collect("again", "hello 3")
+        assert alone.outputs[0].token_ids == outs[3].outputs[0].token_ids
+
+        # a consumer cancelled mid-way aborts its request
+        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+        async def consume():
+            async for _ in ae.generate("long", "hello", long):
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(wait_idle, engine)
+
+        with pytest.raises(ValueError, match="^prompt"):
+            await ae.add_request("bad", [], params)
+        ae.shutdown()
+        with pytest.raises(EngineDeadError):
+            await ae.add_request("late", "hello", params)
+
+    run(main())
+
+
+def test_step_failure_fails_requests_and_engine_survives(engine):
+    async def main():
+        ae = AsyncLLMEngine(engine)
+        ae.start()
+        real = engine.step
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        with pytest.raises(EngineStepError, match="injected"):
+            async for _ in ae.generate("a", "hello", params):
+                pass
+        del engine.step
+        assert engine.step == real
+        assert not ae.is_dead
+        outs = [o async for o in ae.generate("b", "hello", params)]
+        assert outs[-1].finished
+        ae.shutdown()
+
+    run(main())
