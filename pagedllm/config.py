@@ -21,6 +21,10 @@ _DTYPES = {
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
+# Host swap space: 256 MiB holds about 5,800 tokens of SmolLM2-135M KV in fp32.
+DEFAULT_SWAP_SPACE = 256 << 20
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map "float32" / "bfloat16" / "float16" (or a torch dtype) to a torch dtype.
 
@@ -57,6 +61,8 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output tokens); None = the model's context length.
         enable_chunked_prefill: split prompts longer than the step's token budget over several steps.
         enable_prefix_caching: reuse the KV blocks of earlier requests with the same prefix.
+        swap_space: bytes of host swap space for preemption by swapping.
+        preemption_mode: "auto", "swap" or "recompute" (see ``core.scheduler``).
         seed: seeds the random seeds given to requests that do not set their own.
         num_threads: torch intra-op threads; None = all cores.
         max_logprobs: most top logprobs a request may ask for.
@@ -73,6 +79,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = True
+    swap_space: int = DEFAULT_SWAP_SPACE
+    preemption_mode: str = "auto"
     seed: int = 0
     num_threads: int | None = None
     max_logprobs: int = 20
@@ -96,6 +104,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
             )
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1

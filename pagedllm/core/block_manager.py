@@ -28,6 +28,7 @@ class BlockManager:
         watermark: fraction of the pool kept free when admitting a *new* sequence, so that
             running sequences can still grow for a while without immediate preemption.
         enable_prefix_caching: keep full blocks findable by content after their owners finish.
+        num_swap_blocks: blocks of host swap space for preemption by swapping (0 = none).
     """
 
     def __init__(
@@ -36,10 +37,15 @@ class BlockManager:
         block_size: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
+        # Host swap space: a second, separate pool; swapped-out sequences' tables point into it.
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        self.swapped_tables: dict[int, list[int]] = {}
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.prefix_cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
@@ -103,12 +109,16 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seqs: list[Sequence], num_new_tokens: int | None = None) -> bool:
+    def can_allocate(
+        self, seqs: list[Sequence], num_new_tokens: int | None = None, watermark: bool = True
+    ) -> bool:
         """Whether waiting sequences (no blocks yet) can be admitted now, keeping the watermark.
 
         Args:
             seqs: the group's sequences.
             num_new_tokens: tokens to compute in the first step (a prefill chunk); None = all.
+            watermark: keep ``watermark_blocks`` free (False when nothing else runs, so a
+                request that needs the whole pool is still admitted).
         """
         need = 0
         for s in seqs:
@@ -118,7 +128,7 @@ class BlockManager:
             need += cdiv(cached + n, self.block_size) - len(hits)
             # A hit on a free (evictable) block takes it out of the free list too.
             need += sum(1 for b in hits if self.allocator.is_free(b))
-        return self.allocator.num_free - need >= self.watermark_blocks
+        return self.allocator.num_free - need >= (self.watermark_blocks if watermark else 0)
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Give a waiting sequence its cached prefix blocks; returns the cached tokens (its new
@@ -207,14 +217,76 @@ class BlockManager:
             )
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of ``seq``. Blocks go back tail first, so that the prefix cache
-        evicts a sequence's tail before its (more shareable) head."""
-        table = self.block_tables.pop(seq.seq_id, None)
+        """Release every block of ``seq`` (device or swap). Blocks go back tail first, so that
+        the prefix cache evicts a sequence's tail before its (more shareable) head."""
         seq.num_registered_blocks = 0
-        if not table:
-            return
-        for block_id in reversed(table):
+        table = self.block_tables.pop(seq.seq_id, None)
+        for block_id in reversed(table or []):
             self.allocator.free(block_id)
+        swapped = self.swapped_tables.pop(seq.seq_id, None)
+        if swapped and self.swap_allocator is not None:
+            for block_id in reversed(swapped):
+                self.swap_allocator.free(block_id)
+
+    # ---- swapping (paper section 4.5) -------------------------------------------------------
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """Whether the host pool can take every distinct block of the group."""
+        if self.swap_allocator is None:
+            return False
+        distinct = {b for s in seqs for b in self.block_tables.get(s.seq_id, ())}
+        return len(distinct) <= self.swap_allocator.num_free
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move a group's blocks to the host pool; a block shared inside the group moves once.
+
+        Returns:
+            (device block, host block) pairs for the worker to copy before the step.
+        """
+        assert self.swap_allocator is not None
+        mapping: dict[int, int] = {}
+        for s in seqs:
+            table = self.block_tables.pop(s.seq_id, [])
+            host = []
+            for b in table:
+                if b in mapping:
+                    self.swap_allocator.incref(mapping[b])
+                else:
+                    mapping[b] = self.swap_allocator.allocate()
+                host.append(mapping[b])
+            self.swapped_tables[s.seq_id] = host
+            for b in reversed(table):
+                self.allocator.free(b)
+            s.num_registered_blocks = 0  # new device blocks after swap-in get registered again
+        return list(mapping.items())
+
+    def can_swap_in(self, seqs: list[Sequence], reserve: bool = True) -> bool:
+        """Whether the device pool can take the group back; with ``reserve``, also room for each
+        sequence's next block and the watermark (False when nothing else runs)."""
+        distinct = {b for s in seqs for b in self.swapped_tables.get(s.seq_id, ())}
+        extra = len(seqs) + self.watermark_blocks if reserve else 0
+        return self.allocator.num_free - len(distinct) >= extra
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring a swapped group's blocks back to the device pool (sharing preserved).
+
+        Returns:
+            (host block, device block) pairs for the worker to copy before the step.
+        """
+        assert self.swap_allocator is not None
+        mapping: dict[int, int] = {}
+        for s in seqs:
+            host = self.swapped_tables.pop(s.seq_id, [])
+            table = []
+            for b in host:
+                if b in mapping:
+                    self.allocator.incref(mapping[b])
+                else:
+                    mapping[b] = self._take_block()
+                table.append(mapping[b])
+            self.block_tables[s.seq_id] = table
+            for b in reversed(host):
+                self.swap_allocator.free(b)
+        return list(mapping.items())
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -238,6 +310,14 @@ class BlockManager:
             else:
                 assert rc == owners[b], f"block {b}: ref count {rc} != {owners[b]} owners"
                 assert rc > 0, f"block {b} is neither free nor owned"
+        if self.swap_allocator is not None:
+            swap_owners: Counter[int] = Counter()
+            for table in self.swapped_tables.values():
+                swap_owners.update(table)
+            for b in range(self.num_swap_blocks):
+                rc = self.swap_allocator.ref_counts[b]
+                assert rc == swap_owners[b], f"swap block {b}: ref count {rc} != {swap_owners[b]}"
+                assert (rc == 0) == self.swap_allocator.is_free(b), f"swap block {b} free state"
         if self.prefix_cache is not None:
             pc = self.prefix_cache
             assert len(pc.block_of) == len(pc.key_of), "prefix cache maps disagree"

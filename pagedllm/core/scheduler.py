@@ -78,12 +78,24 @@ class SchedulerConfig:
         max_num_batched_tokens: most tokens computed in one step.
         max_model_len: longest sequence (tokens).
         enable_chunked_prefill: allow a prompt to take several steps.
+        preemption_mode: "recompute" (free the blocks, recompute later), "swap" (move the blocks
+            to host swap space), or "auto": recompute for single-sequence groups (cheap: one
+            prefill) and swap for groups of several sequences (parallel samples, beams), whose
+            shared blocks a recompute would duplicate. Swap falls back to recompute when the
+            swap space is full.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = False
+    preemption_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
+            )
 
 
 class Scheduler:
@@ -100,7 +112,12 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         # Kept sorted by arrival_index so that "oldest first" and "newest = victim" are O(1).
         self.running: list[SequenceGroup] = []
+        # Swapped-out groups, kept in arrival order; resumed before any waiting group.
+        self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
         self._scheduled_seqs: dict[int, Sequence] = {}
 
     # ---- queue management ----------------------------------------------------------------
@@ -108,14 +125,14 @@ class Scheduler:
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is and free its blocks; returns it (or None)."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.swapped, self.waiting):
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
@@ -166,8 +183,30 @@ class Scheduler:
                 continue
             break  # the group preempted itself: it was the newest, nothing after it remains
 
-        # 2. Waiting groups in FCFS order, unless memory was short this step.
+        # 2. Swapped groups come back first, oldest first, unless memory was short this step.
         if not out.preempted:
+            num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
+            while self.swapped:
+                group = self.swapped[0]
+                seqs = group.unfinished_seqs()
+                if num_seqs + len(seqs) > self.config.max_num_seqs:
+                    break
+                if not self.block_manager.can_swap_in(seqs, reserve=bool(self.running)):
+                    break
+                self.swapped.pop(0)
+                moved = self.block_manager.swap_in(seqs)
+                out.blocks_to_swap_in.extend(moved)
+                self.num_blocks_swapped_in += len(moved)
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, group, key=lambda g: g.arrival_index)
+                plan = self._plan(seqs, budget)
+                if plan and self._fits(plan):
+                    budget -= self._commit(group, plan, out)
+                num_seqs += len(seqs)
+
+        # 3. Waiting groups in FCFS order, only when nothing is swapped out or preempted.
+        if not out.preempted and not self.swapped:
             num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
             while self.waiting and budget > 0:
                 group = self.waiting[0]
@@ -182,7 +221,7 @@ class Scheduler:
                     )
                     if todo > budget:
                         break
-                if not self.block_manager.can_allocate(seqs):
+                if not self.block_manager.can_allocate(seqs, watermark=bool(self.running)):
                     break
                 self.waiting.popleft()
                 cached = 0
@@ -253,12 +292,27 @@ class Scheduler:
         return used
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Preempt a running group by recompute: free all its blocks, requeue it at the head."""
+        """Preempt a running group whole, by swap or by recompute (see ``preemption_mode``)."""
         self.running.remove(group)
-        for seq in group.unfinished_seqs():
-            self.block_manager.free(seq)
-            seq.reset_for_recompute()
+        seqs = group.unfinished_seqs()
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "swap" if len(group.seqs) > 1 else "recompute"
+        if mode == "swap" and self.block_manager.can_swap_out(seqs):
+            moved = self.block_manager.swap_out(seqs)
+            out.blocks_to_swap_out.extend(moved)
+            self.num_blocks_swapped_out += len(moved)
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=lambda g: g.arrival_index)
+            self.preemptions_by_mode["swap"] += 1
+        else:
+            # Recompute: free the blocks, requeue at the head; tokens and sampling state stay.
+            for seq in seqs:
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(group)
+            self.preemptions_by_mode["recompute"] += 1
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(group)
         out.preempted.append(group.request_id)

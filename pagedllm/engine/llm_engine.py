@@ -122,6 +122,8 @@ class LLMEngine:
         )
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.num_blocks = num_blocks
+        self.block_bytes = kv_block_bytes(mc, config.block_size, dtype)
+        num_swap_blocks = config.swap_space // self.block_bytes
         logger.info(
             "model: %s | weights %.1f MiB | KV %d bytes/token (2 x %d layers x %d kv heads x %d dims x "
             "%d bytes) | %d blocks x %d tokens = %d tokens in cache (%.1f MiB)",
@@ -139,7 +141,10 @@ class LLMEngine:
         )
 
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_swap_blocks=num_swap_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -147,6 +152,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
             ),
             self.block_manager,
         )
@@ -159,6 +165,7 @@ class LLMEngine:
             self.max_model_len,
             attention_backend=attention_backend,
             num_threads=config.num_threads,
+            num_swap_blocks=num_swap_blocks,
         )
         self.executor = UniProcExecutor(worker)
         self.sampler = Sampler(mc.vocab_size)

@@ -32,6 +32,8 @@ class CacheEngine:
         block_size: tokens per block.
         dtype: cache dtype (the model's activation dtype).
         device: torch device.
+        num_swap_blocks: blocks of host swap space (a separate pool in host memory, also on a
+            CPU device: the device pool stays the budget the scheduler manages).
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class CacheEngine:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        num_swap_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -52,6 +55,15 @@ class CacheEngine:
                 torch.zeros(shape, dtype=dtype, device=device),
             )
             for _ in range(config.num_hidden_layers)
+        ]
+        swap_shape = (config.num_key_value_heads, num_swap_blocks, block_size, config.head_dim)
+        pin = torch.device(device).type == "cuda"
+        self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(config.num_hidden_layers if num_swap_blocks else 0)
         ]
 
     @property
@@ -67,3 +79,25 @@ class CacheEngine:
         for k, v in self.kv_caches:
             k.index_copy_(1, dst, k.index_select(1, src))
             v.index_copy_(1, dst, v.index_select(1, src))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: (device, host) pairs, one batched copy per layer."""
+        self._move(pairs, self.kv_caches, self.swap_caches)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks: (host, device) pairs, one batched copy per layer."""
+        self._move(pairs, self.swap_caches, self.kv_caches)
+
+    @staticmethod
+    def _move(
+        pairs: list[tuple[int, int]],
+        src_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+            dk.index_copy_(1, dst.to(dk.device), sk.index_select(1, src.to(sk.device)).to(dk.device))
+            dv.index_copy_(1, dst.to(dv.device), sv.index_select(1, src.to(sv.device)).to(dv.device))

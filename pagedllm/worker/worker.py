@@ -28,6 +28,7 @@ class Worker:
         max_model_len: longest sequence (sizes the RoPE table).
         attention_backend: backend name (see ``pagedllm.attention``).
         num_threads: torch intra-op threads.
+        num_swap_blocks: host swap-space blocks.
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class Worker:
         max_model_len: int,
         attention_backend: str = "auto",
         num_threads: int | None = None,
+        num_swap_blocks: int = 0,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -47,11 +49,14 @@ class Worker:
         self.model = LlamaForCausalLM(config, dtype, backend, max_positions=max_model_len)
         self.model.load_weights(state_dict)
         self.model.eval()
-        self.cache = CacheEngine(config, num_blocks, block_size, dtype)
+        self.cache = CacheEngine(config, num_blocks, block_size, dtype, num_swap_blocks=num_swap_blocks)
         self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the step's block copies, then run the forward pass."""
+        """Apply the step's block moves (swap out, swap in, copy-on-write, in that order: a block
+        freed by a swap-out may be reused in the same step), then run the forward pass."""
+        self.cache.swap_out(sched.blocks_to_swap_out)
+        self.cache.swap_in(sched.blocks_to_swap_in)
         self.cache.copy_blocks(sched.blocks_to_copy)
         with torch.inference_mode():
             return self.runner.execute(sched)
