@@ -28,21 +28,51 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Return a backend instance: "reference", "torch_native", or "auto" (best available).
+def get_attention_backend(
+    name: str = "auto", device: torch.device | str | None = None
+) -> AttentionBackend:
+    """Return a backend instance by name.
+
+    Names: "reference" (the oracle), "torch_native" (vectorized torch), "cpu" (C++ kernels,
+    built on first use; falls back to torch_native with a warning if they cannot be built),
+    "triton" (Triton kernels, CUDA), or "auto": "triton" when ``device`` is a CUDA device and
+    Triton works there, else "cpu" when the C++ kernels build, else "torch_native".
 
     Raises:
         ValueError: naming ``attention_backend`` for an unknown name.
     """
-    if name in ("auto", "torch_native"):
+    if name == "auto":
+        if device is not None and torch.device(device).type == "cuda":
+            from pagedllm.attention.triton_paged import TritonPagedAttention, triton_available
+
+            if triton_available():
+                return TritonPagedAttention()
+            name = "torch_native"
+        else:
+            from pagedllm.attention.cpu import CpuPagedAttention, cpu_ops_available
+
+            if cpu_ops_available():
+                return CpuPagedAttention()
+            name = "torch_native"
+    if name == "torch_native":
         from pagedllm.attention.torch_native import TorchNativeAttention
 
         return TorchNativeAttention()
+    if name == "cpu":
+        from pagedllm.attention.cpu import CpuPagedAttention
+
+        return CpuPagedAttention()
+    if name == "triton":
+        from pagedllm.attention.triton_paged import TritonPagedAttention
+
+        return TritonPagedAttention()
     if name == "reference":
         from pagedllm.attention.reference import ReferenceAttention
 
         return ReferenceAttention()
-    raise ValueError(f"attention_backend must be auto, torch_native or reference, got {name!r}")
+    raise ValueError(
+        f"attention_backend must be auto, cpu, triton, torch_native or reference, got {name!r}"
+    )
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

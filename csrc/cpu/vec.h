@@ -1,0 +1,220 @@
+// Small SIMD helpers for the paged attention CPU kernels.
+//
+// One implementation is chosen at compile time from the target flags (the extension is built
+// with -march=native): AVX-512F (16 floats), AVX2 + FMA (8 floats), or plain scalar loops. The
+// kernels only use the row-level helpers at the bottom of this file, so they are written once.
+// bf16 values are widened to fp32 on load; all arithmetic is fp32.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDLLM_VEC_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDLLM_VEC_AVX2 1
+#endif
+
+namespace pagedllm {
+namespace vec {
+
+using bf16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, bf16* dst) { *dst = bf16(x); }  // round to nearest even
+
+#if defined(PAGEDLLM_VEC_AVX512)
+constexpr int W = 16;
+using V = __m512;
+inline V zero() { return _mm512_setzero_ps(); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline V load(const float* p) { return _mm512_loadu_ps(p); }
+inline V load(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
+inline float hmax(V v) { return _mm512_reduce_max_ps(v); }
+// exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by its Taylor polynomial.
+inline V exp(V x) {
+  x = _mm512_max_ps(x, set1(-87.0f));
+  x = _mm512_min_ps(x, set1(88.0f));
+  V n = _mm512_roundscale_ps(mul(x, set1(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+  V p = set1(1.0f / 720.0f);
+  p = fmadd(p, r, set1(1.0f / 120.0f));
+  p = fmadd(p, r, set1(1.0f / 24.0f));
+  p = fmadd(p, r, set1(1.0f / 6.0f));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.0f));
+  p = fmadd(p, r, set1(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#elif defined(PAGEDLLM_VEC_AVX2)
+constexpr int W = 8;
+using V = __m256;
+inline V zero() { return _mm256_setzero_ps(); }
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V load(const float* p) { return _mm256_loadu_ps(p); }
+inline V load(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline float hsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(s);
+  s = _mm_add_ps(s, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+inline float hmax(V v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V exp(V x) {
+  x = _mm256_max_ps(x, set1(-87.0f));
+  x = _mm256_min_ps(x, set1(88.0f));
+  V n = _mm256_round_ps(mul(x, set1(1.44269504088896341f)),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+  V p = set1(1.0f / 720.0f);
+  p = fmadd(p, r, set1(1.0f / 120.0f));
+  p = fmadd(p, r, set1(1.0f / 24.0f));
+  p = fmadd(p, r, set1(1.0f / 6.0f));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.0f));
+  p = fmadd(p, r, set1(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return mul(p, _mm256_castsi256_ps(e));
+}
+#else
+constexpr int W = 0;  // scalar fallback
+#endif
+
+// ---- row helpers used by the kernels ------------------------------------------------------
+
+// out[g] = dot(q[g * D : (g + 1) * D], k[0 : D]) for g < G; each k chunk is loaded once.
+template <int G, typename T>
+inline void dot_rows(const float* q, const T* k, int D, float* out) {
+  int d = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  V acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = zero();
+  for (; d + W <= D; d += W) {
+    V kv = load(k + d);
+    for (int g = 0; g < G; ++g) acc[g] = fmadd(load(q + g * D + d), kv, acc[g]);
+  }
+  for (int g = 0; g < G; ++g) out[g] = hsum(acc[g]);
+#else
+  for (int g = 0; g < G; ++g) out[g] = 0.f;
+#endif
+  for (; d < D; ++d) {
+    float kd = to_float(k[d]);
+    for (int g = 0; g < G; ++g) out[g] += q[g * D + d] * kd;
+  }
+}
+
+// acc[g * D : (g + 1) * D] += p[g] * v[0 : D] for g < G; each v chunk is loaded once.
+template <int G, typename T>
+inline void axpy_rows(float* acc, const float* p, const T* v, int D) {
+  int d = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  V pv[G];
+  for (int g = 0; g < G; ++g) pv[g] = set1(p[g]);
+  for (; d + W <= D; d += W) {
+    V vv = load(v + d);
+    for (int g = 0; g < G; ++g) store(acc + g * D + d, fmadd(pv[g], vv, load(acc + g * D + d)));
+  }
+#endif
+  for (; d < D; ++d) {
+    float vd = to_float(v[d]);
+    for (int g = 0; g < G; ++g) acc[g * D + d] += p[g] * vd;
+  }
+}
+
+inline void scale_row(float* a, float c, int n) {
+  int i = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  V cv = set1(c);
+  for (; i + W <= n; i += W) store(a + i, mul(load(a + i), cv));
+#endif
+  for (; i < n; ++i) a[i] *= c;
+}
+
+inline float max_row(const float* x, int n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int i = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  if (n >= W) {
+    V mv = load(x);
+    for (i = W; i + W <= n; i += W) mv = vmax(mv, load(x + i));
+    m = hmax(mv);
+  }
+#endif
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+// x[i] = exp(x[i] - m) in place; returns the sum.
+inline float exp_sub_sum(float* x, int n, float m) {
+  float s = 0.f;
+  int i = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  V mv = set1(m);
+  V sv = zero();
+  for (; i + W <= n; i += W) {
+    V e = exp(add(load(x + i), mul(mv, set1(-1.0f))));
+    store(x + i, e);
+    sv = add(sv, e);
+  }
+  s = hsum(sv);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    s += x[i];
+  }
+  return s;
+}
+
+// Ask for a row of n values to be brought into cache (one prefetch per 64-byte line).
+template <typename T>
+inline void prefetch_row(const T* p, int n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+template <typename T>
+inline void load_row_scaled(const T* src, float scale, int n, float* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]) * scale;
+}
+
+template <typename T>
+inline void store_row(const float* src, float scale, int n, T* dst) {
+  for (int i = 0; i < n; ++i) from_float(src[i] * scale, dst + i);
+}
+
+}  // namespace vec
+}  // namespace pagedllm
