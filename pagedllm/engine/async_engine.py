@@ -233,6 +233,19 @@ class AsyncLLMEngine:
     def num_live_requests(self) -> int:
         return len(self._queues)
 
+    def call_in_engine_thread(self, fn: Any) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps (thread-safe); the future
+        gets its result. For read-only observers (the KV dashboard's snapshots): keep ``fn``
+        short, it delays the next step."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cmd_lock:
+            if self._exited:
+                fut.set_exception(EngineDeadError("the engine is not running"))
+            else:
+                self._cmds.put(("call", fn, fut))
+        self._wake.set()
+        return fut
+
     # ---- internals -----------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -289,6 +302,17 @@ class AsyncLLMEngine:
                     eng.abort_request(cmd[1])
                 except Exception:
                     logger.exception("abort of request %s failed", cmd[1])
+            elif cmd[0] == "call":  # call_in_engine_thread
+                _, fn, fut = cmd
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                if reject is not None:
+                    fut.set_exception(reject)
+                    continue
+                try:
+                    fut.set_result(fn(eng))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
 
     def _run(self) -> None:
         try:

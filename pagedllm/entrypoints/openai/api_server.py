@@ -990,6 +990,7 @@ def create_app(
     served_model_name: str | list[str],
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    enable_dashboard: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine``; its lifespan starts and stops the engine thread.
 
@@ -1123,6 +1124,11 @@ def create_app(
             raise APIError(400, f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": server.tokenizer.decode(req.tokens)}
 
+    # ---- KV-cache dashboard (/debug/kv*, /dashboard): see debug_routes.py ----
+    if enable_dashboard:
+        from pagedllm.entrypoints.openai.debug_routes import mount_debug_routes
+
+        mount_debug_routes(app, async_engine)
     return app
 
 
@@ -1134,6 +1140,7 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_stats_interval: float = 5.0,
+    enable_dashboard: bool = False,
 ) -> FastAPI:
     """Build the engine from ``EngineConfig`` keyword arguments and return its app.
 
@@ -1152,7 +1159,15 @@ def build_app(
         name,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        enable_dashboard=enable_dashboard,
     )
+
+
+def _dashboard_enabled(args: Any) -> bool:
+    """KV dashboard: on for loopback hosts, elsewhere only with ``--enable-dashboard``."""
+    from pagedllm.entrypoints.openai.debug_routes import dashboard_enabled
+
+    return dashboard_enabled(args.host, getattr(args, "enable_dashboard", False))
 
 
 def run_server(args: Any) -> int:
@@ -1174,6 +1189,7 @@ def run_server(args: Any) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             log_stats_interval=args.log_stats_interval,
+            enable_dashboard=_dashboard_enabled(args),
         )
     except (ValueError, FileNotFoundError) as e:
         logger.error("could not start the engine: %s", e)

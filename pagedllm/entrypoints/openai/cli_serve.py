@@ -54,6 +54,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds between throughput log lines while busy (0 = off)",
     )
     p.add_argument(
+        "--enable-dashboard",
+        action="store_true",
+        help="serve the KV-cache dashboard (/dashboard, /debug/kv) on a non-loopback --host too "
+        "(it is always on for 127.0.0.1 / localhost; it needs --api-key when one is set)",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
