@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
 
@@ -154,6 +154,9 @@ class SequenceGroup:
     max_tokens: int = 16
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    # Beam search state (``engine.beam_search.BeamSearch``) and, once done, the best hypotheses.
+    beam: Any = None
+    beam_results: list[Any] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -163,4 +166,6 @@ class SequenceGroup:
         return [s for s in self.seqs if not s.is_finished()]
 
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam_results is not None
         return all(s.is_finished() for s in self.seqs)

@@ -109,26 +109,41 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(
-        self, seqs: list[Sequence], num_new_tokens: int | None = None, watermark: bool = True
-    ) -> bool:
+    def group_shared_blocks(self, seqs: list[Sequence]) -> int:
+        """Full prompt blocks the sequences of a group being readmitted (after preemption by
+        recompute) can share: the first sequence computes them, the others point at them in the
+        same step, so a recomputed group needs no more memory than it had (paper figure 8)."""
+        if len(seqs) < 2:
+            return 0
+        k = seqs[0].num_prompt_tokens // self.block_size
+        return min([k] + [(s.num_tokens - 1) // self.block_size for s in seqs[1:]])
+
+    def can_allocate(self, seqs: list[Sequence], watermark: bool = True) -> bool:
         """Whether waiting sequences (no blocks yet) can be admitted now, keeping the watermark.
 
         Args:
-            seqs: the group's sequences.
-            num_new_tokens: tokens to compute in the first step (a prefill chunk); None = all.
+            seqs: the group's sequences (the first one leads: see ``group_shared_blocks``).
             watermark: keep ``watermark_blocks`` free (False when nothing else runs, so a
                 request that needs the whole pool is still admitted).
         """
+        shared = self.group_shared_blocks(seqs)
         need = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
             hits = self.cached_prefix_blocks(s)
-            cached = len(hits) * self.block_size
-            n = s.num_tokens - cached if num_new_tokens is None else num_new_tokens
-            need += cdiv(cached + n, self.block_size) - len(hits)
+            have = len(hits) if i == 0 or len(hits) >= shared else shared
+            need += cdiv(s.num_tokens, self.block_size) - have
             # A hit on a free (evictable) block takes it out of the free list too.
-            need += sum(1 for b in hits if self.allocator.is_free(b))
+            need += sum(1 for b in hits[:have] if self.allocator.is_free(b)) if have == len(hits) else 0
         return self.allocator.num_free - need >= (self.watermark_blocks if watermark else 0)
+
+    def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:
+        """Point ``other`` (no blocks yet) at ``lead``'s first ``num_blocks`` blocks; returns the
+        tokens they hold (``other``'s new ``num_computed_tokens``)."""
+        table = self.block_tables[lead.seq_id][:num_blocks]
+        for b in table:
+            self.allocator.incref(b)
+        self.block_tables[other.seq_id] = list(table)
+        return num_blocks * self.block_size
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Give a waiting sequence its cached prefix blocks; returns the cached tokens (its new

@@ -213,30 +213,57 @@ class Scheduler:
                 seqs = group.unfinished_seqs()
                 if num_seqs + len(seqs) > self.config.max_num_seqs:
                     break
-                if not self.config.enable_chunked_prefill:
-                    bs = self.block_manager.block_size
-                    todo = sum(
-                        s.num_tokens - bs * len(self.block_manager.cached_prefix_blocks(s))
-                        for s in seqs
-                    )
-                    if todo > budget:
-                        break
+                if not self.config.enable_chunked_prefill and self._prefill_tokens(seqs) > budget:
+                    break
                 if not self.block_manager.can_allocate(seqs, watermark=bool(self.running)):
                     break
                 self.waiting.popleft()
-                cached = 0
-                for seq in seqs:
-                    seq.num_computed_tokens = self.block_manager.allocate_prefix(seq)
-                    cached += seq.num_computed_tokens
-                    seq.status = SequenceStatus.RUNNING
-                if group.metrics.first_scheduled_time is None:
-                    group.num_cached_tokens = cached  # reported for the first admission only
-                bisect.insort(self.running, group, key=lambda g: g.arrival_index)
-                budget -= self._commit(group, self._plan(seqs, budget), out)
+                budget -= self._admit(group, seqs, budget, out)
                 num_seqs += len(seqs)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _prefill_tokens(self, seqs: list[Sequence]) -> int:
+        """Tokens a waiting group computes when admitted (after cache hits and group sharing)."""
+        bm = self.block_manager
+        shared = bm.group_shared_blocks(seqs)
+        total = 0
+        for i, s in enumerate(seqs):
+            have = len(bm.cached_prefix_blocks(s))
+            total += s.num_tokens - bm.block_size * (have if i == 0 else max(have, shared))
+        return total
+
+    def _admit(
+        self, group: SequenceGroup, seqs: list[Sequence], budget: int, out: SchedulerOutput
+    ) -> int:
+        """Move a waiting group to running: prefix-cache hits first, then this step's work.
+        Returns the tokens scheduled."""
+        bm = self.block_manager
+        shared = bm.group_shared_blocks(seqs)
+        lead, others = seqs[0], seqs[1:]
+        lead.num_computed_tokens = bm.allocate_prefix(lead)
+        followers = []
+        for seq in others:
+            if len(bm.cached_prefix_blocks(seq)) >= shared:
+                seq.num_computed_tokens = bm.allocate_prefix(seq)
+            else:
+                followers.append(seq)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        if group.metrics.first_scheduled_time is None:
+            group.num_cached_tokens = sum(s.num_computed_tokens for s in seqs)
+        bisect.insort(self.running, group, key=lambda g: g.arrival_index)
+        used = self._commit(group, self._plan([lead], budget), out)
+        if followers and lead.num_computed_tokens + used >= shared * bm.block_size:
+            # The lead writes the shared prompt blocks in this very step; the followers'
+            # attention reads them after the write (K/V are stored before attention per layer).
+            for seq in followers:
+                seq.num_computed_tokens = bm.share_prefix(lead, seq, shared)
+        else:
+            for seq in followers:
+                seq.num_computed_tokens = bm.allocate_prefix(seq)
+        return used + self._commit(group, self._plan(others, budget - used), out)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """After the forward pass: advance ``num_computed_tokens`` of every scheduled sequence and

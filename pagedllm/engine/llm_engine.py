@@ -20,6 +20,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockManager, cdiv
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.model.loader import LoadedModel, load_model
@@ -203,7 +204,12 @@ class LLMEngine:
             )
         params.verify_token_ids(self.vocab_size)
         if params.use_beam_search:
-            raise ValueError("use_beam_search is not supported yet")
+            if params.stop:
+                raise ValueError("stop strings are not supported with use_beam_search")
+            if params.temperature not in (0.0, 1.0) or params.top_p < 1.0 or params.top_k > 1:
+                raise ValueError(
+                    "temperature / top_p / top_k must keep their defaults with use_beam_search"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.config.max_logprobs:
@@ -287,6 +293,15 @@ class LLMEngine:
             max_tokens=max_tokens,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if params.use_beam_search:
+            group.beam = BeamSearch(
+                beam_width=max(params.n, params.best_of or 1),
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                max_tokens=max_tokens,
+                eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                vocab_size=self.vocab_size,
+            )
         self.requests[request_id] = group
         self._seqs[seq.seq_id] = (seq, group)
         self.scheduler.add_seq_group(group)
@@ -339,6 +354,22 @@ class LLMEngine:
 
     def _process_samples(self, seq_ids: list[int], logits: torch.Tensor) -> None:
         pairs = [self._seqs[s] for s in seq_ids]
+        beam_rows: dict[str, list[int]] = {}
+        for i, (_, group) in enumerate(pairs):
+            if group.beam is not None:
+                beam_rows.setdefault(group.request_id, []).append(i)
+        if beam_rows:
+            for rows_of_group in beam_rows.values():
+                group = pairs[rows_of_group[0]][1]
+                # Rows in the group's beam order (BeamSearch.step relies on it).
+                row_of = {pairs[i][0].seq_id: i for i in rows_of_group}
+                ordered = [row_of[s.seq_id] for s in group.seqs]
+                self._beam_step(group, logits[torch.tensor(ordered)])
+            keep = [i for i, (_, g) in enumerate(pairs) if g.beam is None]
+            if not keep:
+                return
+            pairs = [pairs[i] for i in keep]
+            logits = logits[torch.tensor(keep)]
         rows = list(range(len(pairs)))
         # Parallel sampling: at a group's first sample its sequence forks into n (or best_of)
         # sequences sharing every prompt block (paper figure 8); each samples from the same logits
@@ -386,6 +417,59 @@ class LLMEngine:
             self._check_stop(seq, group, token)
             if seq.is_finished() and len(group.seqs) > 1:
                 self.scheduler.free_seq(seq)  # a finished sample gives its blocks back at once
+
+    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor) -> None:
+        """One beam-search step for a group whose live beams all reached their end.
+
+        Kept candidates become the new live beams, in the order ``BeamSearch.step`` returns
+        them: a parent's first child continues the parent's sequence, further children fork its
+        blocks (the paper's block tree, figure 9); parents with no child are freed.
+        """
+        beam = group.beam
+        live = group.seqs
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        kept = beam.step(logprobs, [(s.output_token_ids, s.cumulative_logprob) for s in live])
+        used: set[int] = set()
+        new_live: list[Sequence] = []
+        plan: list[tuple[Sequence, int, float]] = []
+        for parent_row, token, cum in kept:
+            parent = live[parent_row]
+            if parent_row in used:
+                child = parent.fork(next(self._seq_ids), parent.seed)
+                self.block_manager.fork(parent, child)
+                self._seqs[child.seq_id] = (child, group)
+                plan.append((child, token, cum))
+                new_live.append(child)
+            else:
+                used.add(parent_row)
+                plan.append((parent, token, cum))
+                new_live.append(parent)
+        if kept:
+            for row, seq in enumerate(live):
+                if row not in used:
+                    self._drop_seq(seq)
+            for seq, token, cum in plan:
+                seq.token_ids.append(token)
+                seq.cumulative_logprob = cum
+                self.stats.generation_tokens += 1
+            group.seqs = new_live
+        else:
+            new_live = live
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
+        if beam.done or not kept:
+            params = group.sampling_params
+            group.beam_results = beam.finalize(
+                [(s.output_token_ids, s.cumulative_logprob) for s in new_live], params.n
+            )
+            for seq in new_live:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+
+    def _drop_seq(self, seq: Sequence) -> None:
+        """A pruned beam: free its blocks and forget it."""
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self.scheduler.free_seq(seq)
+        self._seqs.pop(seq.seq_id, None)
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
         """Apply stop conditions after ``token`` was appended (order as in vLLM)."""
@@ -464,6 +548,8 @@ class LLMEngine:
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
+        if group.beam is not None:
+            return self._make_beam_output(group)
         finished = group.is_finished()
         # While running, hold back text that might still turn out to start a stop string.
         holdback = max((len(s) for s in params.stop or []), default=1) - 1
@@ -501,6 +587,39 @@ class LLMEngine:
             else None,
             outputs=completions,
             finished=finished,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=group.metrics,
+        )
+
+    def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
+        """Beam search: the best ``n`` hypotheses once done (before that, the live beams)."""
+        params = group.sampling_params
+        eos = set(self.eos_token_ids)
+        if group.beam_results is not None:
+            items = [(h.token_ids, h.cum_logprob, h.finished_by_eos) for h in group.beam_results]
+        else:
+            items = [(s.output_token_ids, s.cumulative_logprob, False) for s in group.seqs[: params.n]]
+        completions = []
+        for i, (tokens, cum, by_eos) in enumerate(items):
+            shown = tokens[:-1] if by_eos and tokens and tokens[-1] in eos else tokens
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens),
+                    token_ids=list(tokens),
+                    cumulative_logprob=float(cum),
+                    finish_reason=None
+                    if group.beam_results is None
+                    else ("stop" if by_eos else "length"),
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=group.beam_results is not None,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
         )

@@ -105,6 +105,39 @@ class LLM:
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        n: int | None = None,
+        ignore_eos: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search inside the engine: each step keeps the ``beam_width`` best candidates,
+        forking their parents' KV blocks (a block tree) and freeing dropped beams.
+
+        Beams are ranked by ``cumulative_logprob / generated_len ** length_penalty`` (the
+        prompt length does not count), with transformers' early-stopping rules (True, False,
+        "never"). Returns, per prompt, the best ``n`` (default ``beam_width``) hypotheses.
+
+        Raises:
+            ValueError: naming the field for invalid values.
+        """
+        params = SamplingParams(
+            n=n or beam_width,
+            best_of=beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+        )
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],

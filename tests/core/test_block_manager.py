@@ -60,8 +60,8 @@ def test_new_block_only_when_last_is_full():
 def test_can_allocate_respects_watermark():
     bm = BlockManager(num_blocks=10, block_size=4, watermark=0.2)  # keep 2 blocks free
     assert bm.watermark_blocks == 2
-    assert bm.can_allocate([seq(0, 32)], 32)  # 8 blocks, leaves 2
-    assert not bm.can_allocate([seq(1, 33)], 33)  # 9 blocks, leaves 1
+    assert bm.can_allocate([seq(0, 32)])  # 8 blocks, leaves 2
+    assert not bm.can_allocate([seq(1, 33)])  # 9 blocks, leaves 1
     assert bm.can_append_slots([seq(2, 36)], 36)  # running growth ignores the watermark
 
 

@@ -113,3 +113,25 @@ def test_same_tokens_under_recompute_preemption(smollm, prompt_ids, reference):
     for o, (ref, _) in zip(outs, reference):
         assert o.outputs[0].token_ids == ref
     assert llm.engine.block_manager.num_free_blocks == blocks
+
+
+@pytest.mark.parametrize("width,lp,es", [(3, 1.0, False), (2, 0.5, True)])
+def test_beam_search_equals_transformers(smollm, hf_smollm, prompt_ids, width, lp, es):
+    llm = LLM(loaded=smollm, check_invariants=True, max_model_len=512)
+    eos = llm.engine.eos_token_ids
+    for ids in prompt_ids[:3]:
+        out = hf_smollm.generate(
+            torch.tensor([ids]), num_beams=width, num_return_sequences=width, max_new_tokens=16,
+            length_penalty=lp, early_stopping=es, do_sample=False, eos_token_id=eos,
+            pad_token_id=eos[0], output_scores=True, return_dict_in_generate=True,
+        )
+        ref = []
+        for row in out.sequences[:, len(ids):].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos), None)
+            ref.append(row if cut is None else row[: cut + 1])
+        ours = llm.beam_search({"prompt_token_ids": ids}, beam_width=width, max_tokens=16,
+                               length_penalty=lp, early_stopping=es, use_tqdm=False)[0]
+        assert [c.token_ids for c in ours.outputs] == ref
+        for c, score in zip(ours.outputs, out.sequences_scores.tolist()):
+            assert abs(c.cumulative_logprob / len(c.token_ids) ** lp - score) < 1e-3
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks

@@ -1,0 +1,59 @@
+"""Beam search through the engine (block tree: fork kept beams, free dropped ones) equals
+transformers' beam search on the same weights."""
+
+import pytest
+import torch
+
+PROMPTS = ["hello world", "the quick brown fox jumps", "a block table maps logical blocks"]
+
+
+def hf_beams(hf, ids, width, max_tokens, lp, es, n, eos):
+    out = hf.generate(
+        torch.tensor([ids]), num_beams=width, num_return_sequences=n, max_new_tokens=max_tokens,
+        length_penalty=lp, early_stopping=es, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+        output_scores=True, return_dict_in_generate=True,
+    )
+    seqs = []
+    for row in out.sequences[:, len(ids):].tolist():
+        if eos in row:
+            row = row[: row.index(eos) + 1]
+        seqs.append(row)
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("width,lp,es", [(2, 1.0, False), (3, 0.5, True), (4, 2.0, "never")])
+def test_beam_search_equals_transformers(tiny_llm_factory, hf_tiny_model, tiny_tokenizer, width, lp, es):
+    # An EOS the model actually emits, so some beams finish early.
+    ids0 = tiny_tokenizer(PROMPTS[0]).input_ids
+    with torch.no_grad():
+        eos = int(hf_tiny_model(torch.tensor([ids0])).logits[0, -1].topk(2).indices[1])
+    llm = tiny_llm_factory(block_size=4)
+    llm.engine.eos_token_ids = [eos]
+    for p in PROMPTS:
+        ids = tiny_tokenizer(p).input_ids
+        ref_seqs, ref_scores = hf_beams(hf_tiny_model, ids, width, 12, lp, es, width, eos)
+        out = llm.beam_search(p, beam_width=width, max_tokens=12, length_penalty=lp,
+                              early_stopping=es, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == ref_seqs
+        for c, score in zip(out.outputs, ref_scores):
+            assert abs(c.cumulative_logprob / len(c.token_ids) ** lp - score) < 1e-4
+        assert out.finished
+
+
+def test_beam_blocks_form_a_tree_and_are_freed(tiny_llm_factory, tiny_tokenizer):
+    llm = tiny_llm_factory(block_size=2)
+    eng = llm.engine
+    from pagedllm.sampling_params import SamplingParams
+
+    eng.add_request("b", PROMPTS[2], SamplingParams(n=2, best_of=4, use_beam_search=True, temperature=0,
+                                                   max_tokens=10, ignore_eos=True))
+    shared_seen = False
+    while eng.has_unfinished_requests():
+        eng.step()
+        group = eng.requests.get("b")
+        if group and len(group.seqs) > 1:
+            rc = eng.block_manager.allocator.ref_counts
+            first = eng.block_manager.get_block_table(group.seqs[0])[0]
+            shared_seen |= rc[first] == len(group.seqs)  # the prompt's first block: one copy
+    assert shared_seen
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
