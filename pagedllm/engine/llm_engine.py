@@ -492,7 +492,10 @@ class LLMEngine:
             seq.output_text += new_text
             if params.stop and not stopped_by_token and n_out >= params.min_tokens:
                 cut = find_stop_string(
-                    seq.output_text, len(new_text), params.stop, params.include_stop_str_in_output
+                    seq.output_text,
+                    len(new_text),
+                    list(params.stop),
+                    params.include_stop_str_in_output,
                 )
                 if cut is not None:
                     matched = self._matched_stop(seq.output_text, cut, params)
@@ -544,7 +547,7 @@ class LLMEngine:
             plp.append(entry)
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return str(self.tokenizer.decode([token_id]))
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
@@ -598,14 +601,18 @@ class LLMEngine:
         if group.beam_results is not None:
             items = [(h.token_ids, h.cum_logprob, h.finished_by_eos) for h in group.beam_results]
         else:
-            items = [(s.output_token_ids, s.cumulative_logprob, False) for s in group.seqs[: params.n]]
+            items = [
+                (s.output_token_ids, s.cumulative_logprob, False) for s in group.seqs[: params.n]
+            ]
         completions = []
         for i, (tokens, cum, by_eos) in enumerate(items):
             shown = tokens[:-1] if by_eos and tokens and tokens[-1] in eos else tokens
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens),
+                    text=str(
+                        self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+                    ),
                     token_ids=list(tokens),
                     cumulative_logprob=float(cum),
                     finish_reason=None

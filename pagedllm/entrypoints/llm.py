@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -151,7 +151,10 @@ class LLM:
         Raises:
             ValueError: naming ``messages`` when a conversation is empty.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            list[list[dict[str, str]]],
+            [messages] if messages and isinstance(messages[0], dict) else messages,
+        )
         prompts: list[PromptType] = []
         for conv in conversations:
             if not conv:
@@ -211,7 +214,7 @@ def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt of token ids
-    return list(prompts)
+    return list(cast(Seq[PromptType], prompts))
 
 
 def _prompt_ids(engine: LLMEngine, p: PromptType) -> list[int]:

@@ -10,6 +10,7 @@ layer does four matmuls instead of seven.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, D/2]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -240,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
             put(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
             if not self.config.tie_word_embeddings:
                 put(self.lm_head_weight, get("lm_head.weight"), "lm_head.weight")
-            for i, layer in enumerate(self.layers):
+            for i, module in enumerate(self.layers):
+                layer = cast(LlamaDecoderLayer, module)
                 p = f"model.layers.{i}."
                 put(
                     layer.input_layernorm.weight,

@@ -426,9 +426,9 @@ class Sampler:
         k_max = max((k for k in ks if k is not None), default=0)
         top: list[list[tuple[int, float]] | None] = [None if k is None else [] for k in ks]
         if k_max > 0:
-            vals, idx = raw.topk(min(k_max, self.vocab_size), dim=-1)
-            vals = (vals - lse[:, None]).tolist()
-            idx = idx.tolist()
+            top_vals, top_idx = raw.topk(min(k_max, self.vocab_size), dim=-1)
+            vals = (top_vals - lse[:, None]).tolist()
+            idx = top_idx.tolist()
             for i, k in enumerate(ks):
                 if k:
                     top[i] = list(zip(idx[i][:k], vals[i][:k], strict=True))

@@ -204,7 +204,8 @@ class DashboardPages:
 
 
 def _tables_arg(tables: str) -> bool | str:
-    return {"all": True, "none": False, "auto": "auto"}.get(tables, tables)
+    choices: dict[str, bool | str] = {"all": True, "none": False, "auto": "auto"}
+    return choices.get(tables, tables)
 
 
 def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
