@@ -133,10 +133,27 @@ def test_metrics(client):
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:time_per_output_token_seconds_bucket",
         "vllm:e2e_request_latency_seconds_count",
+        'vllm:num_preemptions_by_mode_total{mode="swap"',
+        "vllm:num_requests_swapped",
+        "vllm:swap_out_bytes_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_hit_rate",
+        "vllm:kv_sharing_saving_perc",
     ):
         assert name in text, name
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
+    # A repeated long prompt hits the prefix cache: the hit counter moves.
+    prompt = "paged attention stores keys and values in blocks " * 4
+
+    def hits() -> float:
+        lines = client.get("/metrics").text.splitlines()
+        return float([ln for ln in lines if ln.startswith("vllm:prefix_cache_hits_total")][0].split()[-1])
+
+    before = hits()
+    for _ in range(2):
+        client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert hits() > before
 
 
 # ---- completions / chat basics -------------------------------------------------------------------

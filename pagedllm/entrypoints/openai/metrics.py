@@ -71,6 +71,46 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:num_preemptions", "Preemptions of running requests.", st.num_preemptions
         )
+        sched = eng.scheduler
+        by_mode = CounterMetricFamily(
+            "vllm:num_preemptions_by_mode",
+            "Preemptions by mode (swap or recompute).",
+            labels=["model_name", "mode"],
+        )
+        for mode, n in sched.preemptions_by_mode.items():
+            by_mode.add_metric([self.model_name, mode], n)
+        yield by_mode
+        yield gauge(
+            "vllm:num_requests_swapped", "Requests swapped out to host memory.", len(sched.swapped)
+        )
+        block_bytes = getattr(eng, "block_bytes", 0)
+        yield counter(
+            "vllm:swap_out_bytes",
+            "Bytes of KV cache swapped out.",
+            sched.num_blocks_swapped_out * block_bytes,
+        )
+        yield counter(
+            "vllm:swap_in_bytes",
+            "Bytes of KV cache swapped in.",
+            sched.num_blocks_swapped_in * block_bytes,
+        )
+        pc = eng.block_manager.prefix_cache
+        if pc is not None:
+            bs = eng.block_manager.block_size
+            yield counter(
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                pc.queries * bs,
+            )
+            yield counter(
+                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", pc.hits * bs
+            )
+            yield gauge("vllm:prefix_cache_hit_rate", "Prefix-cache block hit rate.", pc.hit_rate)
+        yield gauge(
+            "vllm:kv_sharing_saving_perc",
+            "Share of KV blocks saved by sharing (fork, copy-on-write, prefix caching), mean over steps.",
+            st.sharing_saving,
+        )
 
 
 class ServerMetrics:
