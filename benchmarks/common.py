@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 DATA_DIR = Path(
@@ -31,3 +35,25 @@ def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+LOCK = Path("/tmp/pagedllm_bench.lock")
+
+
+@contextlib.contextmanager
+def bench_lock() -> Iterator[None]:
+    """Wait until no other benchmark holds the machine-wide lock file, then hold it while the
+    block runs (timed measurements must not overlap on a 2-core machine)."""
+    while True:
+        try:
+            fd = os.open(LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            print(f"{LOCK} exists: another benchmark is running; waiting 15 s", flush=True)
+            time.sleep(15)
+    os.write(fd, f"{os.getpid()} {sys.argv[0]}\n".encode())
+    os.close(fd)
+    try:
+        yield
+    finally:
+        LOCK.unlink(missing_ok=True)

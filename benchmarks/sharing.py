@@ -26,9 +26,7 @@ docs/figures/fig16_prefix.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,28 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA_DIR, median  # noqa: E402
+from common import DATA_DIR, bench_lock, median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCK = Path("/tmp/pagedllm_bench.lock")
-
-
-@contextlib.contextmanager
-def bench_lock():
-    """Wait until no other benchmark holds the lock, then hold it while the block runs."""
-    while True:
-        try:
-            fd = os.open(LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            print(f"{LOCK} exists: another benchmark is running; waiting 15 s", flush=True)
-            time.sleep(15)
-    os.write(fd, f"{os.getpid()} benchmarks/sharing.py\n".encode())
-    os.close(fd)
-    try:
-        yield
-    finally:
-        LOCK.unlink(missing_ok=True)
 
 
 # ---- (a) figure 15 -----------------------------------------------------------------------------
