@@ -57,3 +57,15 @@ def bench_lock() -> Iterator[None]:
         yield
     finally:
         LOCK.unlink(missing_ok=True)
+
+
+def merge_json(path: str | Path, result: dict) -> None:
+    """Write ``result`` to ``path``, keeping keys of an earlier run that this run skipped."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        old = json.loads(out.read_text())
+        old.update(result)
+        result = old
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")

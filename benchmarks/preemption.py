@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA_DIR, bench_lock  # noqa: E402
+from common import DATA_DIR, bench_lock, merge_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -328,13 +328,7 @@ def main() -> None:
         plot_19b(rows, ROOT / "docs/figures/fig19b_preemption_latency.png")
         print("wrote docs/figures/fig19b_preemption_latency.png")
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    if Path(args.out).exists():  # keep the other part when one part is skipped
-        old = json.loads(Path(args.out).read_text())
-        old.update(result)
-        result = old
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    merge_json(args.out, result)
 
 
 if __name__ == "__main__":
