@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import statistics
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,21 +41,19 @@ LOCK = Path("/tmp/pagedllm_bench.lock")
 
 @contextlib.contextmanager
 def bench_lock() -> Iterator[None]:
-    """Wait until no other benchmark holds the machine-wide lock file, then hold it while the
-    block runs (timed measurements must not overlap on a 2-core machine)."""
-    while True:
-        try:
-            fd = os.open(LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            print(f"{LOCK} exists: another benchmark is running; waiting 15 s", flush=True)
-            time.sleep(15)
-    os.write(fd, f"{os.getpid()} {sys.argv[0]}\n".encode())
-    os.close(fd)
+    """Hold the machine-wide lock ``/tmp/pagedllm_bench.lock`` (``flock``) while the block runs,
+    waiting for any other holder first: timed measurements and heavy jobs must not overlap on a
+    2-core machine. Shell jobs take the same lock with ``flock /tmp/pagedllm_bench.lock CMD``."""
+    fd = os.open(LOCK, os.O_CREAT | os.O_WRONLY, 0o666)
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{LOCK} is held by another job; waiting", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        LOCK.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def merge_json(path: str | Path, result: dict) -> None:
