@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import string
 
+# isort: off
+import pagedllm  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads)
+
+# isort: on
 import pytest
 import torch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention import cpu as cpu_kernels
 from pagedllm.model.config import LlamaArchConfig
 
 
@@ -34,6 +35,9 @@ class CacheEngine:
         device: torch device.
         num_swap_blocks: blocks of host swap space (a separate pool in host memory, also on a
             CPU device: the device pool stays the budget the scheduler manages).
+        use_cpu_kernels: copy and swap blocks with the C++ ``copy_blocks`` / ``swap_blocks``
+            kernels (one parallel memcpy per block and head) instead of torch index ops; set by
+            the worker when it runs the C++ attention backend, so the extension is loaded.
     """
 
     def __init__(
@@ -44,7 +48,9 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_swap_blocks: int = 0,
+        use_cpu_kernels: bool = False,
     ) -> None:
+        self.use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
@@ -74,6 +80,9 @@ class CacheEngine:
         """Copy-on-write: copy block ``src`` to ``dst`` in every layer, one batched op per layer."""
         if not pairs:
             return
+        if self.use_cpu_kernels:
+            cpu_kernels.copy_blocks(self.kv_caches, pairs)
+            return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         for k, v in self.kv_caches:
@@ -82,19 +91,25 @@ class CacheEngine:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: (device, host) pairs, one batched copy per layer."""
-        self._move(pairs, self.kv_caches, self.swap_caches)
+        self._move(pairs, self.kv_caches, self.swap_caches, self.use_cpu_kernels)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: (host, device) pairs, one batched copy per layer."""
-        self._move(pairs, self.swap_caches, self.kv_caches)
+        self._move(pairs, self.swap_caches, self.kv_caches, self.use_cpu_kernels)
 
     @staticmethod
     def _move(
         pairs: list[tuple[int, int]],
         src_caches: list[tuple[torch.Tensor, torch.Tensor]],
         dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        use_cpu_kernels: bool,
     ) -> None:
         if not pairs:
+            return
+        if use_cpu_kernels:
+            for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+                cpu_kernels.swap_blocks(sk, dk, pairs)
+                cpu_kernels.swap_blocks(sv, dv, pairs)
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)

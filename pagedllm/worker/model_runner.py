@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +33,10 @@ class ModelRunner:
     """Turns a step's scheduled sequences into the model's flat batch.
 
     Batch order: single-token sequences (decodes) first, then multi-token ones, as
-    ``AttentionMetadata`` requires.
+    ``AttentionMetadata`` requires. The per-step metadata (positions, slot mapping, padded block
+    tables) is computed with whole-batch tensor ops from flat lists; the block-table matrix is
+    written into a buffer kept across steps (grown when a step needs more rows or columns), so a
+    decode step allocates no [S, max_blocks] tensor.
     """
 
     def __init__(
@@ -44,33 +48,46 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self._tables = torch.zeros(0, dtype=torch.long)  # reused flat int64 buffer
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """Pad ``tables`` (one list of block ids per sequence) into [S, max_blocks] int64 with
+        zeros, in the reused buffer, with one scatter instead of a loop over sequences."""
+        lens = torch.tensor([len(t) for t in tables], dtype=torch.long)
+        n, width = len(tables), int(lens.max())
+        if n * width > self._tables.numel():
+            self._tables = torch.zeros(max(n * width, 2 * self._tables.numel()), dtype=torch.long)
+        out = self._tables[: n * width].view(n, width)  # contiguous, as the kernels want
+        out.zero_()
+        flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(n), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        col = torch.arange(flat.numel()) - starts[row]
+        out[row, col] = flat
+        return out
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         works = [w for _, w in sched.scheduled]
         # Decodes first (stable sort keeps FCFS order within each kind).
-        order = sorted(range(len(works)), key=lambda i: len(works[i].token_ids) > 1)
-        works = [works[i] for i in order]
+        works.sort(key=lambda w: len(w.token_ids) > 1)
 
         query_lens = [len(w.token_ids) for w in works]
-        seq_lens = [w.start_pos + n for w, n in zip(works, query_lens, strict=True)]
-        num_decodes = sum(1 for n in query_lens if n == 1)
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
+        start_pos_list = [w.start_pos for w in works]
+        seq_lens = [s + n for s, n in zip(start_pos_list, query_lens, strict=True)]
+        num_decodes = query_lens.count(1)
+        starts = [0, *itertools.accumulate(query_lens)]
         num_tokens = starts[-1]
 
-        input_ids = torch.tensor([t for w in works for t in w.token_ids], dtype=torch.long)
-        seq_idx = torch.repeat_interleave(
-            torch.arange(len(works)), torch.tensor(query_lens, dtype=torch.long)
+        input_ids = torch.tensor(
+            list(itertools.chain.from_iterable(w.token_ids for w in works)), dtype=torch.long
         )
-        start_pos = torch.tensor([w.start_pos for w in works], dtype=torch.long)
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        seq_idx = torch.repeat_interleave(torch.arange(len(works)), q_lens)
         q_start = torch.tensor(starts, dtype=torch.long)
-        positions = start_pos[seq_idx] + torch.arange(num_tokens) - q_start[seq_idx]
+        start_pos = torch.tensor(start_pos_list, dtype=torch.long)
+        positions = (start_pos - q_start[:-1])[seq_idx] + torch.arange(num_tokens)
 
-        max_blocks = max(len(w.block_table) for w in works)
-        tables = torch.zeros(len(works), max_blocks, dtype=torch.long)
-        for i, w in enumerate(works):
-            tables[i, : len(w.block_table)] = torch.tensor(w.block_table, dtype=torch.long)
+        tables = self._block_tables([w.block_table for w in works])
         bs = self.block_size
         slot_mapping = tables[seq_idx, positions // bs] * bs + positions % bs
 

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from pagedllm.attention import get_attention_backend
+from pagedllm.attention.cpu import CpuPagedAttention
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.llama import LlamaForCausalLM
@@ -49,7 +50,14 @@ class Worker:
         self.model = LlamaForCausalLM(config, dtype, backend, max_positions=max_model_len)
         self.model.load_weights(state_dict)
         self.model.eval()
-        self.cache = CacheEngine(config, num_blocks, block_size, dtype, num_swap_blocks=num_swap_blocks)
+        self.cache = CacheEngine(
+            config,
+            num_blocks,
+            block_size,
+            dtype,
+            num_swap_blocks=num_swap_blocks,
+            use_cpu_kernels=isinstance(backend, CpuPagedAttention),
+        )
         self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

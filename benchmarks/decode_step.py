@@ -1,0 +1,122 @@
+"""Decode-step cost vs the pure matrix-multiply cost of the same batch (issue 6).
+
+Loads the bundled model, prefills ``--batch`` ShareGPT prompts of ``--prompt-len`` tokens, then
+times ``--steps`` decode steps of the whole engine (``LLMEngine.step``: schedule, model, sample,
+detokenize). The matmul-only cost runs the step's linear layers alone on a random [batch, d]
+activation with the same fused weights (QKV, O, gate/up, down per layer, then the LM head on the
+sampled rows): the floor a step could reach if everything else were free. Prints both in ms and
+their ratio (issue 6 target: matmuls >= 80% of the step), and with ``--profile`` the torch
+profiler's top operators over the timed steps.
+
+    .venv/bin/python benchmarks/decode_step.py --batch 64 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_lock, median, merge_json, sharegpt_prompts  # noqa: E402
+
+
+def matmul_only_ms(model, batch: int, reps: int) -> float:
+    """Median ms of the step's linear layers alone at ``batch`` rows (fp32/bf16 as the model)."""
+    d = model.config.hidden_size
+    x = torch.randn(batch, d, dtype=model.dtype)
+    layers = list(model.layers)
+
+    def once() -> None:
+        for layer in layers:
+            a = layer.self_attn
+            qkv = F.linear(x, a.qkv_proj.weight)
+            F.linear(qkv[:, : a.q_size], a.o_proj.weight)
+            m = layer.mlp
+            gu = F.linear(x, m.gate_up_proj.weight)
+            F.linear(gu[:, : m.inter], m.down_proj.weight)
+        F.linear(x, model.lm_head_weight)
+
+    with torch.inference_mode():
+        once()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            once()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--profile", action="store_true", help="print torch profiler's top operators")
+    ap.add_argument("--out", default="benchmarks/results/decode_step.json")
+    args = ap.parse_args()
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.model.loader import load_model
+    from pagedllm.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(None, torch.float32)
+    prompts = sharegpt_prompts(loaded.tokenizer, args.batch, args.prompt_len)
+    cfg = EngineConfig(
+        max_model_len=args.prompt_len + args.steps + 64,
+        num_threads=args.threads,
+        max_num_seqs=max(args.batch, 1),
+    )
+    engine = LLMEngine(cfg, loaded=loaded, attention_backend=args.attention_backend)
+    sp = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    with bench_lock():
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, sp)
+        # Prefill (possibly several steps) until every sequence decodes.
+        while any(len(s.output_token_ids) == 0 for g in engine.scheduler.running for s in g.seqs) \
+                or engine.scheduler.waiting:
+            engine.step()
+        engine.step()  # first all-decode step, warm
+        step_ms = []
+        prof = None
+        if args.profile:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        model = engine.executor.worker.model
+        mm_ms = matmul_only_ms(model, args.batch, args.steps)
+        while engine.has_unfinished_requests():
+            engine.step()
+    step = median(step_ms)
+    result = {
+        "batch": args.batch,
+        "context": args.prompt_len,
+        "step_ms_median": round(step, 2),
+        "matmul_only_ms_median": round(mm_ms, 2),
+        "matmul_share": round(mm_ms / step, 3),
+        "tokens_per_s_decode": round(args.batch / step * 1e3, 1),
+        "threads": args.threads,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    print(json.dumps(result, indent=1))
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    merge_json(args.out, {f"batch{args.batch}": result})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""End-to-end offline throughput: pagedllm vs vLLM's CPU build, same run, same files (issue 6).
+
+Both engines load the same Hugging Face folder (the bundled SmolLM2-135M-Instruct exported once to
+``.bench/smollm2-135m-hf``), fp32, greedy, ``ignore_eos`` so every request makes exactly its
+output length, both on both cores. vLLM runs in its own venv (``vllm_cpu.py`` installs it) as a
+subprocess, pagedllm in this process; the two alternate round by round and the script prints
+each engine's output tokens/s, the medians and the ratio. Engine start-up, torch.compile and a
+small warm-up are not timed.
+
+Workloads:
+  a: 64 ShareGPT prompts cut to exactly 100 tokens, 128 output tokens each.
+  b: 512 ShareGPT requests with their reference output lengths (first human turn as prompt,
+     reply token count as output length; requests with prompt > 1024 or prompt + output > 2048
+     tokens, or either under 4 tokens, are skipped, as in vLLM's own ShareGPT benchmark).
+
+    .venv/bin/python benchmarks/vs_vllm.py --workload a --rounds 3
+    .venv/bin/python benchmarks/vs_vllm.py --workload b --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_lock, median, merge_json, sharegpt_prompts, sharegpt_requests  # noqa: E402
+from vllm_cpu import export_model, run_offline  # noqa: E402
+
+
+def workload_requests(name: str, tokenizer, num_b: int) -> list[dict]:
+    """Requests of workload ``name`` as ``{"prompt_token_ids", "max_tokens"}`` dicts."""
+    if name == "a":
+        return [{"prompt_token_ids": p, "max_tokens": 128} for p in sharegpt_prompts(tokenizer, 64, 100)]
+    return [
+        {"prompt_token_ids": p, "max_tokens": n}
+        for p, n in sharegpt_requests(tokenizer, num_b, max_prompt=1024, max_total=2048)
+    ]
+
+
+def run_pagedllm(llm, reqs: list[dict]) -> dict:
+    from pagedllm.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "output_tok_s": n_out / elapsed,
+        "elapsed_s": elapsed,
+        "num_output_tokens": n_out,
+        "first_output": list(outs[0].outputs[0].token_ids[:16]),
+        "preemptions": llm.engine.stats.num_preemptions if hasattr(llm.engine, "stats") else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=["a", "b"], default="a")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=512, help="workload b's request count")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV pool of both engines")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
+    ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
+    args = ap.parse_args()
+
+    from pagedllm.entrypoints.llm import LLM
+
+    torch.set_num_threads(args.threads)
+    model_dir = export_model()
+    max_model_len = 2048 if args.workload == "b" else 256
+    llm = LLM(
+        model=str(model_dir),
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_gib * 2**30,
+        num_threads=args.threads,
+    )
+    reqs = workload_requests(args.workload, llm.get_tokenizer(), args.num_requests)
+    n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
+    n_out = sum(r["max_tokens"] for r in reqs)
+    desc = (
+        f"workload {args.workload}: {len(reqs)} requests, {n_in / len(reqs):.0f} prompt / "
+        f"{n_out / len(reqs):.0f} output tokens on average, fp32, greedy, {args.threads} threads"
+    )
+    print(desc, flush=True)
+    vllm_wl = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "max_model_len": max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "enforce_eager": args.vllm_eager,
+        "requests": reqs,
+    }
+    ours: list[dict] = []
+    theirs: list[dict] = []
+    with bench_lock():
+        run_pagedllm(llm, [dict(r, max_tokens=8) for r in reqs[:8]])  # warm-up
+        for r in range(args.rounds):
+            ours.append(run_pagedllm(llm, reqs))
+            print(f"round {r}: pagedllm  {ours[-1]['output_tok_s']:7.1f} output tok/s", flush=True)
+            if not args.skip_vllm:
+                theirs.append(run_offline(vllm_wl, kv_cache_gib=args.kv_cache_gib))
+                print(f"round {r}: vllm-cpu  {theirs[-1]['output_tok_s']:7.1f} output tok/s", flush=True)
+    ours_med = median([o["output_tok_s"] for o in ours])
+    theirs_med = median([t["output_tok_s"] for t in theirs]) if theirs else None
+    result = {
+        "workload": desc,
+        "pagedllm": ours,
+        "vllm_cpu": theirs,
+        "pagedllm_median_tok_s": ours_med,
+        "vllm_median_tok_s": theirs_med,
+        "ratio": ours_med / theirs_med if theirs_med else None,
+        "same_first_tokens": (ours[0]["first_output"] == theirs[0]["first_output"]) if theirs else None,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    print(json.dumps({k: v for k, v in result.items() if k not in ("pagedllm", "vllm_cpu")}, indent=1))
+    merge_json(args.out, {f"workload_{args.workload}": result})
+
+
+if __name__ == "__main__":
+    main()
