@@ -27,20 +27,24 @@ from common import bench_lock, median, merge_json, sharegpt_prompts  # noqa: E40
 
 
 def matmul_only_ms(model, batch: int, reps: int) -> float:
-    """Median ms of the step's linear layers alone at ``batch`` rows (fp32/bf16 as the model)."""
+    """Median ms of the step's linear layers alone at ``batch`` rows, run through the model's own
+    projection modules (so packed oneDNN weights count when the engine uses them)."""
     d = model.config.hidden_size
     x = torch.randn(batch, d, dtype=model.dtype)
     layers = list(model.layers)
+    o_in = torch.randn(batch, layers[0].self_attn.q_size, dtype=model.dtype)
+    down_in = torch.randn(batch, layers[0].mlp.inter, dtype=model.dtype)
 
     def once() -> None:
         for layer in layers:
-            a = layer.self_attn
-            qkv = F.linear(x, a.qkv_proj.weight)
-            F.linear(qkv[:, : a.q_size], a.o_proj.weight)
-            m = layer.mlp
-            gu = F.linear(x, m.gate_up_proj.weight)
-            F.linear(gu[:, : m.inter], m.down_proj.weight)
-        F.linear(x, model.lm_head_weight)
+            layer.self_attn.qkv_proj(x)
+            layer.self_attn.o_proj(o_in)
+            layer.mlp.gate_up_proj(x)
+            layer.mlp.down_proj(down_in)
+        if model.lm_head_packed is not None:
+            model.lm_head_packed(x)
+        else:
+            F.linear(x, model.lm_head_weight)
 
     with torch.inference_mode():
         once()

@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "layer_ops.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -595,4 +596,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_blocks", &pagedllm::copy_blocks, "copy blocks within every layer's cache");
   m.def("swap_blocks", &pagedllm::swap_blocks, "copy blocks between two caches");
   m.def("simd_level", &pagedllm::simd_level, "SIMD instruction set compiled in");
+  m.def("rms_norm", &pagedllm::rms_norm, "RMSNorm of each row (fp32)");
+  m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
+        "residual += x; x = rms_norm(residual), in place (fp32)");
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(gate) * up from a fused [T, 2I] (fp32)");
 }

@@ -10,7 +10,7 @@ layer does four matmuls instead of seven.
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers
 
 
 class RMSNorm(nn.Module):
@@ -27,8 +28,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None and x.dim() == 2:
+            out = torch.empty_like(x)
+            self.cpu_ops.rms_norm(out, x, self.weight, self.eps)
+            return out
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -132,9 +138,15 @@ class LlamaMLP(nn.Module):
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False, dtype=dtype)
+        self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_ops is not None and gate_up.dim() == 2:
+            act = gate_up.new_empty(gate_up.shape[0], self.inter)
+            self.cpu_ops.silu_and_mul(act, gate_up)
+            return self.down_proj(act)
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -147,8 +159,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
 
     def forward(self, rope, x, kv_cache, meta, backend) -> torch.Tensor:
-        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
+        norm = self.post_attention_layernorm
+        if norm.cpu_ops is not None:
+            # One pass: x += a (x is this step's own activation, free to overwrite), a = norm(x).
+            norm.cpu_ops.fused_add_rms_norm(a, x, norm.weight, norm.eps)
+            return x + self.mlp(a)
+        h = x + a
+        return h + self.mlp(norm(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,7 +203,24 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
                 requires_grad=False,
             )
+        self.lm_head_packed: PackedLinear | None = None
         self.requires_grad_(False)
+
+    def use_cpu_layer_ops(self, ops: Any) -> None:
+        """Run RMSNorm and the SwiGLU activation with the fused C++ kernels of ``ops`` (the CPU
+        extension, ``attention.cpu.load_cpu_ops()``); fp32 only, so other dtypes are ignored."""
+        if self.dtype != torch.float32:
+            return
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, LlamaMLP)):
+                m.cpu_ops = ops
+
+    def pack_linears(self) -> int:
+        """Prepack every projection and the LM head for oneDNN (``model.packed_linear``); call
+        after ``load_weights``. Returns the number of packed matrices."""
+        count = pack_linear_layers(self.layers)
+        self.lm_head_packed = PackedLinear(self.lm_head_weight)
+        return count + 1
 
     @torch.inference_mode()
     def forward(
@@ -213,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv, meta, self.backend)
         h = self.norm(h[logits_indices])
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed(h).float()
         return F.linear(h, self.lm_head_weight).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ from pagedllm.attention.cpu import CpuPagedAttention
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.packed_linear import packed_linear_available
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -50,6 +51,10 @@ class Worker:
         self.model = LlamaForCausalLM(config, dtype, backend, max_positions=max_model_len)
         self.model.load_weights(state_dict)
         self.model.eval()
+        if packed_linear_available(dtype):
+            self.model.pack_linears()
+        if isinstance(backend, CpuPagedAttention) and backend.ops is not None:
+            self.model.use_cpu_layer_ops(backend.ops)
         self.cache = CacheEngine(
             config,
             num_blocks,

@@ -1,0 +1,12 @@
+// Fused element-wise layer ops (layer_ops.cpp), bound in paged_attention.cpp's module.
+#pragma once
+#include <torch/extension.h>
+
+namespace pagedllm {
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. x, out: [T, d] float32.
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
+// residual[t] += x[t]; x[t] = rms_norm(residual[t]) * weight, both in place. [T, d] float32.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+// out[t, j] = silu(gate_up[t, j]) * gate_up[t, I + j]. gate_up [T, 2I], out [T, I] float32.
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
+}  // namespace pagedllm

@@ -1,0 +1,141 @@
+"""The fast CPU step: oneDNN-packed linears, fused C++ RMSNorm / SwiGLU kernels, and the whole
+model on that path equal to the plain ATen model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, packed_linear_available
+
+pytestmark = pytest.mark.skipif(  # the oneDNN ops come with every x86 PyTorch build
+    not packed_linear_available(torch.float32), reason="PyTorch built without MKL-DNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("shape", [(96, 64), (576, 960), (33, 17)])
+def test_packed_linear_matches_f_linear(rows, shape):
+    torch.manual_seed(rows)
+    in_f, out_f = shape
+    w = torch.randn(out_f, in_f)
+    x = torch.randn(rows, in_f)
+    got = PackedLinear(w)(x)
+    assert got.shape == (rows, out_f) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_linear_layers_replaces_only_plain_bias_free_linears():
+    class Sub(nn.Linear):
+        pass
+
+    m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8), Sub(8, 8, bias=False))
+    ref = m[0].weight.clone()
+    assert pack_linear_layers(m) == 1
+    assert isinstance(m[0], PackedLinear)
+    assert type(m[1]) is nn.Linear and type(m[2]) is Sub
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(m[0](x), F.linear(x, ref), atol=1e-5, rtol=1e-5)
+
+
+def test_worker_model_is_packed_and_matches_unpacked(tiny_loaded):
+    from pagedllm.attention import get_attention_backend
+    from pagedllm.model.llama import LlamaForCausalLM
+    from pagedllm.worker.worker import Worker
+
+    cfg = tiny_loaded.config
+    worker = Worker(cfg, tiny_loaded.state_dict, torch.float32, 8, 4, 64, "torch_native")
+    packed = worker.model
+    assert isinstance(packed.layers[0].mlp.gate_up_proj, PackedLinear)
+    assert packed.lm_head_packed is not None
+    plain = LlamaForCausalLM(cfg, torch.float32, get_attention_backend("torch_native"), 64)
+    plain.load_weights(tiny_loaded.state_dict)
+    x = torch.randn(5, cfg.hidden_size)
+    down_in = torch.randn(5, cfg.intermediate_size)
+    torch.testing.assert_close(
+        packed.layers[1].mlp.down_proj(down_in), plain.layers[1].mlp.down_proj(down_in),
+        atol=1e-5, rtol=1e-5,
+    )
+    torch.testing.assert_close(
+        packed.lm_head_packed(x), F.linear(x, plain.lm_head_weight), atol=1e-4, rtol=1e-5
+    )
+
+
+@pytest.fixture(scope="module")
+def cpu_ops_or_skip():
+    from pagedllm.attention.cpu import cpu_ops_error, load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
+    return ops
+
+
+def test_fused_layer_ops_match_aten(cpu_ops_or_skip):
+    ops = cpu_ops_or_skip
+    torch.manual_seed(0)
+    for t, d in ((1, 576), (64, 576), (7, 13), (300, 1536)):
+        x, w, r = torch.randn(t, d), torch.randn(d), torch.randn(t, d)
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, w, 1e-5)
+        torch.testing.assert_close(
+            out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w, atol=1e-5, rtol=1e-5
+        )
+        x2, r2 = x.clone(), r.clone()
+        ops.fused_add_rms_norm(x2, r2, w, 1e-5)
+        h = r + x
+        torch.testing.assert_close(r2, h, atol=0, rtol=0)
+        torch.testing.assert_close(
+            x2, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w, atol=1e-5, rtol=1e-5
+        )
+        gu = torch.randn(t, 2 * d) * 4
+        act = torch.empty(t, d)
+        ops.silu_and_mul(act, gu)
+        torch.testing.assert_close(act, F.silu(gu[:, :d]) * gu[:, d:], atol=1e-5, rtol=1e-5)
+    bf = torch.ones(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm(torch.empty_like(bf), bf, torch.ones(4), 1e-5)
+
+
+def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
+    """The whole forward with packed linears + fused C++ layer ops + C++ attention equals the
+    plain ATen model with torch_native attention (fp32, 1e-4): an 8-token prefill, then a
+    decode, over a shuffled block table [2, 7, 5] with block size 4."""
+    from pagedllm.attention import AttentionMetadata, get_attention_backend
+    from pagedllm.model.llama import LlamaForCausalLM
+    from pagedllm.worker.cache_engine import CacheEngine
+
+    cfg = tiny_loaded.config
+    fast = LlamaForCausalLM(cfg, torch.float32, get_attention_backend("cpu"), 64)
+    plain = LlamaForCausalLM(cfg, torch.float32, get_attention_backend("torch_native"), 64)
+    for m in (fast, plain):
+        m.load_weights(tiny_loaded.state_dict)
+    fast.pack_linears()
+    fast.use_cpu_layer_ops(cpu_ops_or_skip)
+    assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
+    caches = [CacheEngine(cfg, 8, 4, torch.float32).kv_caches for _ in range(2)]
+    table = [2, 7, 5]
+    ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+
+    def meta(q_len: int, ctx: int) -> AttentionMetadata:
+        slots = [table[p // 4] * 4 + p % 4 for p in range(ctx - q_len, ctx)]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            block_tables=torch.tensor([table]),
+            seq_lens=torch.tensor([ctx]),
+            query_start_loc=torch.tensor([0, q_len]),
+            seq_lens_list=[ctx],
+            query_lens_list=[q_len],
+            query_start_loc_list=[0, q_len],
+            num_decodes=int(q_len == 1),
+            block_size=4,
+        )
+
+    for q_ids, start in ((ids[:8], 0), (ids[8:9], 8)):
+        pos = torch.arange(start, start + len(q_ids))
+        rows = torch.arange(len(q_ids))
+        got = fast(q_ids, pos, caches[0], meta(len(q_ids), start + len(q_ids)), rows)
+        want = plain(q_ids, pos, caches[1], meta(len(q_ids), start + len(q_ids)), rows)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
