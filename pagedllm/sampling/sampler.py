@@ -164,7 +164,8 @@ class SamplerOutput:
         sampled_logprobs: [B] log-probability (natural log) of the chosen token under the RAW
             model distribution (``log_softmax`` of the unprocessed logits).
         sampled_ranks: [B] 1-based rank of the chosen token in the raw distribution
-            (1 + number of tokens with a strictly larger raw logit).
+            (1 + number of tokens with a strictly larger raw logit); 0 for every row when no row
+            asked for logprobs (the count is a full pass over the logits, skipped then).
         top_logprobs: [B] per row the top-k ``(token_id, raw logprob)`` pairs sorted by
             decreasing logprob, ``k = params.logprobs`` (``[]`` for 0); None when the row asked
             for no logprobs.
@@ -420,9 +421,12 @@ class Sampler:
         lse = torch.logsumexp(raw, dim=-1)
         chosen_logit = raw.gather(1, sampled[:, None]).squeeze(1)
         sampled_lp = chosen_logit - lse
-        ranks = torch.count_nonzero(raw > chosen_logit[:, None], dim=-1) + 1
-
         ks = [p.logprobs for p in params]
+        if any(k is not None for k in ks):
+            ranks = (torch.count_nonzero(raw > chosen_logit[:, None], dim=-1) + 1).tolist()
+        else:
+            ranks = [0] * len(ks)
+
         k_max = max((k for k in ks if k is not None), default=0)
         top: list[list[tuple[int, float]] | None] = [None if k is None else [] for k in ks]
         if k_max > 0:
@@ -435,7 +439,7 @@ class Sampler:
         return SamplerOutput(
             sampled_token_ids=sampled.tolist(),
             sampled_logprobs=sampled_lp.tolist(),
-            sampled_ranks=ranks.tolist(),
+            sampled_ranks=ranks,
             top_logprobs=top,
         )
 

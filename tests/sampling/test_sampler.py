@@ -53,7 +53,9 @@ def test_greedy_is_argmax_and_logits_untouched():
     assert out.sampled_token_ids == logits.argmax(-1).tolist()
     assert torch.equal(logits, before)
     assert out.top_logprobs == [None] * 6
-    assert out.sampled_ranks == [1] * 6
+    assert out.sampled_ranks == [0] * 6  # not computed: no row asked for logprobs
+    with_lp = Sampler(50)(logits, make_batch([SamplingParams(temperature=0.0, logprobs=0)] * 6))
+    assert with_lp.sampled_ranks == [1] * 6
 
 
 def test_bf16_and_padded_vocab():
@@ -126,7 +128,7 @@ def test_logit_bias():
     assert sample_one(row, p).sampled_token_ids == [3]
     p = SamplingParams(temperature=0.0, logit_bias={"1": -100})
     assert sample_one(row, p).sampled_token_ids == [2]
-    out = sample_one(row, SamplingParams(temperature=0.0, logit_bias={3: 4.5}))
+    out = sample_one(row, SamplingParams(temperature=0.0, logit_bias={3: 4.5}, logprobs=0))
     # reported logprob is raw: token 3 is the least likely under the raw distribution
     assert out.sampled_ranks == [4]
     assert out.sampled_logprobs[0] == pytest.approx(
