@@ -11,8 +11,8 @@ attention shape (9 query heads, 3 kv heads, head_dim 64, fp32):
 * torch_native: the vectorized-torch backend's decode path (gather + two batched matmuls).
 
 Prints a table with the paged kernel's overhead over contiguous attention and writes JSON to
-benchmarks/results/kernel_attention.json. Waits while /tmp/pagedllm_bench.lock exists (another
-benchmark is running) and holds that lock itself while measuring.
+benchmarks/results/kernel_attention.json and, with ``--plot``, docs/figures/fig18a_kernel.png. Holds
+the machine-wide benchmark lock (``common.bench_lock``) while measuring.
 
     python benchmarks/kernel_attention.py [--threads 2] [--block-size 16]
 """
@@ -21,27 +21,52 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu import load_cpu_ops
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_native import TorchNativeAttention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_lock  # noqa: E402
 
-LOCK = Path("/tmp/pagedllm_bench.lock")
+from pagedllm.attention.cpu import load_cpu_ops  # noqa: E402
+from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedllm.attention.torch_native import TorchNativeAttention  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def wait_for_lock() -> None:
-    while LOCK.exists():
-        print(f"{LOCK} exists: another benchmark is running; waiting 30 s", flush=True)
-        time.sleep(30)
+FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "fig18a_kernel.png"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Latency vs context per batch size, paged kernel vs contiguous SDPA (paper figure 18a)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.4), squeeze=False)
+    for ax, b in zip(axes[0], batches, strict=True):
+        rows = [r for r in result["rows"] if r["batch"] == b]
+        ctx = [r["context"] for r in rows]
+        ax.plot(ctx, [r["paged_us"] for r in rows], "o-", label="paged (C++ kernel)")
+        ax.plot(ctx, [r["contiguous_us"] for r in rows], "s--", label="contiguous (SDPA)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("latency (us)")
+        ax.set_title(f"batch {b}, block size {result['block_size']}")
+        ax.legend()
+    fig.suptitle("Decode attention latency, one layer of SmolLM2-135M (cf. paper fig. 18a)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def timeit(fn, min_time: float = 0.4) -> float:
@@ -93,8 +118,13 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--out", type=Path, default=RESULTS / "kernel_attention.json")
+    ap.add_argument("--plot", action="store_true", help="also draw docs/figures/fig18a_kernel.png")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out, no runs")
     args = ap.parse_args()
 
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), FIGURE)
+        return
     torch.set_num_threads(args.threads)
     ops = load_cpu_ops()
     if ops is None:
@@ -104,8 +134,8 @@ def main() -> None:
     scale = d**-0.5
     native = TorchNativeAttention()
 
-    wait_for_lock()
-    LOCK.write_text(f"{os.getpid()} benchmarks/kernel_attention.py\n")
+    lock = bench_lock()
+    lock.__enter__()
     rows = []
     try:
         for batch in args.batches:
@@ -168,7 +198,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        LOCK.unlink(missing_ok=True)
+        lock.__exit__(None, None, None)
 
     print()
     print(f"Decode attention, block size {bs}, H={h} KVH={kvh} D={d} fp32, {args.threads} threads")
@@ -203,6 +233,8 @@ def main() -> None:
         )
     )
     print(f"wrote {args.out}")
+    if args.plot:
+        plot(json.loads(args.out.read_text()), FIGURE)
 
 
 if __name__ == "__main__":

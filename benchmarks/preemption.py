@@ -15,7 +15,7 @@
     Reports total time, mean per-request latency (finished_time - arrival_time), preemptions by
     mode, and bytes swapped (out + in).
 
-Timed parts wait while /tmp/pagedllm_bench.lock exists and hold it while measuring. Prints
+Timed parts hold the machine-wide benchmark lock (common.bench_lock). Prints
 tables, writes benchmarks/results/preemption.json, docs/figures/fig19a_swap_vs_recompute.png and
 docs/figures/fig19b_preemption_latency.png.
 

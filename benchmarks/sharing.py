@@ -13,8 +13,8 @@
     "English: <sentence>\\nGerman:", greedy, exactly ``--wmt-output`` tokens (ignore_eos), with
     ``enable_prefix_caching`` on vs off (a fresh engine per run, so the cache starts cold).
     On/off alternate for ``--rounds`` rounds; the median output tokens/s is reported with the
-    share of prompt tokens served from the prefix cache. Timed: waits while
-    /tmp/pagedllm_bench.lock exists and holds it while measuring.
+    share of prompt tokens served from the prefix cache. Timed parts hold the machine-wide
+    benchmark lock (common.bench_lock).
 
 Prints tables, writes benchmarks/results/sharing.json and docs/figures/fig15_sharing.png,
 docs/figures/fig16_prefix.png.
