@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, KV_MANAGERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument(
+        "--kv-manager",
+        default="paged",
+        choices=list(KV_MANAGERS),
+        help="KV memory manager: paged, or a contiguous Orca baseline (paper section 6.1)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         num_threads=args.num_threads,
+        kv_manager=args.kv_manager,
     )
 
 
