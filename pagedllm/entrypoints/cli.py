@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         add_serve_parser(sub)
 
+    from pagedllm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
