@@ -37,6 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of earlier requests with the same prefix (paged manager only)",
+    )
+    p.add_argument(
         "--kv-manager",
         default="paged",
         choices=list(KV_MANAGERS),
@@ -58,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         num_threads=args.num_threads,
         kv_manager=args.kv_manager,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
