@@ -67,8 +67,8 @@ LABEL = {
 
 # Full run: sized to about an hour on this 2-core machine (see docs/benchmarks.md).
 FULL = {
-    "sharegpt": {"num_prompts": 40, "rates": [0.25, 0.5, 1.0], "max_output_len": None},
-    "alpaca": {"num_prompts": 80, "rates": [1.0, 2.0, 4.0], "max_output_len": None},
+    "sharegpt": {"num_prompts": 32, "rates": [0.25, 0.5, 1.0], "max_output_len": None},
+    "alpaca": {"num_prompts": 64, "rates": [1.0, 2.0, 4.0], "max_output_len": None},
     "offline_prompts": 64,
 }
 QUICK = {
