@@ -10,7 +10,9 @@ in the client, and their latency starts when they are sent). Every failure (HTTP
 event, broken stream, timeout) is counted in the report, never raised.
 
 Against a pagedllm server the client also reads ``/debug/engine_stats`` before and after the run
-and reports the difference (batched requests per step, memory waste, preemptions).
+and reports the difference (batched requests per step, memory waste, preemptions); that route is
+one of the dashboard's (on by default on 127.0.0.1, else ``--enable-dashboard``). Elsewhere
+``engine_stats`` is None.
 """
 
 from __future__ import annotations
