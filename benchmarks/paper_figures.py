@@ -279,7 +279,7 @@ def plot(result: dict[str, Any], suffix: str) -> list[Path]:
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(datasets))], datasets)
     ax.set_ylabel("# batched requests")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(systems))
     fig.tight_layout()
     paths.append(FIGURES / f"fig13_batched_requests{suffix}.png")
     fig.savefig(paths[-1], dpi=120)
@@ -400,7 +400,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--replot", default=None, help="redo tables and PNGs from a result JSON")
     args = ap.parse_args()
+    if args.replot:
+        old = json.loads(Path(args.replot).read_text())
+        print(tables(old))
+        for p in plot(old, "_quick" if old["config"]["quick"] else ""):
+            print(f"wrote {p}")
+        return
 
     from pagedllm.bench.cli import _load_tokenizer
     from pagedllm.bench.datasets import hf_tokenize, load_dataset, workload_stats
