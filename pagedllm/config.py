@@ -24,6 +24,9 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 # Host swap space: 256 MiB holds about 5,800 tokens of SmolLM2-135M KV in fp32.
 DEFAULT_SWAP_SPACE = 256 << 20
 
+# KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
+KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map "float32" / "bfloat16" / "float16" (or a torch dtype) to a torch dtype.
@@ -67,6 +70,10 @@ class EngineConfig:
         num_threads: torch intra-op threads; None = all cores.
         max_logprobs: most top logprobs a request may ask for.
         check_invariants: run the block-manager invariant check after every step (tests).
+        kv_manager: the KV memory manager: "paged" (block tables, this engine's design) or one
+            of the contiguous-reservation baselines of the paper's section 6.1, "orca-max",
+            "orca-pow2", "orca-oracle" (see ``core.contiguous_kv_manager``; prefix caching,
+            sharing and swapping are off for them).
     """
 
     model: str | None = None
@@ -86,6 +93,7 @@ class EngineConfig:
     max_logprobs: int = 20
     check_invariants: bool = False
     device: str = "cpu"
+    kv_manager: str = "paged"
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
@@ -111,6 +119,8 @@ class EngineConfig:
             raise ValueError(
                 f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
             )
+        if self.kv_manager not in KV_MANAGERS:
+            raise ValueError(f"kv_manager must be one of {KV_MANAGERS}, got {self.kv_manager!r}")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
 

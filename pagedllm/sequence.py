@@ -53,6 +53,9 @@ class Sequence:
         seed: seed of this sequence's counter-based random stream (see ``sampling.sampler``).
         cache_salt: extra prefix-cache key material (requests with different salts never share).
         cumulative_logprob: sum of raw-model logprobs of the generated tokens.
+        max_num_tokens: the most tokens the sequence can reach (prompt + the request's
+            max_tokens), set by the engine; with ``ignore_eos`` it is the true final length.
+            The contiguous-cache baselines reserve by it; the memory-waste accounting uses it.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        self.max_num_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +120,7 @@ class Sequence:
         child.output_logprobs = list(self.output_logprobs)
         child.output_text = self.output_text
         child.num_registered_blocks = self.num_registered_blocks
+        child.max_num_tokens = self.max_num_tokens
         return child
 
     def is_finished(self) -> bool:

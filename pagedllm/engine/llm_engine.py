@@ -13,12 +13,15 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockManager, cdiv
+from pagedllm.core.contiguous_kv_manager import ContiguousKVManager
+from pagedllm.core.kv_waste import KVWaste, contiguous_waste, paged_waste
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -66,6 +69,13 @@ class EngineStats:
         blocks_used_sum / blocks_unshared_sum: sums over steps of the blocks in use, and of the
             blocks the same sequences would use if nothing were shared (the sum of their block
             table lengths): the paper's figure 15 memory saving is 1 - used / unshared.
+        batched_requests_sum: sum over steps of the requests scheduled in the step; divide by
+            ``num_steps`` for the paper's figure 13 (average number of batched requests).
+        kv_token_states_share_sum / kv_reserved_share_sum / kv_internal_fragmentation_share_sum
+            / kv_external_fragmentation_share_sum: sums over steps of each part's share of the
+            accounted KV memory (paper figure 2; definitions in ``core.kv_waste``);
+            ``kv_waste_steps`` counts the steps with allocated memory. The mean is weighted by
+            step (every step counts once, however long it took).
     """
 
     num_steps: int = 0
@@ -76,6 +86,57 @@ class EngineStats:
     num_preemptions: int = 0
     blocks_used_sum: int = 0
     blocks_unshared_sum: int = 0
+    batched_requests_sum: int = 0
+    kv_token_states_share_sum: float = 0.0
+    kv_reserved_share_sum: float = 0.0
+    kv_internal_fragmentation_share_sum: float = 0.0
+    kv_external_fragmentation_share_sum: float = 0.0
+    kv_waste_steps: int = 0
+
+    @property
+    def mean_batched_requests(self) -> float:
+        """Requests per step, averaged over steps (paper figure 13)."""
+        return self.batched_requests_sum / self.num_steps if self.num_steps else 0.0
+
+    def memory_waste(self) -> dict[str, float]:
+        """Mean share (0..1, step-weighted) of the accounted KV memory holding token states,
+        reserved for future tokens, lost to internal and to external fragmentation."""
+        n = self.kv_waste_steps or 1
+        return {
+            "token_states": self.kv_token_states_share_sum / n,
+            "reserved": self.kv_reserved_share_sum / n,
+            "internal_fragmentation": self.kv_internal_fragmentation_share_sum / n,
+            "external_fragmentation": self.kv_external_fragmentation_share_sum / n,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Every counter plus the derived figures (batched requests, memory waste, slot
+        utilization, sharing saving), JSON-ready."""
+        return {
+            **asdict(self),
+            "mean_batched_requests": self.mean_batched_requests,
+            "mean_slot_utilization": self.mean_slot_utilization,
+            "sharing_saving": self.sharing_saving,
+            "memory_waste": self.memory_waste(),
+        }
+
+    @classmethod
+    def delta(cls, before: dict[str, Any], after: dict[str, Any]) -> EngineStats:
+        """The counters of the steps between two ``summary()`` dicts (``peak_blocks_used`` is
+        the later value: a peak cannot be differenced)."""
+        kw = {f.name: after[f.name] - before[f.name] for f in fields(cls)}
+        kw["peak_blocks_used"] = after["peak_blocks_used"]
+        return cls(**kw)
+
+    def add_waste(self, w: KVWaste) -> None:
+        """Add one step's breakdown (steps with no accounted memory are skipped)."""
+        if w.total <= 0:
+            return
+        self.kv_waste_steps += 1
+        self.kv_token_states_share_sum += w.token_states / w.total
+        self.kv_reserved_share_sum += w.reserved / w.total
+        self.kv_internal_fragmentation_share_sum += w.internal_fragmentation / w.total
+        self.kv_external_fragmentation_share_sum += w.external_fragmentation / w.total
 
     @property
     def mean_slot_utilization(self) -> float:
@@ -141,12 +202,20 @@ class LLMEngine:
             num_blocks * kv_block_bytes(mc, config.block_size, dtype) / 2**20,
         )
 
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_swap_blocks=num_swap_blocks,
-        )
+        self.block_manager: BlockManager
+        if config.kv_manager == "paged":
+            self.block_manager = BlockManager(
+                num_blocks,
+                config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                num_swap_blocks=num_swap_blocks,
+            )
+        else:
+            # Contiguous reservation baselines (paper section 6.1): no sharing, no swapping.
+            num_swap_blocks = 0
+            self.block_manager = ContiguousKVManager(
+                num_blocks, config.block_size, config.kv_manager, self.max_model_len
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -230,6 +299,23 @@ class LLMEngine:
                 "max_tokens",
             )
         num_samples = max(params.n, params.best_of or 1)
+        bm = self.block_manager
+        if isinstance(bm, ContiguousKVManager):
+            if num_samples > 1 or params.use_beam_search:
+                raise ValueError(
+                    f"n: kv_manager={self.config.kv_manager!r} reserves one contiguous run per "
+                    "request and cannot share it; parallel sampling and beam search need 'paged'"
+                )
+            probe = Sequence(-1, prompt_token_ids, 0)
+            probe.max_num_tokens = n_prompt + max_tokens
+            if not bm.fits_pool(probe):
+                raise ContextLengthExceededError(
+                    f"max_tokens: the {self.config.kv_manager} reservation of "
+                    f"{bm.reservation_tokens(probe)} tokens needs a chunk of "
+                    f"{bm.chunk_blocks_for(probe)} blocks, more than the pool's largest "
+                    f"({bm.buddy.max_chunk_blocks} blocks of {self.config.block_size} tokens)",
+                    "max_tokens",
+                )
         per_seq = cdiv(n_prompt + max_tokens, self.config.block_size)
         if (
             per_seq + (num_samples - 1) * (per_seq - n_prompt // self.config.block_size)
@@ -276,6 +362,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         salt = cache_salt.encode() if cache_salt else None
         seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
+        seq.max_num_tokens = len(token_ids) + max_tokens
         if params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -639,6 +726,13 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        self.stats.batched_requests_sum += len({rid for rid, _ in sched.scheduled})
+        holders = [s for g in self.scheduler.running for s in g.seqs]
+        if isinstance(bm, ContiguousKVManager):
+            head = self.scheduler.waiting[0].seqs[0] if self.scheduler.waiting else None
+            self.stats.add_waste(contiguous_waste(bm, holders, head))
+        else:
+            self.stats.add_waste(paged_waste(bm, holders))
         if used:
             # Finished sequences still hold their blocks until free_finished() right after this.
             # Shared blocks count once: tokens held = distinct (block, slot) pairs in use.

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, KV_MANAGERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of earlier requests with the same prefix (paged manager only)",
+    )
+    p.add_argument(
+        "--kv-manager",
+        default="paged",
+        choices=list(KV_MANAGERS),
+        help="KV memory manager: paged, or a contiguous Orca baseline (paper section 6.1)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +63,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         num_threads=args.num_threads,
+        kv_manager=args.kv_manager,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -178,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     else:
         add_serve_parser(sub)
+
+    from pagedllm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

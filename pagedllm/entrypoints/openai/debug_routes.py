@@ -222,6 +222,21 @@ def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
         )
         return JSONResponse(snap)
 
+    @router.get("/debug/engine_stats")
+    async def debug_engine_stats() -> dict[str, Any]:
+        """``EngineStats.summary()`` (cumulative counters: benchmarks difference two reads) and
+        the pool's state; read without stopping the engine thread."""
+        eng = source.async_engine.engine
+        bm = eng.block_manager
+        return {
+            "kv_manager": eng.config.kv_manager,
+            "num_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_unfinished_requests": eng.get_num_unfinished_requests(),
+            "stats": eng.stats.summary(),
+        }
+
     @router.get("/debug/kv/history")
     async def debug_kv_history() -> dict[str, Any]:
         return {"period_s": HISTORY_PERIOD, "samples": list(history.samples)}
