@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alpaca_requests, bench_lock, merge_json, sharegpt_requests  # noqa: E402
+from common import bench_lock, dataset_requests, merge_json  # noqa: E402
 
 
 def run_one(loaded, reqs, block_size: int, kv_mib: int, threads: int) -> dict:
@@ -97,10 +97,8 @@ def main() -> None:
     result: dict[str, list[dict]] = {}
     with bench_lock():
         for name in args.datasets.split(","):
-            if name == "sharegpt":
-                reqs = sharegpt_requests(loaded.tokenizer, args.num_requests)
-            else:
-                reqs = alpaca_requests(loaded.tokenizer, args.num_requests * 4)
+            n = args.num_requests * (1 if name == "sharegpt" else 4)
+            reqs = dataset_requests(loaded.tokenizer, name, n)
             rows = []
             for bs in sizes:
                 rows.append(run_one(loaded, reqs, bs, args.kv_mib, args.threads))

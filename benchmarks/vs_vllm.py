@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_lock, median, merge_json, sharegpt_prompts, sharegpt_requests  # noqa: E402
+from common import bench_lock, dataset_requests, median, merge_json, sharegpt_prompts  # noqa: E402
 from vllm_cpu import export_model, run_offline  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def workload_requests(name: str, tokenizer, num_b: int) -> list[dict]:
         return [{"prompt_token_ids": p, "max_tokens": 128} for p in sharegpt_prompts(tokenizer, 64, 100)]
     return [
         {"prompt_token_ids": p, "max_tokens": n}
-        for p, n in sharegpt_requests(tokenizer, num_b, max_prompt=1024, max_total=2048)
+        for p, n in dataset_requests(tokenizer, "sharegpt", num_b)
     ]
 
 
