@@ -7,16 +7,32 @@ import torch
 from pagedllm.model.config import LlamaArchConfig
 
 
-def kv_block_bytes(config: LlamaArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one physical block takes across all layers (K and V)."""
-    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+def kv_block_bytes(
+    config: LlamaArchConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    num_kv_heads: int | None = None,
+) -> int:
+    """Bytes one physical block takes across all layers (K and V).
+
+    ``num_kv_heads`` is the KV heads one tensor-parallel rank holds (default: all of them).
+    """
+    per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    if num_kv_heads is not None:
+        per_token = per_token // config.num_key_value_heads * num_kv_heads
+    return block_size * per_token
 
 
 def num_blocks_for_memory(
-    config: LlamaArchConfig, block_size: int, dtype: torch.dtype, kv_cache_memory: int
+    config: LlamaArchConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_memory: int,
+    num_kv_heads: int | None = None,
 ) -> int:
-    """How many blocks fit in ``kv_cache_memory`` bytes (at least 1)."""
-    return max(1, kv_cache_memory // kv_block_bytes(config, block_size, dtype))
+    """How many blocks fit in ``kv_cache_memory`` bytes (at least 1); per rank with
+    ``num_kv_heads`` (see ``kv_block_bytes``)."""
+    return max(1, kv_cache_memory // kv_block_bytes(config, block_size, dtype, num_kv_heads))
 
 
 class CacheEngine:
@@ -34,6 +50,7 @@ class CacheEngine:
         device: torch device.
         num_swap_blocks: blocks of host swap space (a separate pool in host memory, also on a
             CPU device: the device pool stays the budget the scheduler manages).
+        num_kv_heads: KV heads this tensor-parallel rank holds (default: all of the model's).
     """
 
     def __init__(
@@ -44,10 +61,12 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_swap_blocks: int = 0,
+        num_kv_heads: int | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+        kvh = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        shape = (kvh, num_blocks, block_size, config.head_dim)
         # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -56,7 +75,7 @@ class CacheEngine:
             )
             for _ in range(config.num_hidden_layers)
         ]
-        swap_shape = (config.num_key_value_heads, num_swap_blocks, block_size, config.head_dim)
+        swap_shape = (kvh, num_swap_blocks, block_size, config.head_dim)
         pin = torch.device(device).type == "cuda"
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
