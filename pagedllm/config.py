@@ -67,6 +67,10 @@ class EngineConfig:
         num_threads: torch intra-op threads; None = all cores.
         max_logprobs: most top logprobs a request may ask for.
         check_invariants: run the block-manager invariant check after every step (tests).
+        tensor_parallel_size: ranks the model is split over (paper section 4.6; Megatron-LM
+            sharding). ``kv_cache_memory`` is then per rank: each rank caches only its KV heads.
+        distributed_executor_backend: "uni" (in-process, tp = 1), "mp" (worker processes on this
+            machine; the default when tp > 1) or "ray" (Ray actors); None = pick.
     """
 
     model: str | None = None
@@ -86,9 +90,25 @@ class EngineConfig:
     max_logprobs: int = 20
     check_invariants: bool = False
     device: str = "cpu"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'uni', 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one process: it needs "
+                f"tensor_parallel_size 1, got {self.tensor_parallel_size}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -36,6 +36,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (paper section 4.6); default 1",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp", "ray"],
+        default=None,
+        help="how the ranks run: mp = worker processes (default when tp > 1), ray = Ray actors",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +64,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
