@@ -118,3 +118,18 @@ def test_bad_tensor_parallel_size_names_the_field():
         EngineConfig(tensor_parallel_size=2, distributed_executor_backend="threads")
     assert EngineConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
     assert EngineConfig().distributed_executor_backend == "uni"
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+
+    from pagedllm.entrypoints.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--tensor-parallel-size", "3"]))
+    assert kw["tensor_parallel_size"] == 3 and kw["distributed_executor_backend"] is None
+    config = EngineConfig(**kw)
+    assert config.distributed_executor_backend == "mp"
+    kw = engine_kwargs(p.parse_args(["-tp", "2", "--distributed-executor-backend", "ray"]))
+    assert EngineConfig(**kw).distributed_executor_backend == "ray"
