@@ -66,6 +66,7 @@ def run(loaded, tp: int, args) -> dict:
         max_model_len=args.prompt_len + args.output_len + 16,
         num_gpu_blocks_override=2048,
         enable_prefix_caching=False,
+        num_threads=args.num_threads,
     )
     engine = llm.engine
     sizes: dict[int, int] = {}  # decode batch size -> pickled SchedulerOutput bytes
@@ -108,6 +109,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--models", default="random8,smollm")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads in all (split over ranks)"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tensor_parallel.json"))
     args = p.parse_args()
 
@@ -116,6 +120,7 @@ def main() -> None:
     smollm = load_model(None, torch.float32)
     plans = {"random8": (random8(smollm), (1, 2)), "smollm": (smollm, (1, 3))}
     result: dict = {"workload": vars(args) | {"cpu_threads": torch.get_num_threads()}}
+    key = "" if args.num_threads is None else f"_threads{args.num_threads}"
     with bench_lock():
         for name in args.models.split(","):
             loaded, tps = plans[name]
@@ -123,7 +128,7 @@ def main() -> None:
             same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
             for r in rows:
                 r.pop("outputs")
-            result[name] = {"runs": rows, "greedy_outputs_identical": same}
+            result[name + key] = {"runs": rows, "greedy_outputs_identical": same}
             print(f"{name}: identical greedy outputs across tp: {same}")
             for r in rows:
                 print("  " + json.dumps(r))
