@@ -74,6 +74,10 @@ class EngineConfig:
             of the contiguous-reservation baselines of the paper's section 6.1, "orca-max",
             "orca-pow2", "orca-oracle" (see ``core.contiguous_kv_manager``; prefix caching,
             sharing and swapping are off for them).
+        tensor_parallel_size: ranks the model is split over (paper section 4.6; Megatron-LM
+            sharding). ``kv_cache_memory`` is then per rank: each rank caches only its KV heads.
+        distributed_executor_backend: "uni" (in-process, tp = 1), "mp" (worker processes on this
+            machine; the default when tp > 1) or "ray" (Ray actors); None = pick.
     """
 
     model: str | None = None
@@ -94,9 +98,25 @@ class EngineConfig:
     check_invariants: bool = False
     device: str = "cpu"
     kv_manager: str = "paged"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'uni', 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one process: it needs "
+                f"tensor_parallel_size 1, got {self.tensor_parallel_size}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import time
+import weakref
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -25,8 +26,9 @@ from pagedllm.core.kv_waste import KVWaste, contiguous_waste, paged_waste
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.executor.factory import create_executor
 from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -38,7 +40,6 @@ from pagedllm.sampling.sampler import Sampler, SamplingBatch, compute_prompt_log
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
-from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -179,12 +180,17 @@ class LLMEngine:
         self.eos_token_ids: list[int] = list(mc.eos_token_ids)
 
         dtype = config.torch_dtype
+        # Under tensor parallelism the driver counts the blocks for every rank: each rank's
+        # block holds only its KV heads (the same number on every rank), and kv_cache_memory
+        # is per rank.
+        tp = config.tensor_parallel_size
+        rank_kv_heads = TensorParallelShard.for_rank(mc, 0, tp).num_kv_heads if tp > 1 else None
         num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
-            mc, config.block_size, dtype, config.kv_cache_memory
+            mc, config.block_size, dtype, config.kv_cache_memory, rank_kv_heads
         )
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.num_blocks = num_blocks
-        self.block_bytes = kv_block_bytes(mc, config.block_size, dtype)
+        self.block_bytes = kv_block_bytes(mc, config.block_size, dtype, rank_kv_heads)
         num_swap_blocks = config.swap_space // self.block_bytes
         logger.info(
             "model: %s | weights %.1f MiB | KV %d bytes/token (2 x %d layers x %d kv heads x %d dims x "
@@ -199,8 +205,16 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
-            num_blocks * kv_block_bytes(mc, config.block_size, dtype) / 2**20,
+            num_blocks * self.block_bytes / 2**20,
         )
+        if tp > 1:
+            logger.info(
+                "tensor parallel: %d ranks (%s executor), %s KV heads per rank; block counts are "
+                "per rank",
+                tp,
+                config.distributed_executor_backend,
+                rank_kv_heads,
+            )
 
         self.block_manager: BlockManager
         if config.kv_manager == "paged":
@@ -226,18 +240,12 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        worker = Worker(
-            mc,
-            loaded.state_dict,
-            dtype,
-            num_blocks,
-            config.block_size,
-            self.max_model_len,
-            attention_backend=attention_backend,
-            num_threads=config.num_threads,
-            num_swap_blocks=num_swap_blocks,
+        self.executor = create_executor(
+            config, loaded, num_blocks, num_swap_blocks, attention_backend=attention_backend
         )
-        self.executor = UniProcExecutor(worker)
+        # Worker processes never outlive the engine: shutdown() on garbage collection and at
+        # interpreter exit.
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.sampler = Sampler(mc.vocab_size)
         self._seed_rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -245,6 +253,10 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
         self.stats = EngineStats()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (no process is left behind); idempotent."""
+        self._finalizer()
 
     # ---- requests --------------------------------------------------------------------------
     @property

@@ -48,6 +48,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=list(KV_MANAGERS),
         help="KV memory manager: paged, or a contiguous Orca baseline (paper section 6.1)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (paper section 4.6); default 1",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp", "ray"],
+        default=None,
+        help="how the ranks run: mp = worker processes (default when tp > 1), ray = Ray actors",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,6 +78,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_threads=args.num_threads,
         kv_manager=args.kv_manager,
         enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

@@ -28,6 +28,9 @@ class LLM:
         max_num_seqs: most sequences per step.
         max_model_len: longest prompt + output (tokens); default the model's context length.
         seed: seeds the per-request seeds of requests that set none.
+        tensor_parallel_size: ranks the model is split over (paper section 4.6); > 1 starts
+            worker processes (or Ray actors with ``distributed_executor_backend="ray"``), which
+            stop with ``shutdown()``, when the ``LLM`` is garbage collected, or at exit.
         **kwargs: any other ``EngineConfig`` field (e.g. ``num_gpu_blocks_override``,
             ``enable_chunked_prefill``, ``max_num_batched_tokens``, ``check_invariants``), plus
             ``loaded`` (a ``LoadedModel`` to reuse) and ``attention_backend``.
@@ -42,6 +45,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         loaded: LoadedModel | None = kwargs.pop("loaded", None)
@@ -54,10 +58,15 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
         self.engine = LLMEngine(config, loaded=loaded, attention_backend=backend)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any; idempotent."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

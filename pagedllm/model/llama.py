@@ -5,6 +5,12 @@ d = hidden size, H / KVH = query / key-value heads, D = head dim, V = vocabulary
 
 Projections are fused at load time (Q, K and V in one matrix; gate and up in another) so that a
 layer does four matmuls instead of seven.
+
+Tensor parallelism (paper section 4.6; Megatron-LM sharding, see ``model.sharding``): with a
+``TensorParallelGroup`` each rank holds H / tp query heads and the KV heads they read, a
+1 / tp slice of the SwiGLU width and of the vocabulary; o_proj, down_proj and the embedding end in
+an all-reduce and the logits are gathered to rank 0. Without a group (tp = 1) the layers are
+plain ``nn.Linear`` / ``nn.Embedding`` and nothing communicates.
 """
 
 from __future__ import annotations
@@ -17,8 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers
+from pagedllm.model.parallel_layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
+from pagedllm.model.sharding import TensorParallelShard
 
 
 class RMSNorm(nn.Module):
@@ -99,18 +112,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _linear_out(
+    in_features: int, out_features: int, group: TensorParallelGroup | None, dtype: torch.dtype
+) -> nn.Linear:
+    """The second linear of a block: row-parallel (all-reduce) under tensor parallelism."""
+    if group is None:
+        return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    return RowParallelLinear(in_features, out_features, group, dtype)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.num_heads if shard else config.num_attention_heads
+        self.num_kv_heads = shard.num_kv_heads if shard else config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False, dtype=dtype)
+        self.o_proj = _linear_out(self.q_size, hidden, group, dtype)
 
     def forward(
         self,
@@ -133,11 +161,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
 
-    def __init__(self, config: LlamaArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
+        self.inter = shard.intermediate_size if shard else config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False, dtype=dtype)
+        self.down_proj = _linear_out(self.inter, config.hidden_size, group, dtype)
         self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,12 +185,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, shard, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, shard, group)
 
     def forward(self, rope, x, kv_cache, meta, backend) -> torch.Tensor:
         a = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
@@ -177,6 +217,10 @@ class LlamaForCausalLM(nn.Module):
         dtype: parameter and activation dtype (float32 or bfloat16).
         backend: paged-attention implementation.
         max_positions: size of the RoPE table (the engine's max_model_len).
+        group: the tensor-parallel group; None = the whole model in this process (tp = 1).
+
+    Raises:
+        ValueError: naming ``tensor_parallel_size`` when the model cannot be split that way.
     """
 
     def __init__(
@@ -185,14 +229,27 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         backend: AttentionBackend,
         max_positions: int | None = None,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.group = group
+        self.shard = (
+            TensorParallelShard.for_rank(config, group.rank, group.world_size) if group else None
+        )
+        shard = self.shard
+        self.embed_tokens: nn.Module
+        if group is None or shard is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                shard.vocab_shard_size, shard.vocab, config.hidden_size, group, dtype
+            )
+        vocab_rows = shard.vocab_shard_size if shard else config.vocab_size
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, shard, group) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
@@ -200,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = self.embed_tokens.weight
         else:
             self.lm_head_weight = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+                torch.empty(vocab_rows, config.hidden_size, dtype=dtype),
                 requires_grad=False,
             )
         self.lm_head_packed: PackedLinear | None = None
@@ -218,7 +275,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_linears(self) -> int:
         """Prepack every projection and the LM head for oneDNN (``model.packed_linear``); call
         after ``load_weights``. Returns the number of packed matrices."""
-        count = pack_linear_layers(self.layers)
+        count = pack_linear_layers(self.layers)  # row-parallel layers (all-reduce) stay as they are
+        if self.group is not None:
+            return count  # the LM head is a vocabulary shard gathered to rank 0
         self.lm_head_packed = PackedLinear(self.lm_head_weight)
         return count + 1
 
@@ -241,19 +300,27 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: [S] int64 rows of the batch whose next-token logits are wanted.
 
         Returns:
-            logits [S, V] float32.
+            logits [S, V] float32; under tensor parallelism only on rank 0, the other ranks
+            return an empty [S, 0] tensor.
         """
         h = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv, meta, self.backend)
         h = self.norm(h[logits_indices])
-        if self.lm_head_packed is not None:
-            return self.lm_head_packed(h).float()
-        return F.linear(h, self.lm_head_weight).float()
+        if self.group is None:
+            if self.lm_head_packed is not None:
+                return self.lm_head_packed(h).float()
+            return F.linear(h, self.lm_head_weight).float()
+        logits = vocab_parallel_logits(h, self.lm_head_weight, self.group, self.config.vocab_size)
+        return h.new_empty(h.shape[0], 0) if logits is None else logits.float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
+
+        Under tensor parallelism ``state_dict`` holds this rank's slices
+        (``model.sharding.shard_state_dict`` or a sharded loader); a short last vocabulary shard
+        is padded with zero rows.
 
         Raises:
             ValueError: naming a missing tensor or one with the wrong shape.
@@ -265,6 +332,14 @@ class LlamaForCausalLM(nn.Module):
             return state_dict[name]
 
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if (
+                self.shard is not None
+                and name in ("model.embed_tokens.weight", "lm_head.weight")
+                and value.shape[0] < param.shape[0]
+                and value.shape[1:] == param.shape[1:]
+            ):
+                param.zero_()
+                param = param[: value.shape[0]]
             if param.shape != value.shape:
                 raise ValueError(
                     f"weight {name!r}: expected {tuple(param.shape)}, got {tuple(value.shape)}"
@@ -273,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
 
         with torch.no_grad():
             put(
-                self.embed_tokens.weight,
+                cast(torch.Tensor, self.embed_tokens.weight),
                 get("model.embed_tokens.weight"),
                 "model.embed_tokens.weight",
             )

@@ -8,16 +8,32 @@ from pagedllm.attention import cpu as cpu_kernels
 from pagedllm.model.config import LlamaArchConfig
 
 
-def kv_block_bytes(config: LlamaArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one physical block takes across all layers (K and V)."""
-    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+def kv_block_bytes(
+    config: LlamaArchConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    num_kv_heads: int | None = None,
+) -> int:
+    """Bytes one physical block takes across all layers (K and V).
+
+    ``num_kv_heads`` is the KV heads one tensor-parallel rank holds (default: all of them).
+    """
+    per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    if num_kv_heads is not None:
+        per_token = per_token // config.num_key_value_heads * num_kv_heads
+    return block_size * per_token
 
 
 def num_blocks_for_memory(
-    config: LlamaArchConfig, block_size: int, dtype: torch.dtype, kv_cache_memory: int
+    config: LlamaArchConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_memory: int,
+    num_kv_heads: int | None = None,
 ) -> int:
-    """How many blocks fit in ``kv_cache_memory`` bytes (at least 1)."""
-    return max(1, kv_cache_memory // kv_block_bytes(config, block_size, dtype))
+    """How many blocks fit in ``kv_cache_memory`` bytes (at least 1); per rank with
+    ``num_kv_heads`` (see ``kv_block_bytes``)."""
+    return max(1, kv_cache_memory // kv_block_bytes(config, block_size, dtype, num_kv_heads))
 
 
 class CacheEngine:
@@ -38,6 +54,7 @@ class CacheEngine:
         use_cpu_kernels: copy and swap blocks with the C++ ``copy_blocks`` / ``swap_blocks``
             kernels (one parallel memcpy per block and head) instead of torch index ops; set by
             the worker when it runs the C++ attention backend, so the extension is loaded.
+        num_kv_heads: KV heads this tensor-parallel rank holds (default: all of the model's).
     """
 
     def __init__(
@@ -49,11 +66,13 @@ class CacheEngine:
         device: torch.device | str = "cpu",
         num_swap_blocks: int = 0,
         use_cpu_kernels: bool = False,
+        num_kv_heads: int | None = None,
     ) -> None:
         self.use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+        kvh = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        shape = (kvh, num_blocks, block_size, config.head_dim)
         # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -62,7 +81,7 @@ class CacheEngine:
             )
             for _ in range(config.num_hidden_layers)
         ]
-        swap_shape = (config.num_key_value_heads, num_swap_blocks, block_size, config.head_dim)
+        swap_shape = (kvh, num_swap_blocks, block_size, config.head_dim)
         pin = torch.device(device).type == "cuda"
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (

@@ -9,9 +9,11 @@ import torch
 from pagedllm.attention import get_attention_backend
 from pagedllm.attention.cpu import CpuPagedAttention
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.packed_linear import packed_linear_available
+from pagedllm.model.sharding import shard_state_dict
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -21,9 +23,14 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Builds the model from a state dict and the KV cache, then runs steps.
 
+    Under tensor parallelism (paper section 4.6) there is one worker per rank; each holds its
+    shard of the weights and of the KV cache (its KV heads, ``num_blocks`` blocks like every other
+    rank) and runs every step's forward; only rank 0's logits are real.
+
     Args:
         config: model shape.
-        state_dict: Hugging Face-named weights.
+        state_dict: Hugging Face-named weights: the full model, or this rank's slices when
+            ``weights_sharded``.
         dtype: compute and cache dtype.
         num_blocks: KV blocks to allocate.
         block_size: tokens per block.
@@ -31,6 +38,8 @@ class Worker:
         attention_backend: backend name (see ``pagedllm.attention``).
         num_threads: torch intra-op threads.
         num_swap_blocks: host swap-space blocks.
+        group: the tensor-parallel group; None = tp 1.
+        weights_sharded: ``state_dict`` already holds only this rank's slices.
     """
 
     def __init__(
@@ -44,11 +53,18 @@ class Worker:
         attention_backend: str = "auto",
         num_threads: int | None = None,
         num_swap_blocks: int = 0,
+        group: TensorParallelGroup | None = None,
+        weights_sharded: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         backend = get_attention_backend(attention_backend)
-        self.model = LlamaForCausalLM(config, dtype, backend, max_positions=max_model_len)
+        self.model = LlamaForCausalLM(
+            config, dtype, backend, max_positions=max_model_len, group=group
+        )
+        shard = self.model.shard
+        if shard is not None and not weights_sharded:
+            state_dict = shard_state_dict(state_dict, shard, config.head_dim)
         self.model.load_weights(state_dict)
         self.model.eval()
         if packed_linear_available(dtype):
@@ -62,6 +78,7 @@ class Worker:
             dtype,
             num_swap_blocks=num_swap_blocks,
             use_cpu_kernels=isinstance(backend, CpuPagedAttention),
+            num_kv_heads=shard.num_kv_heads if shard else None,
         )
         self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size)
 

@@ -1,0 +1,118 @@
+"""One tensor-parallel process group: rank, world size, all-reduce and gather to rank 0.
+
+Workers synchronize only through these collectives (paper section 4.6): an all-reduce after each
+row-parallel linear layer and after the vocabulary-parallel embedding, and one gather of the
+vocabulary-sharded logits to rank 0 (the driver), which alone samples.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def create_store(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    is_master: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dist.TCPStore:
+    """The rendezvous key-value store of a tensor-parallel group.
+
+    Args:
+        host: address of the master (rank 0's machine).
+        port: TCP port; 0 on the master lets the OS choose a free one (read it back from
+            ``store.port``).
+        is_master: True on rank 0, which serves the store.
+        timeout_s: seconds to wait for the master or for a key.
+    """
+    return dist.TCPStore(
+        host,
+        port,
+        None,
+        is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+class TensorParallelGroup:
+    """The ranks that hold shards of one model, and the collectives between them.
+
+    Args:
+        pg: a torch.distributed ``ProcessGroup`` backend object (gloo or nccl).
+        rank: this process's rank (0 = the driver, which samples).
+        world_size: tensor-parallel size.
+    """
+
+    def __init__(self, pg: Any, rank: int, world_size: int) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (any shape, contiguous) over the ranks, in place; returns ``t``."""
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Gather every rank's [..., n] shard (same shape on all ranks) to rank 0.
+
+        Returns:
+            On rank 0 the shards concatenated along the last dimension, [..., world_size * n];
+            None on the other ranks.
+        """
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            outs = [torch.empty_like(t) for _ in range(self.world_size)]
+            self.pg.gather([outs], [t], opts).wait()
+            return torch.cat(outs, dim=-1)
+        self.pg.gather([], [t], opts).wait()
+        return None
+
+
+def init_tensor_parallel_group(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TensorParallelGroup:
+    """Join the group: blocks until all ``world_size`` ranks have called it with the same store.
+
+    Args:
+        store: the rendezvous store (``create_store``; rank 0 is the master).
+        rank: 0 .. world_size - 1.
+        world_size: tensor-parallel size (>= 2).
+        backend: "gloo" (CPU tensors, TCP over 127.0.0.1) or "nccl" (CUDA tensors).
+        timeout_s: collective timeout in seconds (a last resort: the executors detect dead
+            workers themselves within a second).
+
+    Raises:
+        ValueError: naming ``rank``, ``world_size`` or ``backend`` when invalid.
+    """
+    if world_size < 2:
+        raise ValueError(f"world_size must be >= 2 for a process group, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pg: Any
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+    elif backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    return TensorParallelGroup(pg, rank, world_size)

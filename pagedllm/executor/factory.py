@@ -1,0 +1,107 @@
+"""Pick and build the executor for an engine config: uni (tp = 1), mp or ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.executor.base import Executor, WorkerInit, threads_per_rank
+from pagedllm.model.loader import LoadedModel, resolve_model_path
+from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
+from pagedllm.worker.worker import Worker
+
+
+def _model_source(loaded: LoadedModel) -> tuple[Path, str] | None:
+    """(path, kind) when the weights can be re-read (sharded) from a file; None for in-memory."""
+    src = Path(str(loaded.source))
+    if not src.exists():
+        return None
+    return resolve_model_path(src)
+
+
+def create_executor(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_blocks: int,
+    num_swap_blocks: int,
+    attention_backend: str = "auto",
+) -> Executor:
+    """The executor for ``config.tensor_parallel_size`` / ``config.distributed_executor_backend``.
+
+    With tp > 1 the driver (this process) is rank 0 and uses the already loaded full state dict,
+    sliced; the remote ranks re-read only their slices from ``loaded.source`` when it is a file,
+    else receive their slices pickled (in-memory models in tests).
+
+    Raises:
+        ValueError: naming ``tensor_parallel_size`` when the model cannot be split.
+    """
+    from pagedllm.executor.uniproc import UniProcExecutor
+
+    tp = config.tensor_parallel_size
+    mc = loaded.config
+    dtype = config.torch_dtype
+    assert config.max_model_len is not None
+    if tp == 1:
+        worker = Worker(
+            mc,
+            loaded.state_dict,
+            dtype,
+            num_blocks,
+            config.block_size,
+            config.max_model_len,
+            attention_backend=attention_backend,
+            num_threads=config.num_threads,
+            num_swap_blocks=num_swap_blocks,
+        )
+        return UniProcExecutor(worker)
+
+    for rank in range(tp):  # fail here, before any process starts
+        TensorParallelShard.for_rank(mc, rank, tp)
+    threads = threads_per_rank(config.num_threads, tp)
+    source = _model_source(loaded)
+    inits = []
+    for rank in range(1, tp):
+        init = WorkerInit(
+            config=mc,
+            dtype=dtype,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            attention_backend=attention_backend,
+            num_threads=threads,
+            num_swap_blocks=num_swap_blocks,
+        )
+        if source is not None:
+            init.source, init.source_kind = source
+        else:
+            shard = TensorParallelShard.for_rank(mc, rank, tp)
+            init.state_dict = {
+                k: v.contiguous().clone()
+                for k, v in shard_state_dict(loaded.state_dict, shard, mc.head_dim).items()
+            }
+        inits.append(init)
+
+    def make_driver_worker(group: TensorParallelGroup) -> Worker:
+        assert config.max_model_len is not None
+        return Worker(
+            mc,
+            loaded.state_dict,
+            dtype,
+            num_blocks,
+            config.block_size,
+            config.max_model_len,
+            attention_backend=attention_backend,
+            num_threads=threads,
+            num_swap_blocks=num_swap_blocks,
+            group=group,
+        )
+
+    comm = "nccl" if config.device.startswith("cuda") else "gloo"
+    if config.distributed_executor_backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(make_driver_worker, inits, backend=comm)
+    from pagedllm.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(make_driver_worker, inits, backend=comm)

@@ -1,0 +1,111 @@
+"""Load only one tensor-parallel rank's slices of a model file (paper section 4.6).
+
+GGUF: the quantized data is sliced in the memory map before dequantizing: whole rows for
+column-parallel weights and the vocabulary, whole quantization blocks along a row for row-parallel
+ones (when the cut is not block-aligned the tensor's rows are dequantized whole, then cut).
+Safetensors: ``safe_open(...).get_slice`` reads just the slice. The result equals
+``model.sharding.shard_state_dict`` of the full load, tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.loader.gguf_loader import _ROPE_FREQS, gguf_to_hf_name, open_gguf, unpermute_qk
+from pagedllm.model.loader.hf_loader import _safetensors_files
+from pagedllm.model.sharding import TensorParallelShard
+
+
+def load_weight_shard(
+    source: str | os.PathLike[str],
+    kind: str,
+    config: LlamaArchConfig,
+    shard: TensorParallelShard,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """This rank's Hugging Face-named weight slices, read from ``source``.
+
+    Args:
+        source: the ``.gguf`` file (kind "gguf") or the Hugging Face folder (kind "hf").
+        config: the model's config (from the driver's load).
+        shard: which slices (``TensorParallelShard.for_rank``).
+        dtype: result dtype for floating tensors.
+
+    Returns:
+        name -> contiguous tensor of this rank's slice (norms whole); no ``lm_head.weight``
+        when the embedding is tied.
+
+    Raises:
+        ValueError: naming ``kind`` when it is neither "gguf" nor "hf"; loader errors as in
+            ``load_gguf_weights`` / ``load_hf_weights``.
+    """
+    if kind == "gguf":
+        state = _gguf_shard(Path(source), config, shard)
+    elif kind == "hf":
+        state = _hf_shard(Path(source), config, shard)
+    else:
+        raise ValueError(f"kind must be 'gguf' or 'hf', got {kind!r}")
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
+def _gguf_shard(
+    path: Path, config: LlamaArchConfig, shard: TensorParallelShard
+) -> dict[str, torch.Tensor]:
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    d = config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
+        name = gguf_to_hf_name(t.name)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # PyTorch order
+        raw = np.asarray(t.data)
+        cut = shard.weight_slice(name, d)
+        block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        cols = shape[-1]
+        if raw.ndim == 1 and len(shape) == 2:
+            raw = raw.reshape(shape[0], -1)
+        if cut is None or len(shape) == 1:
+            arr = dequantize(raw, t.tensor_type).reshape(shape)
+        elif cut[0] == 0:
+            arr = dequantize(raw[cut[1] : cut[2]], t.tensor_type).reshape(cut[2] - cut[1], cols)
+        elif cut[1] % block == 0 and cut[2] % block == 0:
+            lo, hi = cut[1] // block * type_bytes, cut[2] // block * type_bytes
+            arr = dequantize(raw[:, lo:hi], t.tensor_type).reshape(shape[0], cut[2] - cut[1])
+        else:
+            arr = dequantize(raw, t.tensor_type).reshape(shape)[:, cut[1] : cut[2]]
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        if name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_qk(w, shard.num_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_qk(w, shard.num_kv_heads)
+        out[name] = w
+    return out
+
+
+def _hf_shard(
+    folder: Path, config: LlamaArchConfig, shard: TensorParallelShard
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                cut = shard.weight_slice(name, config.head_dim)
+                if cut is None:
+                    out[name] = sf.get_tensor(name)
+                elif cut[0] == 0:
+                    out[name] = sf.get_slice(name)[cut[1] : cut[2]]
+                else:
+                    out[name] = sf.get_slice(name)[:, cut[1] : cut[2]]
+    return out
