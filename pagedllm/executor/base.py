@@ -10,6 +10,7 @@ process boundary and only tp - 1 workers are remote; the only per-step message i
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -106,3 +107,31 @@ def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
 def threads_per_rank(num_threads: int | None, world_size: int) -> int:
     """max(1, cores // tp): the ranks share the machine's cores."""
     return max(1, (num_threads or os.cpu_count() or 1) // world_size)
+
+
+class DriverStepMixin:
+    """What the multi-process and Ray executors do before every step: refuse to run after a
+    worker failure or shutdown, and pickle the ``SchedulerOutput`` once (the one message every
+    worker gets; its size is counted in ``last_message_bytes`` / ``bytes_sent``)."""
+
+    _failure: BaseException | None
+    _closed: bool
+    driver_worker: Worker | None
+    last_message_bytes: int
+    bytes_sent: int
+
+    def _encode_step(self, sched: SchedulerOutput) -> tuple[bytes, Worker]:
+        """Pickled ``sched`` and the driver's own worker (rank 0).
+
+        Raises:
+            WorkerDiedError (or the recorded failure): a worker died earlier.
+            RuntimeError: the executor has been shut down.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if self._closed or self.driver_worker is None:
+            raise RuntimeError("the executor has been shut down")
+        data = pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL)
+        self.last_message_bytes = len(data)
+        self.bytes_sent += len(data)
+        return data, self.driver_worker

@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
-from pagedllm.executor.base import WorkerDiedError, WorkerInit
+from pagedllm.executor.base import DriverStepMixin, WorkerDiedError, WorkerInit
 from pagedllm.executor.worker_main import worker_main
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _FAILURE_WAIT_S = 5.0
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(DriverStepMixin):
     """Driver (rank 0, in this process) plus tp - 1 spawned worker processes.
 
     Args:
@@ -204,20 +204,14 @@ class MultiprocExecutor:
         Raises:
             WorkerDiedError: a worker died (now or earlier); all workers are then stopped.
         """
-        if self._failure is not None:
-            raise self._failure
-        if self._closed or self.driver_worker is None:
-            raise RuntimeError("the executor has been shut down")
-        data = pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL)
-        self.last_message_bytes = len(data)
-        self.bytes_sent += len(data)
+        data, driver = self._encode_step(sched)
         try:
             for conn in self._conns:
                 conn.send_bytes(data)
         except OSError as exc:
             self._raise_failure(exc)
         try:
-            return self.driver_worker.execute_model(sched)
+            return driver.execute_model(sched)
         except Exception as exc:
             self._raise_failure(exc)
             raise  # unreachable: _raise_failure always raises

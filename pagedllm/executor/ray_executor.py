@@ -24,7 +24,7 @@ from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
-from pagedllm.executor.base import WorkerDiedError, WorkerInit
+from pagedllm.executor.base import DriverStepMixin, WorkerDiedError, WorkerInit
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
 
@@ -64,7 +64,7 @@ class RankActor:
         return True
 
 
-class RayExecutor:
+class RayExecutor(DriverStepMixin):
     """Driver (rank 0, in this process) plus tp - 1 Ray actors.
 
     Uses the running Ray instance, or starts a local one (``ray.init()``) and shuts it down with
@@ -192,16 +192,10 @@ class RayExecutor:
         Raises:
             WorkerDiedError: an actor died (now or earlier); all actors are then stopped.
         """
-        if self._failure is not None:
-            raise self._failure
-        if self._closed or self.driver_worker is None:
-            raise RuntimeError("the executor has been shut down")
-        data = pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL)
-        self.last_message_bytes = len(data)
-        self.bytes_sent += len(data)
+        data, driver = self._encode_step(sched)
         refs = [a.execute.remote(data) for a in self._actors]
         try:
-            out = self.driver_worker.execute_model(sched)
+            out = driver.execute_model(sched)
             self._ray.get(refs, timeout=_PING_TIMEOUT_S)
         except Exception as exc:
             self._raise_failure(exc)
