@@ -742,27 +742,15 @@ class LLMEngine:
         holders = [s for g in self.scheduler.running for s in g.seqs]
         if isinstance(bm, ContiguousKVManager):
             head = self.scheduler.waiting[0].seqs[0] if self.scheduler.waiting else None
-            self.stats.add_waste(contiguous_waste(bm, holders, head))
+            waste = contiguous_waste(bm, holders, head)
         else:
-            self.stats.add_waste(paged_waste(bm, holders))
+            waste = paged_waste(bm, holders)
+        self.stats.add_waste(waste)
         if used:
             # Finished sequences still hold their blocks until free_finished() right after this.
-            # Shared blocks count once: tokens held = distinct (block, slot) pairs in use.
-            held = self._tokens_held()
-            self.stats.slot_utilization_sum += held / (used * bm.block_size)
-
-    def _tokens_held(self) -> int:
-        bs = self.block_manager.block_size
-        filled: dict[int, int] = {}
-        for g in self.scheduler.running:
-            for s in g.seqs:
-                table = self.block_manager.block_tables.get(s.seq_id)
-                if not table:
-                    continue
-                n = s.num_computed_tokens
-                for i, b in enumerate(table):
-                    filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
-        return sum(v for v in filled.values() if v > 0)
+            # Token states count shared blocks once (the waste breakdown's own walk over the
+            # block tables, so the tables are walked once per step).
+            self.stats.slot_utilization_sum += waste.token_states / (used * bm.block_size)
 
     def _forget(self, group: SequenceGroup) -> None:
         self.requests.pop(group.request_id, None)
