@@ -134,10 +134,8 @@ def main() -> None:
     scale = d**-0.5
     native = TorchNativeAttention()
 
-    lock = bench_lock()
-    lock.__enter__()
     rows = []
-    try:
+    with bench_lock():
         for batch in args.batches:
             for ctx in args.contexts:
                 torch.manual_seed(batch * 10000 + ctx)
@@ -197,8 +195,6 @@ def main() -> None:
                     f"overhead {row['overhead_pct']:+6.1f}%",
                     flush=True,
                 )
-    finally:
-        lock.__exit__(None, None, None)
 
     print()
     print(f"Decode attention, block size {bs}, H={h} KVH={kvh} D={d} fp32, {args.threads} threads")
