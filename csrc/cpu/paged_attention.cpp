@@ -600,4 +600,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual += x; x = rms_norm(residual), in place (fp32)");
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(gate) * up from a fused [T, 2I] (fp32)");
+  m.def("rotary_embedding", &pagedllm::rotary_embedding, "rotary embedding in place (fp32)");
+  m.def("argmax_logsumexp", &pagedllm::argmax_logsumexp,
+        "per-row argmax and logsumexp of [B, V] fp32 logits");
 }

@@ -246,7 +246,12 @@ class LLMEngine:
         # Worker processes never outlive the engine: shutdown() on garbage collection and at
         # interpreter exit.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
-        self.sampler = Sampler(mc.vocab_size)
+        sampler_ops = None
+        if config.device == "cpu" and attention_backend in ("auto", "cpu"):
+            from pagedllm.attention.cpu import load_cpu_ops
+
+            sampler_ops = load_cpu_ops()  # already built by the worker: a cached import
+        self.sampler = Sampler(mc.vocab_size, cpu_ops=sampler_ops)
         self._seed_rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

@@ -16,6 +16,7 @@ plain ``nn.Linear`` / ``nn.Embedding`` and nothing communicates.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -32,6 +33,8 @@ from pagedllm.model.parallel_layers import (
     vocab_parallel_logits,
 )
 from pagedllm.model.sharding import TensorParallelShard
+
+Rotate = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -96,6 +99,7 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -104,6 +108,23 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
             dtype
         )
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotate:
+        """The step's rotation: a function taking [T, heads, D] (a strided view is fine) and
+        returning it rotated by ``positions`` ([T] int64). With the C++ kernel (fp32 on the CPU)
+        it rotates in place with no temporaries; otherwise it returns a new tensor."""
+        ops = self.cpu_ops
+        if ops is not None and dtype == torch.float32 and positions.device.type == "cpu":
+            cos, sin = self.cos, self.sin
+            positions = positions.contiguous()
+
+            def rotate_in_place(x: torch.Tensor) -> torch.Tensor:
+                ops.rotary_embedding(x, positions, cos, sin)
+                return x
+
+            return rotate_in_place
+        cos_t, sin_t = self.lookup(positions, dtype)  # gathered once per step, not per layer
+        return lambda x: apply_rotary(x, cos_t, sin_t)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -142,7 +163,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rotate: Rotate,
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
@@ -151,7 +172,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         # Q and K heads are rotated together: one rotary op per layer.
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
@@ -198,8 +219,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, shard, group)
 
-    def forward(self, rope, x, kv_cache, meta, backend) -> torch.Tensor:
-        a = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
+    def forward(self, rotate, x, kv_cache, meta, backend) -> torch.Tensor:
+        a = self.self_attn(rotate, self.input_layernorm(x), kv_cache, meta, backend)
         norm = self.post_attention_layernorm
         if norm.cpu_ops is not None:
             # One pass: x += a (x is this step's own activation, free to overwrite), a = norm(x).
@@ -264,12 +285,13 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     def use_cpu_layer_ops(self, ops: Any) -> None:
-        """Run RMSNorm and the SwiGLU activation with the fused C++ kernels of ``ops`` (the CPU
-        extension, ``attention.cpu.load_cpu_ops()``); fp32 only, so other dtypes are ignored."""
+        """Run RMSNorm, the SwiGLU activation and the rotary embedding with the fused C++ kernels
+        of ``ops`` (the CPU extension, ``attention.cpu.load_cpu_ops()``); fp32 only, so other
+        dtypes are ignored."""
         if self.dtype != torch.float32:
             return
         for m in self.modules():
-            if isinstance(m, (RMSNorm, LlamaMLP)):
+            if isinstance(m, (RMSNorm, LlamaMLP, RotaryEmbedding)):
                 m.cpu_ops = ops
 
     def pack_linears(self) -> int:
@@ -304,9 +326,9 @@ class LlamaForCausalLM(nn.Module):
             return an empty [S, 0] tensor.
         """
         h = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, h.dtype)
+        rotate = self.rotary.for_step(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, kv, meta, self.backend)
+            h = layer(rotate, h, kv, meta, self.backend)
         h = self.norm(h[logits_indices])
         if self.group is None:
             if self.lm_head_packed is not None:

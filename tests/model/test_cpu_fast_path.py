@@ -1,5 +1,6 @@
-"""The fast CPU step: oneDNN-packed linears, fused C++ RMSNorm / SwiGLU kernels, and the whole
-model on that path equal to the plain ATen model."""
+"""The fast CPU step: oneDNN-packed linears, fused C++ RMSNorm / SwiGLU / rotary kernels, the
+sampler's fused argmax + logsumexp, and the whole model on that path equal to the plain ATen
+model."""
 
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def test_worker_model_is_packed_and_matches_unpacked(tiny_loaded):
     x = torch.randn(5, cfg.hidden_size)
     down_in = torch.randn(5, cfg.intermediate_size)
     torch.testing.assert_close(
-        packed.layers[1].mlp.down_proj(down_in), plain.layers[1].mlp.down_proj(down_in),
-        atol=1e-5, rtol=1e-5,
+        packed.layers[1].mlp.down_proj(down_in),
+        plain.layers[1].mlp.down_proj(down_in),
+        atol=1e-5,
+        rtol=1e-5,
     )
     torch.testing.assert_close(
         packed.lm_head_packed(x), F.linear(x, plain.lm_head_weight), atol=1e-4, rtol=1e-5
@@ -139,3 +142,88 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
         got = fast(q_ids, pos, caches[0], meta(len(q_ids), start + len(q_ids)), rows)
         want = plain(q_ids, pos, caches[1], meta(len(q_ids), start + len(q_ids)), rows)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rotary_kernel_matches_aten_in_place_on_a_strided_view(cpu_ops_or_skip):
+    """The C++ rotary embedding rotates the Q and K heads of a fused [T, (H + 2 KVH) D] buffer in
+    place (a strided view), equal to ``apply_rotary``; the V columns are left untouched."""
+    from pagedllm.model.llama import apply_rotary
+
+    ops = cpu_ops_or_skip
+    torch.manual_seed(0)
+    for t, heads, d, v_heads in ((1, 12, 64, 3), (37, 12, 64, 3), (5, 3, 6, 1), (300, 2, 128, 1)):
+        p_max = 100
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(torch.arange(p_max).float(), inv)
+        cos, sin = freqs.cos(), freqs.sin()
+        qkv = torch.randn(t, (heads + v_heads) * d)
+        pos = torch.randint(0, p_max, (t,))
+        pos[0] = p_max - 1
+        x = qkv[:, : heads * d].view(t, heads, d)
+        want = apply_rotary(x.clone(), cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+        v_before = qkv[:, heads * d :].clone()
+        ops.rotary_embedding(x, pos, cos, sin)
+        torch.testing.assert_close(x, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(qkv[:, heads * d :], v_before)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        ops.rotary_embedding(
+            torch.zeros(1, 1, 4), torch.tensor([7]), torch.ones(7, 2), torch.ones(7, 2)
+        )
+
+
+def test_argmax_logsumexp_matches_aten(cpu_ops_or_skip):
+    """One fused pass per row = torch.argmax (first index on ties) and torch.logsumexp, for
+    vocabulary sizes that are and are not a multiple of the vector width, with -inf entries."""
+    ops = cpu_ops_or_skip
+    torch.manual_seed(0)
+    for b, v in ((1, 1), (3, 7), (64, 49152), (5, 49157)):
+        logits = torch.randn(b, v) * 5
+        if v > 3:
+            logits[:, 1] = float("-inf")
+            logits[0, 2] = logits[0, 3] = logits[0].max() + 1.0  # a tie: the first index wins
+        idx, lse = ops.argmax_logsumexp(logits)
+        assert idx.tolist() == logits.argmax(-1).tolist()
+        torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-6)
+    wide = torch.randn(4, 64)[:, :50]  # a row stride that is not the width
+    idx, lse = ops.argmax_logsumexp(wide)
+    assert idx.tolist() == wide.argmax(-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(wide, -1), atol=1e-5, rtol=1e-6)
+
+
+def test_sampler_with_fused_ops_equals_aten_sampler(cpu_ops_or_skip):
+    """Sampler(cpu_ops=...) picks the same tokens with the same logprobs as the ATen sampler over
+    greedy, seeded random, logit-bias and logprob rows."""
+    from pagedllm.sampling.sampler import Sampler, SamplingBatch
+    from pagedllm.sampling_params import SamplingParams
+
+    torch.manual_seed(1)
+    vocab = 1000
+    logits = torch.randn(6, vocab) * 3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = SamplingBatch(
+        params=params,
+        seeds=[11, 12, 13, 14, 15, 16],
+        output_token_ids=[[1, 2]] * 6,
+        prompt_token_ids=[[3]] * 6,
+        eos_token_ids=[0],
+    )
+    fused = Sampler(vocab, cpu_ops=cpu_ops_or_skip)(logits, batch)
+    plain = Sampler(vocab)(logits, batch)
+    assert fused.sampled_token_ids == plain.sampled_token_ids
+    assert fused.sampled_token_ids[3] == 5
+    assert fused.sampled_ranks == plain.sampled_ranks
+    torch.testing.assert_close(
+        torch.tensor(fused.sampled_logprobs),
+        torch.tensor(plain.sampled_logprobs),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert fused.top_logprobs[1] is not None and plain.top_logprobs[1] is not None
+    assert [t for t, _ in fused.top_logprobs[1]] == [t for t, _ in plain.top_logprobs[1]]
