@@ -84,3 +84,55 @@ def test_step_failure_fails_requests_and_engine_survives(engine):
         ae.shutdown()
 
     run(main())
+
+
+def test_from_factory_builds_and_steps_on_one_thread(tiny_loaded):
+    """from_factory builds the engine on the thread that later steps it (one OpenMP team), gives
+    the same greedy tokens as an engine built in the caller's thread, re-raises a failed build in
+    the caller, and a shutdown before start() releases the waiting thread."""
+    import threading
+
+    cfg = dict(max_model_len=128, kv_cache_memory=1 << 21, check_invariants=True, num_threads=1)
+    threads: dict[str, int] = {}
+
+    def factory() -> LLMEngine:
+        threads["built"] = threading.get_ident()
+        eng = LLMEngine(EngineConfig(**cfg), loaded=tiny_loaded)
+        real_step = eng.step
+
+        def step():
+            threads["stepped"] = threading.get_ident()
+            return real_step()
+
+        eng.step = step
+        return eng
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def generate(ae: AsyncLLMEngine) -> list[int]:
+        ae.start()
+        last = None
+        async for out in ae.generate("r", "hello world", params):
+            last = out
+        ae.shutdown()
+        assert last is not None and last.finished
+        return list(last.outputs[0].token_ids)
+
+    built = AsyncLLMEngine.from_factory(factory)
+    assert "built" in threads and threads["built"] != threading.get_ident()
+    tokens = run(generate(built))
+    assert threads["stepped"] == threads["built"]
+    plain = run(generate(AsyncLLMEngine(LLMEngine(EngineConfig(**cfg), loaded=tiny_loaded))))
+    assert tokens == plain and len(tokens) == 8
+
+    def broken() -> LLMEngine:
+        raise ValueError("max_model_len: broken on purpose")
+
+    with pytest.raises(ValueError, match="broken on purpose"):
+        AsyncLLMEngine.from_factory(broken)
+
+    idle = AsyncLLMEngine.from_factory(factory)
+    thread = idle._prestarted[0]
+    idle.shutdown()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -1152,10 +1152,18 @@ def build_app(
     from pagedllm.config import EngineConfig
 
     config = EngineConfig(**(engine_args or {}))
-    engine = LLMEngine(config, loaded=loaded)
+    if config.tensor_parallel_size == 1:
+        # Built on the thread that will step it (AsyncLLMEngine.from_factory: one OpenMP team).
+        async_engine = AsyncLLMEngine.from_factory(
+            lambda: LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval
+        )
+    else:  # worker processes / Ray are started from the main thread
+        async_engine = AsyncLLMEngine(
+            LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval
+        )
     name = served_model_name or config.model or "SmolLM2-135M-Instruct"
     return create_app(
-        AsyncLLMEngine(engine, log_stats_interval=log_stats_interval),
+        async_engine,
         name,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
