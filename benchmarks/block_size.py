@@ -14,6 +14,9 @@ benchmarks/results/block_size.json; ``--plot`` draws docs/figures/block_size.png
 
 from __future__ import annotations
 
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
 import argparse
 import gc
 import json

@@ -13,6 +13,9 @@ profiler's top operators over the timed steps.
 
 from __future__ import annotations
 
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
 import argparse
 import json
 import sys

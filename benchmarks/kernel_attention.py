@@ -19,6 +19,9 @@ the machine-wide benchmark lock (``common.bench_lock``) while measuring.
 
 from __future__ import annotations
 
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
 import argparse
 import json
 import platform

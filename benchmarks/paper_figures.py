@@ -403,11 +403,17 @@ def main() -> None:
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--replot", default=None, help="redo tables and PNGs from a result JSON")
+    ap.add_argument(
+        "--tag",
+        default=None,
+        help="name suffix of the result JSON/MD and PNGs (default: none, or 'quick' with --quick)",
+    )
     args = ap.parse_args()
     if args.replot:
         old = json.loads(Path(args.replot).read_text())
         print(tables(old))
-        for p in plot(old, "_quick" if old["config"]["quick"] else ""):
+        tag = args.tag or old["config"].get("tag") or ("quick" if old["config"]["quick"] else "")
+        for p in plot(old, f"_{tag}" if tag else ""):
             print(f"wrote {p}")
         return
 
@@ -473,6 +479,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "config": {
             "quick": args.quick,
+            "tag": args.tag,
             "command": " ".join(["benchmarks/paper_figures.py", *sys.argv[1:]]),
             "datasets": datasets,
             "systems": systems,
@@ -502,7 +509,8 @@ def main() -> None:
         },
         "offline": offline_result,
     }
-    suffix = "_quick" if args.quick else ""
+    tag = args.tag or ("quick" if args.quick else "")
+    suffix = f"_{tag}" if tag else ""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"paper_figures{suffix}.json").write_text(json.dumps(result, indent=1))
     md = tables(result)

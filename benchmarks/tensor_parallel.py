@@ -18,6 +18,9 @@ Message size: pickled ``SchedulerOutput`` bytes of decode steps with batch 1 and
 
 from __future__ import annotations
 
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
 import argparse
 import json
 import pickle

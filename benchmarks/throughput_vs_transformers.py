@@ -12,6 +12,9 @@ writes JSON to benchmarks/results/.
 
 from __future__ import annotations
 
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
 import argparse
 import json
 import sys

@@ -19,6 +19,9 @@ Workloads:
 
 from __future__ import annotations
 
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
 import argparse
 import json
 import sys

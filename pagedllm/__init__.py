@@ -3,11 +3,16 @@ continuous batching."""
 
 import os
 
-# Before torch loads libgomp (which reads this once): OpenMP threads that sleep at barriers instead
-# of spinning. When the cores are shared with another busy process, spinning threads starve the
-# descheduled one at every parallel region; measured on 2 cores with a second job running, a
-# batch-64 decode step took 3.6 s spinning vs 0.71 s sleeping. A value set by the user wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads libgomp (which reads these once): how long an OpenMP thread spins at a
+# barrier before it sleeps. libgomp's default (~3 ms of spinning) starves a descheduled thread when
+# another busy process shares the cores (2 cores, batch-64 step: 3.6 s spinning vs 0.71 s
+# sleeping); sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a futex wake-up at each of the
+# hundreds of parallel regions of a step (server TPOT at 6 streams: 79-85 ms vs 55-63 ms). A
+# bounded spin of 10,000 iterations (~0.1 ms) keeps most of the spinning speed on a quiet machine
+# and bounds the loss under contention (batch 32 with a busy process on one core: 355 ms vs 283 ms
+# passive vs ~1 s at 100,000). Figures: docs/benchmarks.md. A value set by the user wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
