@@ -69,7 +69,11 @@ def _load_tokenizer(model: str | None) -> Any:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from pagedllm.bench.throughput import run_pagedllm, run_transformers
+    from pagedllm.bench.throughput import (
+        run_pagedllm,
+        run_transformers,
+        run_transformers_continuous,
+    )
     from pagedllm.entrypoints.cli import engine_kwargs
 
     try:
@@ -78,6 +82,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             result = run_transformers(
                 reqs, args.model, args.dtype, args.hf_batch_size, progress=not args.quiet
             )
+        elif args.backend == "transformers-continuous":
+            result = run_transformers_continuous(reqs, args.model, args.dtype)
         else:
             result = run_pagedllm(reqs, engine_kwargs(args), progress=not args.quiet)
     except (ValueError, FileNotFoundError) as e:
@@ -177,7 +183,13 @@ def add_bench_parser(subparsers: Any) -> None:
     t = sub.add_parser("throughput", help="offline throughput, engine in-process")
     add_engine_args(t)
     add_dataset_args(t)
-    t.add_argument("--backend", default="pagedllm", choices=["pagedllm", "transformers"])
+    t.add_argument(
+        "--backend",
+        default="pagedllm",
+        choices=["pagedllm", "transformers", "transformers-continuous"],
+        help="transformers: generate with static batches; transformers-continuous: its generate_batch "
+        "manager (continuous batching, paged KV)",
+    )
     t.add_argument("--hf-batch-size", type=int, default=8, help="transformers static batch size")
     t.set_defaults(func=cmd_throughput)
 

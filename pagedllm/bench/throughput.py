@@ -8,6 +8,8 @@ and the engine's counters (batched requests per step, memory waste, preemptions)
 The peer is transformers' ``generate`` on the same weights with **static batching**: requests in
 order, ``batch_size`` at a time, left-padded, each batch generating until its longest request is
 done (the others' extra tokens are computed and thrown away; only requested tokens are counted).
+A second peer, ``run_transformers_continuous``, is transformers' own continuous batching (the
+manager behind ``generate_batch``, with its paged KV cache), each request with its own length.
 """
 
 from __future__ import annotations
@@ -55,6 +57,75 @@ def run_pagedllm(
     }
 
 
+def _hf_model(model: str | None, dtype: str) -> tuple[Any, Any]:
+    """transformers' ``LlamaForCausalLM`` with the weights pagedllm loads (same GGUF / folder)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.config import parse_dtype
+    from pagedllm.model.loader import hf_config_dict, load_model
+
+    tdtype = parse_dtype(dtype)
+    loaded = load_model(model, tdtype)
+    hf: Any = LlamaForCausalLM(LlamaConfig(**hf_config_dict(loaded.config)))
+    hf = hf.to(tdtype).eval()
+    hf.load_state_dict(loaded.state_dict, strict=False)
+    hf.tie_weights()
+    return hf, loaded.tokenizer
+
+
+def run_transformers_continuous(
+    requests: list[BenchRequest],
+    model: str | None = None,
+    dtype: str = "float32",
+    kv_tokens: int = 8192,
+) -> dict[str, Any]:
+    """Serve ``requests`` with transformers' continuous batching (``ContinuousBatchingManager``,
+    what ``generate_batch`` runs), greedy, each request generating exactly its ``output_len``.
+    Its paged KV cache gets ``kv_tokens`` token slots (rounded down to its 256-token pages; by
+    default it would size the cache from free device memory).
+
+    Raises:
+        RuntimeError: when the manager stops before every request finished (its error included).
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    hf, tok = _hf_model(model, dtype)
+    prompts = _token_prompts(requests, lambda t: list(tok(t, add_special_tokens=False).input_ids))
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max(r.output_len for r in requests), pad_token_id=0
+    )
+    gen.eos_token_id = None  # ignore_eos: every request runs to its own output_len
+    n_out = 0
+    t0 = time.perf_counter()
+    page = ContinuousBatchingConfig.page_size
+    cb_cfg = ContinuousBatchingConfig(num_blocks=max(1, kv_tokens // page))
+    with hf.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb_cfg, block=True, timeout=5
+    ) as m:
+        for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
+            m.add_request(p, request_id=str(i), max_new_tokens=r.output_len)
+        done = 0
+        while done < len(requests):
+            res = m.get_result(timeout=1)
+            if res is None:
+                if not m.is_running():
+                    raise RuntimeError(f"transformers continuous batching stopped after {done} requests")
+                continue
+            if res.is_finished():
+                done += 1
+                n_out += len(res.generated_tokens)
+    elapsed = time.perf_counter() - t0
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "backend": "transformers-continuous",
+        "elapsed_s": elapsed,
+        "request_throughput": len(requests) / elapsed,
+        "output_throughput": n_out / elapsed,
+        "total_token_throughput": (n_in + n_out) / elapsed,
+        "workload": workload_stats(requests),
+    }
+
+
 def run_transformers(
     requests: list[BenchRequest],
     model: str | None = None,
@@ -69,20 +140,10 @@ def run_transformers(
     """
     import torch
     from tqdm.auto import tqdm
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedllm.config import parse_dtype
-    from pagedllm.model.loader import hf_config_dict, load_model
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    tdtype = parse_dtype(dtype)
-    loaded = load_model(model, tdtype)
-    hf: Any = LlamaForCausalLM(LlamaConfig(**hf_config_dict(loaded.config)))
-    hf = hf.to(tdtype).eval()
-    hf.load_state_dict(loaded.state_dict, strict=False)
-    hf.tie_weights()
-    tok = loaded.tokenizer
+    hf, tok = _hf_model(model, dtype)
     prompts = _token_prompts(requests, lambda t: list(tok(t, add_special_tokens=False).input_ids))
     pad = 0
     n_out = 0
