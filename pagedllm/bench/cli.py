@@ -83,10 +83,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                 reqs, args.model, args.dtype, args.hf_batch_size, progress=not args.quiet
             )
         elif args.backend == "transformers-continuous":
-            result = run_transformers_continuous(reqs, args.model, args.dtype)
+            kw = {"kv_tokens": args.num_kv_blocks * args.block_size} if args.num_kv_blocks else {}
+            result = run_transformers_continuous(reqs, args.model, args.dtype, **kw)
         else:
             result = run_pagedllm(reqs, engine_kwargs(args), progress=not args.quiet)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(dataset=args.dataset, date=time.strftime("%Y-%m-%d %H:%M"))
@@ -133,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 progress=not args.quiet,
             )
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(dataset=args.dataset, date=time.strftime("%Y-%m-%d %H:%M"))
