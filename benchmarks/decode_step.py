@@ -23,40 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_lock, median, merge_json, sharegpt_prompts  # noqa: E402
-
-
-def matmul_only_ms(model, batch: int, reps: int) -> float:
-    """Median ms of the step's linear layers alone at ``batch`` rows, run through the model's own
-    projection modules (so packed oneDNN weights count when the engine uses them)."""
-    d = model.config.hidden_size
-    x = torch.randn(batch, d, dtype=model.dtype)
-    layers = list(model.layers)
-    o_in = torch.randn(batch, layers[0].self_attn.q_size, dtype=model.dtype)
-    down_in = torch.randn(batch, layers[0].mlp.inter, dtype=model.dtype)
-
-    def once() -> None:
-        for layer in layers:
-            layer.self_attn.qkv_proj(x)
-            layer.self_attn.o_proj(o_in)
-            layer.mlp.gate_up_proj(x)
-            layer.mlp.down_proj(down_in)
-        if model.lm_head_packed is not None:
-            model.lm_head_packed(x)
-        else:
-            F.linear(x, model.lm_head_weight)
-
-    with torch.inference_mode():
-        once()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            once()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return median(times)
+from linears_floor import linears_ms  # noqa: E402
 
 
 def main() -> None:
@@ -105,7 +75,8 @@ def main() -> None:
         if prof is not None:
             prof.__exit__(None, None, None)
         model = engine.executor.worker.model
-        mm_ms = matmul_only_ms(model, args.batch, args.steps)
+        linears_ms(model, args.batch, args.batch)  # warm-up
+        mm_ms = median([linears_ms(model, args.batch, args.batch) for _ in range(args.steps)])
         while engine.has_unfinished_requests():
             engine.step()
     step = median(step_ms)

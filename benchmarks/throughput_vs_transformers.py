@@ -31,6 +31,7 @@ def run_pagedllm(llm, prompts, output_len) -> float:
     from pagedllm.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.reset_prefix_cache()  # each round prefills its prompts, as transformers' generate does
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     dt = time.perf_counter() - t0

@@ -5,7 +5,14 @@ Both engines load the same Hugging Face folder (the bundled SmolLM2-135M-Instruc
 output length, both on both cores. vLLM runs in its own venv (``vllm_cpu.py`` installs it) as a
 subprocess, pagedllm in this process; the two alternate round by round and the script prints
 each engine's output tokens/s, the medians and the ratio. Engine start-up, torch.compile and a
-small warm-up are not timed.
+small warm-up are not timed. Each round of both engines starts with an empty prefix cache
+(before 2026-11-30 pagedllm's later rounds found the prompts of the earlier ones cached and
+skipped most of their prefill, which inflated its second-round figures).
+
+It then replays the linear layers alone of every step of pagedllm's first round
+(``linears_floor.py``) and prints that floor as output tokens/s, each engine's share of it and
+the ratio over vLLM an engine would show if everything but its matmuls were free. (vLLM batches
+its steps its own way, so its GEMM shapes differ a little; the floor is pagedllm's.)
 
 Workloads:
   a: 64 ShareGPT prompts cut to exactly 100 tokens, 128 output tokens each.
@@ -32,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_lock, dataset_requests, median, merge_json, sharegpt_prompts  # noqa: E402
+from linears_floor import StepShapes, workload_floor_s  # noqa: E402
 from vllm_cpu import export_model, run_offline  # noqa: E402
 
 
@@ -49,6 +57,9 @@ def run_pagedllm(llm, reqs: list[dict]) -> dict:
     from pagedllm.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    # Every round starts with an empty prefix cache, as vLLM's does (a fresh process per round):
+    # otherwise a repeated round finds its prompts cached and skips their prefill.
+    llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -107,14 +118,21 @@ def main() -> None:
     theirs: list[dict] = []
     with bench_lock():
         run_pagedllm(llm, [dict(r, max_tokens=8) for r in reqs[:8]])  # warm-up
+        shapes: list[tuple[int, int]] = []
         for r in range(args.rounds):
+            recorder = StepShapes(llm.engine)
             ours.append(run_pagedllm(llm, reqs))
+            recorder.detach()
+            shapes = shapes or recorder.shapes  # the first round's steps
             print(f"round {r}: pagedllm  {ours[-1]['output_tok_s']:7.1f} output tok/s", flush=True)
             if not args.skip_vllm:
                 theirs.append(run_offline(vllm_wl, kv_cache_gib=args.kv_cache_gib))
                 print(f"round {r}: vllm-cpu  {theirs[-1]['output_tok_s']:7.1f} output tok/s", flush=True)
+        # The same steps with only their linear layers: the time if all else were free.
+        floor_s = workload_floor_s(llm.engine.executor.worker.model, shapes)
     ours_med = median([o["output_tok_s"] for o in ours])
     theirs_med = median([t["output_tok_s"] for t in theirs]) if theirs else None
+    floor_tok_s = n_out / floor_s
     result = {
         "workload": desc,
         "pagedllm": ours,
@@ -122,6 +140,11 @@ def main() -> None:
         "pagedllm_median_tok_s": ours_med,
         "vllm_median_tok_s": theirs_med,
         "ratio": ours_med / theirs_med if theirs_med else None,
+        "linears_floor_s": floor_s,
+        "linears_floor_tok_s": floor_tok_s,
+        "pagedllm_share_of_floor": ours_med / floor_tok_s,
+        "vllm_share_of_floor": theirs_med / floor_tok_s if theirs_med else None,
+        "highest_possible_ratio": floor_tok_s / theirs_med if theirs_med else None,
         "same_first_tokens": (ours[0]["first_output"] == theirs[0]["first_output"]) if theirs else None,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }

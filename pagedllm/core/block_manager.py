@@ -67,6 +67,22 @@ class BlockManager:
             return 0
         return sum(1 for b in self.prefix_cache.key_of if self.allocator.is_free(b))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix whose block no sequence holds (vLLM's ``reset_prefix_cache``).
+
+        Blocks owned by running or swapped-out sequences keep their keys, so sharing among live
+        requests goes on. Used between benchmark rounds so a repeated workload starts cold.
+
+        Returns:
+            Number of blocks whose key was dropped (0 without prefix caching).
+        """
+        if self.prefix_cache is None:
+            return 0
+        free_cached = [b for b in self.prefix_cache.key_of if self.allocator.is_free(b)]
+        for b in free_cached:
+            self.prefix_cache.evict(b)
+        return len(free_cached)
+
     def usage(self) -> float:
         """Fraction of the pool owned by sequences, 0..1."""
         return self.allocator.num_used / self.num_blocks

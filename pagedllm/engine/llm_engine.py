@@ -419,6 +419,11 @@ class LLMEngine:
         group.metrics.finished_time = time.monotonic()
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes of finished requests (``BlockManager.reset_prefix_cache``);
+        returns how many blocks were dropped from the cache."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

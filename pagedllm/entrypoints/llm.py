@@ -68,6 +68,11 @@ class LLM:
         """Stop the engine's tensor-parallel workers, if any; idempotent."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no live request holds, so the next ``generate`` recomputes
+        its prompts (as vLLM's ``LLM.reset_prefix_cache``). Returns the number of blocks dropped."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -71,6 +71,22 @@ def test_prefix_cache_reuse_keeps_at_least_the_last_token():
     assert bm.prefix_cache.hits == 3 and bm.prefix_cache.queries == 3
 
 
+def test_reset_prefix_cache_drops_free_blocks_only():
+    bm = BlockManager(8, 4, watermark=0)
+    a = seq(0, range(1, 10))  # blocks 0, 1 full and cached
+    computed(bm, a, 9)
+    b = seq(1, range(21, 30))  # blocks 3, 4 full and cached, b stays live
+    computed(bm, b, 9)
+    assert bm.get_block_table(b) == [3, 4, 5]
+    bm.free(a)
+    assert bm.reset_prefix_cache() == 2  # a's blocks 0, 1; b's stay cached while it runs
+    assert bm.prefix_cache.key_of.keys() == {3, 4}
+    assert bm.cached_prefix_blocks(seq(2, range(1, 10))) == []
+    assert bm.cached_prefix_blocks(seq(3, range(21, 30))) == [3, 4]
+    bm.check_invariants()
+    assert BlockManager(8, 4, enable_prefix_caching=False).reset_prefix_cache() == 0
+
+
 def test_same_tokens_different_parent_do_not_collide():
     """C19: a block of [321]*4 after [65]*4 is not the block [321]*4 at the start."""
     bm = BlockManager(8, 4, watermark=0)

@@ -94,6 +94,19 @@ def test_prefix_caching_on_equals_off(tiny_llm_factory, temperature):
     assert on.engine.block_manager.prefix_cache.hit_rate > 0
 
 
+def test_reset_prefix_cache_makes_a_repeat_cold(tiny_llm_factory):
+    llm = tiny_llm_factory(block_size=4)
+    prompt = "a block table maps logical blocks to physical ones. " * 2
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], sp, use_tqdm=False)[0]
+    warm = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and warm.num_cached_tokens > 0
+    assert llm.reset_prefix_cache() > 0
+    cold = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_c19_no_prefix_cache_collisions(tiny_llm_factory):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a, b = [65] * 32, [321] * 32
