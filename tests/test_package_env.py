@@ -1,4 +1,5 @@
-"""``import pagedllm`` sets the OpenMP barrier spin before torch loads libgomp, unless the user did."""
+"""``import pagedllm`` sets the OpenMP barrier spin and PyTorch's huge-page allocation before torch
+loads, unless the user did."""
 
 import os
 import subprocess
@@ -27,3 +28,13 @@ def _probe(**env: str) -> str:
 )
 def test_bounded_spin_unless_user_chose(env: dict[str, str], expected: str) -> None:
     assert _probe(**env) == expected
+
+
+@pytest.mark.parametrize(("env", "expected"), [({}, "1"), ({"THP_MEM_ALLOC_ENABLE": "0"}, "0")])
+def test_torch_huge_pages_unless_user_chose(env: dict[str, str], expected: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    probe = "import os, pagedllm; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == expected

@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.attention import cpu as cpu_kernels
 from pagedllm.model.config import LlamaArchConfig
+from pagedllm.worker.huge_pages import zeros_huge
 
 
 def kv_block_bytes(
@@ -74,11 +75,9 @@ class CacheEngine:
         kvh = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         shape = (kvh, num_blocks, block_size, config.head_dim)
         # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
+        # Huge pages: a decode step touches one 4 KiB page per block and head otherwise.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (zeros_huge(shape, dtype, device), zeros_huge(shape, dtype, device))
             for _ in range(config.num_hidden_layers)
         ]
         swap_shape = (kvh, num_swap_blocks, block_size, config.head_dim)
