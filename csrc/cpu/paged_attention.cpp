@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "gemm.h"
 #include "layer_ops.h"
 #include "vec.h"
 
@@ -601,6 +602,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x; x = rms_norm(residual), in place (fp32)");
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(gate) * up from a fused [T, 2I] (fp32)");
   m.def("rotary_embedding", &pagedllm::rotary_embedding, "rotary embedding in place (fp32)");
+  m.def("gemm_pack_weight", &pagedllm::gemm_pack_weight,
+        "pack a [N, K] fp32 weight into [ceil(N/16), K, 16] panels for gemm_linear");
+  m.def("gemm_linear", &pagedllm::gemm_linear, "y = x W^T from packed panels (fp32)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"));
   m.def("argmax_logsumexp", &pagedllm::argmax_logsumexp,
         "per-row argmax and logsumexp of [B, V] fp32 logits");
 }

@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _SRC_DIR = _REPO_ROOT / "csrc" / "cpu"
-_SOURCES = [_SRC_DIR / "paged_attention.cpp", _SRC_DIR / "layer_ops.cpp"]
-_HEADERS = [_SRC_DIR / "vec.h", _SRC_DIR / "layer_ops.h"]
+_SOURCES = [_SRC_DIR / "paged_attention.cpp", _SRC_DIR / "layer_ops.cpp", _SRC_DIR / "gemm.cpp"]
+_HEADERS = [_SRC_DIR / "vec.h", _SRC_DIR / "layer_ops.h", _SRC_DIR / "gemm.h"]
 
 _lock = threading.Lock()
 _ops: ModuleType | None = None

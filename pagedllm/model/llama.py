@@ -294,13 +294,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, LlamaMLP, RotaryEmbedding)):
                 m.cpu_ops = ops
 
-    def pack_linears(self) -> int:
-        """Prepack every projection and the LM head for oneDNN (``model.packed_linear``); call
-        after ``load_weights``. Returns the number of packed matrices."""
-        count = pack_linear_layers(self.layers)  # row-parallel layers (all-reduce) stay as they are
+    def pack_linears(self, cpu_ops: Any = None) -> int:
+        """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
+        when ``cpu_ops``, the C++ extension, is an AVX2 build, oneDNN otherwise); call after
+        ``load_weights``. Returns the number of packed matrices."""
+        # Row-parallel layers (all-reduce) stay as they are.
+        count = pack_linear_layers(self.layers, cpu_ops)
         if self.group is not None:
             return count  # the LM head is a vocabulary shard gathered to rank 0
-        self.lm_head_packed = PackedLinear(self.lm_head_weight)
+        self.lm_head_packed = PackedLinear(self.lm_head_weight, cpu_ops)
         return count + 1
 
     @torch.inference_mode()

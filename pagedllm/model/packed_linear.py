@@ -1,23 +1,28 @@
-"""Linear layers with weights prepacked for oneDNN, for fp32 on the CPU.
+"""Linear layers with weights prepacked once at load time, for fp32 on the CPU.
 
-``F.linear`` on the CPU calls MKL's sgemm, which re-reads the weight in its row-major layout on
-every call. oneDNN (bundled in PyTorch as MKL-DNN) can reorder the weight once into its blocked
-layout and then run the matmul from it; PyTorch exposes this pair as
-``mkldnn::_reorder_linear_weight`` and ``mkldnn::_linear_pointwise`` (what Inductor's weight
-freezing uses). Measured on this 2-core AMD EPYC (AVX2), fp32, the step's linear layers at batch
-64: 0.28-0.30 s of CPU time with packed weights vs 0.30-0.45 s with MKL (``benchmarks/
-decode_step.py`` compares them end to end); the largest gains are on the gate/up projection and
-the LM head (576 x 3072 and 576 x 49152).
+Two kernels, chosen per process:
 
-The weights are packed once at load time; the original parameters are dropped, so memory does not
-grow (the LM head, tied to the embedding, gets its own packed copy). Disable with
-``PAGEDLLM_DISABLE_PACKED_LINEAR=1`` (falls back to ``F.linear``).
+- **pagedllm's own GEMM** (``csrc/cpu/gemm.cpp``, a 6 x 16 AVX2 micro-kernel over weight panels
+  packed k-major): used when the C++ CPU extension is built for AVX2. Measured on this 2-core
+  AMD EPYC (AVX2, FMA peak ~200 GFLOP/s), the 121 linear layers of a SmolLM2-135M step
+  (``benchmarks/gemm.py``): 64 rows 130 GFLOP/s vs 105 for oneDNN, 256 rows 148 vs 126,
+  4 rows 2x faster, 2048 rows still ~8% faster.
+- **oneDNN's packed matmul** otherwise (bundled in PyTorch as MKL-DNN; ``mkldnn::
+  _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses): on
+  AVX-512 machines, where the AVX2 micro-kernel would use half the vector width, and whenever the
+  extension is missing. MKL's plain sgemm (``F.linear``) re-reads the row-major weight on every
+  call and was 10-40% slower than either at 64 rows.
+
+The original parameters are dropped after packing, so memory does not grow (the LM head, tied to
+the embedding, gets its own packed copy). ``PAGEDLLM_DISABLE_CPU_GEMM=1`` skips the own GEMM
+(oneDNN then); ``PAGEDLLM_DISABLE_PACKED_LINEAR=1`` disables packing entirely (``F.linear``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,11 +30,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def packed_linear_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether packed oneDNN linears can run: CPU, float32, PyTorch built with MKL-DNN, the ops
-    present, and not disabled by ``PAGEDLLM_DISABLE_PACKED_LINEAR=1``."""
-    if os.environ.get("PAGEDLLM_DISABLE_PACKED_LINEAR") == "1":
-        return False
+def onednn_linear_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether oneDNN packed linears can run: CPU, float32, PyTorch built with MKL-DNN and the
+    ops present."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
     if not torch.backends.mkldnn.is_available():
@@ -38,37 +41,83 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device | str = "cp
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
+def cpu_gemm_ops(cpu_ops: Any, dtype: torch.dtype) -> Any:
+    """``cpu_ops`` (the C++ extension) when its own GEMM should run the linears: float32, an
+    AVX2 build (``simd_level() == "avx2"``), not disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``;
+    else None."""
+    if cpu_ops is None or dtype != torch.float32:
+        return None
+    if os.environ.get("PAGEDLLM_DISABLE_CPU_GEMM") == "1":
+        return None
+    if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() != "avx2":
+        return None
+    return cpu_ops
+
+
+def packed_linear_available(
+    dtype: torch.dtype, device: torch.device | str = "cpu", cpu_ops: Any = None
+) -> bool:
+    """Whether the linears can be packed (own GEMM through ``cpu_ops`` or oneDNN), and packing
+    is not disabled by ``PAGEDLLM_DISABLE_PACKED_LINEAR=1``."""
+    if os.environ.get("PAGEDLLM_DISABLE_PACKED_LINEAR") == "1":
+        return False
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    return cpu_gemm_ops(cpu_ops, dtype) is not None or onednn_linear_available(dtype, device)
+
+
 class PackedLinear(nn.Module):
-    """y = x W^T (no bias) from a weight prepacked once into oneDNN's layout.
+    """y = x W^T (no bias) from a weight prepacked once.
 
     Args:
         weight: [out_features, in_features] float32 CPU tensor (copied into the packed layout;
             the caller may drop it afterwards).
+        cpu_ops: the C++ extension; when ``cpu_gemm_ops`` accepts it the weight is packed into
+            16-column panels for its GEMM, otherwise into oneDNN's layout.
 
     Forward: x [T, in_features] float32 -> [T, out_features] float32.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, cpu_ops: Any = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.gemm_ops = cpu_gemm_ops(cpu_ops, weight.dtype)
         with torch.no_grad():
-            # batch_size None: one layout for every number of rows (decode and prefill steps).
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            w = weight.detach().contiguous()
+            if self.gemm_ops is not None:
+                self.packed = self.gemm_ops.gemm_pack_weight(w)
+            else:
+                # batch_size None: one layout for every number of rows (decode and prefill).
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+    @property
+    def kernel(self) -> str:
+        """Which GEMM runs: "pagedllm" (own) or "onednn"."""
+        return "onednn" if self.gemm_ops is None else "pagedllm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm_ops is not None:
+            if x.dim() != 2 or x.stride(-1) != 1:
+                lead = x.shape[:-1]
+                flat = x.reshape(-1, self.in_features).contiguous()
+                return self.gemm_ops.gemm_linear(flat, self.packed, self.out_features).view(
+                    *lead, self.out_features
+                )
+            return self.gemm_ops.gemm_linear(x, self.packed, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, cpu_ops: Any = None) -> int:
     """Replace every bias-free ``nn.Linear`` in ``model`` (exact type, not subclasses, which may
-    add communication) by a :class:`PackedLinear` holding the same weight. Returns the count."""
+    add communication) by a :class:`PackedLinear` holding the same weight (own GEMM when
+    ``cpu_ops`` qualifies, see :func:`cpu_gemm_ops`). Returns the count."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.bias is None:
-                setattr(parent, name, PackedLinear(child.weight))
+                setattr(parent, name, PackedLinear(child.weight, cpu_ops))
                 count += 1
     return count

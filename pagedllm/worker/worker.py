@@ -67,10 +67,11 @@ class Worker:
             state_dict = shard_state_dict(state_dict, shard, config.head_dim)
         self.model.load_weights(state_dict)
         self.model.eval()
-        if packed_linear_available(dtype):
-            self.model.pack_linears()
-        if isinstance(backend, CpuPagedAttention) and backend.ops is not None:
-            self.model.use_cpu_layer_ops(backend.ops)
+        cpu_ops = backend.ops if isinstance(backend, CpuPagedAttention) else None
+        if packed_linear_available(dtype, cpu_ops=cpu_ops):
+            self.model.pack_linears(cpu_ops)
+        if cpu_ops is not None:
+            self.model.use_cpu_layer_ops(cpu_ops)
         self.cache = CacheEngine(
             config,
             num_blocks,

@@ -1,4 +1,4 @@
-"""The fast CPU step: oneDNN-packed linears, fused C++ RMSNorm / SwiGLU / rotary kernels, the
+"""The fast CPU step: packed linears (pagedllm's own AVX2 GEMM or oneDNN), fused C++ RMSNorm / SwiGLU / rotary kernels, the
 sampler's fused argmax + logsumexp, and the whole model on that path equal to the plain ATen
 model."""
 
@@ -9,10 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, packed_linear_available
+from pagedllm.model.packed_linear import (
+    PackedLinear,
+    cpu_gemm_ops,
+    onednn_linear_available,
+    pack_linear_layers,
+)
 
 pytestmark = pytest.mark.skipif(  # the oneDNN ops come with every x86 PyTorch build
-    not packed_linear_available(torch.float32), reason="PyTorch built without MKL-DNN"
+    not onednn_linear_available(torch.float32), reason="PyTorch built without MKL-DNN"
 )
 
 
@@ -115,9 +120,11 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
     plain = LlamaForCausalLM(cfg, torch.float32, get_attention_backend("torch_native"), 64)
     for m in (fast, plain):
         m.load_weights(tiny_loaded.state_dict)
-    fast.pack_linears()
+    fast.pack_linears(cpu_ops_or_skip)
     fast.use_cpu_layer_ops(cpu_ops_or_skip)
     assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
+    own = cpu_ops_or_skip.simd_level() == "avx2"
+    assert fast.layers[0].mlp.down_proj.kernel == ("pagedllm" if own else "onednn")
     caches = [CacheEngine(cfg, 8, 4, torch.float32).kv_caches for _ in range(2)]
     table = [2, 7, 5]
     ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
@@ -227,3 +234,58 @@ def test_sampler_with_fused_ops_equals_aten_sampler(cpu_ops_or_skip):
     )
     assert fused.top_logprobs[1] is not None and plain.top_logprobs[1] is not None
     assert [t for t, _ in fused.top_logprobs[1]] == [t for t, _ in plain.top_logprobs[1]]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 301])
+@pytest.mark.parametrize("shape", [(576, 960), (17, 33), (1, 16), (1536, 5)])
+def test_own_gemm_matches_f_linear(cpu_ops_or_skip, rows, shape):
+    """gemm_linear over packed panels = F.linear (fp32, 1e-4) for row counts around the 6-row
+    tile, widths that are not a multiple of the 16-column panel, K = 1, and an x whose row
+    stride is larger than its width."""
+    ops = cpu_ops_or_skip
+    torch.manual_seed(rows)
+    in_f, out_f = shape
+    w = torch.randn(out_f, in_f)
+    packed = ops.gemm_pack_weight(w)
+    assert packed.shape == ((out_f + 15) // 16, in_f, 16)
+    assert torch.equal(packed[0, :, : min(out_f, 16)], w[:16].t())  # panel 0 holds rows 0-15
+    x = torch.randn(rows, in_f + 3)[:, :in_f]
+    got = ops.gemm_linear(x, packed, out_f)
+    assert got.shape == (rows, out_f) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_own_gemm_rejects_bad_input(cpu_ops_or_skip):
+    ops = cpu_ops_or_skip
+    packed = ops.gemm_pack_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.gemm_linear(torch.randn(2, 8, dtype=torch.float64), packed, 20)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.gemm_linear(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="out_features"):
+        ops.gemm_linear(torch.randn(2, 8), packed, 40)
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        ops.gemm_pack_weight(torch.randn(4))
+
+
+def test_packed_linear_kernel_choice(cpu_ops_or_skip, monkeypatch):
+    """The own GEMM runs when the extension is an AVX2 build; PAGEDLLM_DISABLE_CPU_GEMM=1, bf16
+    or no extension give oneDNN; both give F.linear's values, also for a 3-D input."""
+    ops = cpu_ops_or_skip
+    w, x = torch.randn(40, 24), torch.randn(2, 3, 24)
+    own = PackedLinear(w, ops)
+    assert own.kernel == ("pagedllm" if ops.simd_level() == "avx2" else "onednn")
+    assert cpu_gemm_ops(ops, torch.bfloat16) is None and cpu_gemm_ops(None, torch.float32) is None
+    monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_GEMM", "1")
+    assert PackedLinear(w, ops).kernel == "onednn"
+    torch.testing.assert_close(own(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_worker_with_cpu_backend_uses_own_gemm(tiny_loaded, cpu_ops_or_skip):
+    from pagedllm.worker.worker import Worker
+
+    worker = Worker(tiny_loaded.config, tiny_loaded.state_dict, torch.float32, 8, 4, 64, "cpu")
+    own = cpu_ops_or_skip.simd_level() == "avx2"
+    assert worker.model.layers[0].self_attn.qkv_proj.kernel == ("pagedllm" if own else "onednn")
+    assert worker.model.lm_head_packed is not None
+    assert worker.model.lm_head_packed.kernel == ("pagedllm" if own else "onednn")

@@ -1,0 +1,109 @@
+"""The step's linear layers with each CPU GEMM: pagedllm's own, oneDNN packed, MKL (issue 6).
+
+For the bundled model's projection shapes (fused QKV, O, fused gate/up, down in every layer, then
+the LM head), times one pass over all of them at ``--rows`` rows (64 = the decode step of a
+64-sequence batch, 2048 = a chunk of prefill) with random weights, one distinct weight per layer
+so that nothing stays cached between layers as in a real step. The three kernels alternate
+within every round; prints the median of ``--rounds`` rounds in ms and GFLOP/s, and the ratio
+of oneDNN to the own GEMM. The FMA peak of this 2-core AVX2 EPYC is ~200 GFLOP/s.
+
+    .venv/bin/python benchmarks/gemm.py --rows 1 4 16 64 256 2048
+"""
+
+from __future__ import annotations
+
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_lock, median, merge_json  # noqa: E402
+
+from pagedllm.attention.cpu import load_cpu_ops  # noqa: E402
+from pagedllm.model.loader.bundled import bundled_model_path  # noqa: E402
+from pagedllm.model.loader.gguf_loader import gguf_arch_config, open_gguf  # noqa: E402
+from pagedllm.model.packed_linear import PackedLinear, cpu_gemm_ops  # noqa: E402
+
+
+def model_shapes() -> tuple[list[tuple[str, int, int, int]], int]:
+    """[(name, out_features, in_features, count)] of the bundled model's linears, and its
+    layer count."""
+    path = bundled_model_path()
+    c = gguf_arch_config(open_gguf(path), path)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    n = c.num_hidden_layers
+    shapes = [
+        ("qkv", q + 2 * kv, c.hidden_size, n),
+        ("o", c.hidden_size, q, n),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size, n),
+        ("down", c.hidden_size, c.intermediate_size, n),
+        ("lm_head", c.vocab_size, c.hidden_size, 1),
+    ]
+    return shapes, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/gemm.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = cpu_gemm_ops(load_cpu_ops(), torch.float32)
+    if ops is None:
+        raise SystemExit("the own GEMM needs the C++ extension built for AVX2 (simd_level avx2)")
+    shapes, _ = model_shapes()
+    torch.manual_seed(0)
+    weights = {name: [torch.randn(o, i) * 0.02 for _ in range(cnt)] for name, o, i, cnt in shapes}
+    kernels = {
+        "pagedllm": {n: [PackedLinear(w, ops) for w in ws] for n, ws in weights.items()},
+        "onednn": {n: [PackedLinear(w) for w in ws] for n, ws in weights.items()},
+        "mkl": {n: [lambda x, w=w: F.linear(x, w) for w in ws] for n, ws in weights.items()},
+    }
+    results: dict[str, dict] = {}
+    with bench_lock(), torch.inference_mode():
+        for rows in args.rows:
+            xs = {name: torch.randn(rows, i) for name, _, i, _ in shapes}
+            for name, layers in kernels.items():  # same values from every kernel
+                got = layers["gate_up"][0](xs["gate_up"])
+                want = F.linear(xs["gate_up"], weights["gate_up"][0])
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
+            times: dict[str, list[float]] = {k: [] for k in kernels}
+            for _ in range(args.rounds):
+                for kname, layers in kernels.items():
+                    t0 = time.perf_counter()
+                    for name, fns in layers.items():
+                        for fn in fns:
+                            fn(xs[name])
+                    times[kname].append(time.perf_counter() - t0)
+            flop = 2 * rows * sum(o * i * cnt for _, o, i, cnt in shapes)
+            row = {}
+            for kname, ts in times.items():
+                t = median(ts[1:])  # the first round warms the caches and thread pool
+                row[kname] = {"ms": round(t * 1e3, 2), "gflops": round(flop / t / 1e9, 1)}
+            ratio = row["onednn"]["ms"] / row["pagedllm"]["ms"]
+            row["onednn_over_pagedllm"] = round(ratio, 3)
+            results[str(rows)] = row
+            print(
+                f"rows {rows:5d}: "
+                + "  ".join(
+                    f"{k} {v['ms']:8.1f} ms {v['gflops']:6.1f} GFLOP/s"
+                    for k, v in row.items()
+                    if isinstance(v, dict)
+                )
+                + f"  oneDNN/own {ratio:.2f}x",
+                flush=True,
+            )
+    merge_json(args.out, {"threads": args.threads, "rows": results})
+
+
+if __name__ == "__main__":
+    main()
