@@ -12,12 +12,18 @@
 // FMA peak is ~200); see benchmarks/gemm.py. Threads split the weight panels, so each panel is
 // streamed from memory once per call (by the first row tile, which also prefetches ahead) and
 // then reused from L1/L2 by the other row tiles; x is small and stays in cache.
+//
+// Two epilogues save a pass over the output: accumulate (out += x W^T: the residual add after the
+// down projection) and SwiGLU (the gate/up weight packed so that a panel's two halves are 8 gate
+// and the matching 8 up columns; the tile stores silu(gate) * up, never the [M, 2I] product).
 #include "gemm.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
+
+#include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -31,8 +37,24 @@ constexpr int NR = kGemmPanel;
 constexpr int MR = 6;        // rows per micro-kernel tile
 constexpr int kPrefetch = 24;  // k steps ahead (24 x 64 bytes) for the first tile of a panel
 
+enum Epilogue { kStore, kAccumulate, kSwiGlu };
+
+// Row i of a finished tile (lo = columns 0-7, hi = 8-15) into c.
+template <int E>
+inline void finish_row(const float* lo, const float* hi, float* c) {
+  if (E == kStore) {
+    std::memcpy(c, lo, 8 * sizeof(float));
+    std::memcpy(c + 8, hi, 8 * sizeof(float));
+  } else if (E == kAccumulate) {
+    for (int j = 0; j < 8; ++j) c[j] += lo[j];
+    for (int j = 0; j < 8; ++j) c[8 + j] += hi[j];
+  } else {
+    vec::silu_mul_row(lo, hi, c, 8);  // 8 output columns per panel
+  }
+}
+
 // c[0:rows, 0:NR] (row stride ldc) = a_tile[K][MR] . panel[K][NR]; rows <= ROWS <= MR.
-template <int ROWS, bool PREFETCH>
+template <int ROWS, bool PREFETCH, int E>
 inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
 #if defined(PAGEDLLM_GEMM_AVX2)
   __m256 lo[ROWS], hi[ROWS];
@@ -52,30 +74,112 @@ inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, in
       hi[i] = _mm256_fmadd_ps(av, b1, hi[i]);
     }
   }
+  if (E == kStore) {
 #pragma GCC unroll 8
-  for (int i = 0; i < ROWS; ++i) {
-    _mm256_storeu_ps(c + i * ldc, lo[i]);
-    _mm256_storeu_ps(c + i * ldc + 8, hi[i]);
+    for (int i = 0; i < ROWS; ++i) {
+      _mm256_storeu_ps(c + i * ldc, lo[i]);
+      _mm256_storeu_ps(c + i * ldc + 8, hi[i]);
+    }
+  } else if (E == kAccumulate) {
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; ++i) {
+      _mm256_storeu_ps(c + i * ldc, _mm256_add_ps(_mm256_loadu_ps(c + i * ldc), lo[i]));
+      _mm256_storeu_ps(c + i * ldc + 8, _mm256_add_ps(_mm256_loadu_ps(c + i * ldc + 8), hi[i]));
+    }
+  } else {
+    alignas(32) float g[8], u[8];
+    for (int i = 0; i < ROWS; ++i) {
+      _mm256_store_ps(g, lo[i]);
+      _mm256_store_ps(u, hi[i]);
+      finish_row<E>(g, u, c + i * ldc);
+    }
   }
 #else
   float acc[ROWS][NR] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int i = 0; i < ROWS; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] += a[k * MR + i] * b[k * NR + j];
-  for (int i = 0; i < ROWS; ++i) std::memcpy(c + i * ldc, acc[i], sizeof(acc[i]));
+  for (int i = 0; i < ROWS; ++i) finish_row<E>(acc[i], acc[i] + 8, c + i * ldc);
 #endif
 }
 
-template <bool PREFETCH>
+template <bool PREFETCH, int E>
 void tile(int rows, const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
   switch (rows) {
-    case 6: micro_kernel<6, PREFETCH>(a, b, K, c, ldc); break;
-    case 5: micro_kernel<5, PREFETCH>(a, b, K, c, ldc); break;
-    case 4: micro_kernel<4, PREFETCH>(a, b, K, c, ldc); break;
-    case 3: micro_kernel<3, PREFETCH>(a, b, K, c, ldc); break;
-    case 2: micro_kernel<2, PREFETCH>(a, b, K, c, ldc); break;
-    default: micro_kernel<1, PREFETCH>(a, b, K, c, ldc); break;
+    case 6: micro_kernel<6, PREFETCH, E>(a, b, K, c, ldc); break;
+    case 5: micro_kernel<5, PREFETCH, E>(a, b, K, c, ldc); break;
+    case 4: micro_kernel<4, PREFETCH, E>(a, b, K, c, ldc); break;
+    case 3: micro_kernel<3, PREFETCH, E>(a, b, K, c, ldc); break;
+    case 2: micro_kernel<2, PREFETCH, E>(a, b, K, c, ldc); break;
+    default: micro_kernel<1, PREFETCH, E>(a, b, K, c, ldc); break;
   }
+}
+
+void check_x(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "x must be a [M, K] float32 CPU tensor with unit inner stride");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
+                  packed.size(2) == kGemmPanel && packed.is_contiguous(),
+              "packed must come from gemm_pack_weight or gemm_pack_swiglu_weight");
+  TORCH_CHECK(packed.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
+              packed.size(1));
+}
+
+// The shared driver: c [M, ldc] gets columns [0, N) (N <= panels * out_per_panel) with
+// epilogue E; out_per_panel is 16, or 8 for SwiGLU (then N = panels * 8 exactly).
+template <int E>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int64_t ldc) {
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
+  if (M == 0 || N == 0) return;
+
+  // x -> tiles [ceil(M / 6)][K][6], the rows past M zero.
+  const int64_t tiles = (M + MR - 1) / MR;
+  at::Tensor xa = at::empty({tiles, K, MR}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  float* xd = xa.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* d = xd + t * K * MR;
+      const int64_t rows = std::min<int64_t>(MR, M - t * MR);
+      for (int64_t i = 0; i < MR; ++i) {
+        if (i < rows) {
+          const float* src = xs + (t * MR + i) * ldx;
+          for (int64_t k = 0; k < K; ++k) d[k * MR + i] = src[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) d[k * MR + i] = 0.f;
+        }
+      }
+    }
+  });
+
+  const float* b = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(32) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* bp = b + p * K * NR;
+      const int64_t cols = std::min<int64_t>(out_per_panel, N - p * out_per_panel);
+      const bool full = cols == out_per_panel;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
+        const float* at = xd + t * K * MR;
+        float* dst = c + t * MR * ldc + p * out_per_panel;
+        if (full) {
+          if (t == 0)
+            tile<true, E>(rows, at, bp, K, dst, ldc);
+          else
+            tile<false, E>(rows, at, bp, K, dst, ldc);
+          continue;
+        }
+        tile<false, kStore>(rows, at, bp, K, edge, NR);  // E is kStore or kAccumulate here
+        for (int i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j)
+            dst[i * ldc + j] = (E == kAccumulate ? dst[i * ldc + j] : 0.f) + edge[i * NR + j];
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -100,64 +204,49 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight) {
   return out;
 }
 
+at::Tensor gemm_pack_swiglu_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 16 == 0,
+              "gate/up weight must be [2I, K] with I a multiple of 8");
+  const int64_t inter = weight.size(0) / 2;
+  // Reorder the rows to gate 0-7, up 0-7, gate 8-15, up 8-15, ... and pack as usual.
+  at::Tensor rows = weight.reshape({2, inter / 8, 8, weight.size(1)}).transpose(0, 1);
+  return gemm_pack_weight(rows.reshape({2 * inter, weight.size(1)}));
+}
+
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "x must be a [M, K] float32 CPU tensor with unit inner stride");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == NR &&
-                  packed.is_contiguous(),
-              "packed must come from gemm_pack_weight");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "x has ", K, " columns, the weight ", packed.size(1));
+  check_x(x, packed);
+  const int64_t panels = packed.size(0);
   TORCH_CHECK(out_features > (panels - 1) * NR && out_features <= panels * NR,
               "out_features ", out_features, " does not match ", panels, " packed panels");
-  const int64_t N = out_features;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return y.zero_();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(1) == 0) return y.zero_();
+  run<kStore>(x, packed, out_features, y.data_ptr<float>(), out_features);
+  return y;
+}
 
-  // x -> tiles [ceil(M / 6)][K][6], the rows past M zero.
-  const int64_t tiles = (M + MR - 1) / MR;
-  at::Tensor xa = at::empty({tiles, K, MR}, x.options());
-  const float* xs = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  float* xd = xa.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* d = xd + t * K * MR;
-      const int64_t rows = std::min<int64_t>(MR, M - t * MR);
-      for (int64_t i = 0; i < MR; ++i) {
-        if (i < rows) {
-          const float* s = xs + (t * MR + i) * ldx;
-          for (int64_t k = 0; k < K; ++k) d[k * MR + i] = s[k];
-        } else {
-          for (int64_t k = 0; k < K; ++k) d[k * MR + i] = 0.f;
-        }
-      }
-    }
-  });
+void gemm_linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
+  check_x(x, packed);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0),
+              "out must be a [M, N] float32 tensor with unit inner stride");
+  const int64_t N = out.size(1), panels = packed.size(0);
+  TORCH_CHECK(N > (panels - 1) * NR && N <= panels * NR, "out has ", N, " columns, the weight ",
+              panels, " packed panels");
+  const auto* o0 = static_cast<const char*>(out.data_ptr());
+  const auto* x0 = static_cast<const char*>(x.data_ptr());
+  const int64_t o_bytes = out.numel() ? (out.size(0) - 1) * out.stride(0) * 4 + N * 4 : 0;
+  const int64_t x_bytes = x.numel() ? (x.size(0) - 1) * x.stride(0) * 4 + x.size(1) * 4 : 0;
+  TORCH_CHECK(o_bytes == 0 || x_bytes == 0 || o0 + o_bytes <= x0 || x0 + x_bytes <= o0,
+              "out must not overlap x");
+  run<kAccumulate>(x, packed, N, out.data_ptr<float>(), out.stride(0));
+}
 
-  const float* b = packed.data_ptr<float>();
-  float* c = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(32) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* bp = b + p * K * NR;
-      const int64_t cols = std::min<int64_t>(NR, N - p * NR);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
-        float* dst = cols == NR ? c + t * MR * N + p * NR : edge;
-        const int64_t ld = cols == NR ? N : NR;
-        if (t == 0)
-          tile<true>(rows, xd + t * K * MR, bp, K, dst, ld);
-        else
-          tile<false>(rows, xd + t * K * MR, bp, K, dst, ld);
-        if (cols != NR)
-          for (int i = 0; i < rows; ++i)
-            std::memcpy(c + (t * MR + i) * N + p * NR, edge + i * NR, cols * sizeof(float));
-      }
-    }
-  });
+at::Tensor gemm_swiglu(const at::Tensor& x, const at::Tensor& packed) {
+  check_x(x, packed);
+  const int64_t inter = packed.size(0) * (NR / 2);
+  at::Tensor y = at::empty({x.size(0), inter}, x.options());
+  if (x.size(1) == 0) return y.fill_(0.f);  // silu(0) * 0
+  run<kSwiGlu>(x, packed, inter, y.data_ptr<float>(), inter);
   return y;
 }
 

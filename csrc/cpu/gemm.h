@@ -1,4 +1,4 @@
-// fp32 linear layers for small and medium row counts (gemm.cpp), bound in paged_attention.cpp.
+// fp32 linear layers for every row count (gemm.cpp), bound in paged_attention.cpp.
 #pragma once
 #include <torch/extension.h>
 
@@ -7,6 +7,13 @@ namespace pagedllm {
 constexpr int kGemmPanel = 16;
 // W [N, K] float32 -> panels [ceil(N / 16), K, 16] float32 (zero-padded last panel).
 at::Tensor gemm_pack_weight(const at::Tensor& weight);
-// y [M, N] = x [M, K] @ W^T from the packed panels; x float32 with unit inner stride.
+// Fused gate/up W [2I, K] float32 (gate rows first, I % 8 == 0) -> panels [I / 8, K, 16]: panel
+// p holds gate rows 8p..8p+7 in its first 8 columns and up rows 8p..8p+7 in its last 8.
+at::Tensor gemm_pack_swiglu_weight(const at::Tensor& weight);
+// y [M, N] = x [M, K] @ W^T from gemm_pack_weight panels; x float32 with unit inner stride.
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+// out [M, N] += x [M, K] @ W^T in place (the residual add fused into the matmul).
+void gemm_linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
+// [M, I] = silu(x @ W_gate^T) * (x @ W_up^T) from gemm_pack_swiglu_weight panels.
+at::Tensor gemm_swiglu(const at::Tensor& x, const at::Tensor& packed);
 }  // namespace pagedllm

@@ -110,23 +110,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* g = gp + t * gs;
-      const float* u = g + n;
-      float* o = op + t * os;
-      int i = 0;
-#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
-      const vec::V one = vec::set1(1.0f), neg = vec::set1(-1.0f);
-      for (; i + vec::W <= n; i += vec::W) {
-        vec::V gv = vec::load(g + i);
-        vec::V sig = vec::exp(vec::mul(gv, neg));  // e^-g
-#if PAGEDLLM_VEC_AVX512
-        sig = _mm512_div_ps(one, vec::add(one, sig));
-#else
-        sig = _mm256_div_ps(one, vec::add(one, sig));
-#endif
-        vec::store(o + i, vec::mul(vec::mul(gv, sig), vec::load(u + i)));
-      }
-#endif
-      for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      vec::silu_mul_row(g, g + n, op + t * os, n);
     }
   });
 }

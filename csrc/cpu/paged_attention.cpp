@@ -606,6 +606,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack a [N, K] fp32 weight into [ceil(N/16), K, 16] panels for gemm_linear");
   m.def("gemm_linear", &pagedllm::gemm_linear, "y = x W^T from packed panels (fp32)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"));
+  m.def("gemm_pack_swiglu_weight", &pagedllm::gemm_pack_swiglu_weight,
+        "pack a fused [2I, K] gate/up weight for gemm_swiglu");
+  m.def("gemm_linear_add_", &pagedllm::gemm_linear_add_, "out += x W^T in place (fp32)",
+        py::arg("out"), py::arg("x"), py::arg("packed"));
+  m.def("gemm_swiglu", &pagedllm::gemm_swiglu, "silu(x W_gate^T) * (x W_up^T) (fp32)",
+        py::arg("x"), py::arg("packed"));
   m.def("argmax_logsumexp", &pagedllm::argmax_logsumexp,
         "per-row argmax and logsumexp of [B, V] fp32 logits");
 }

@@ -216,5 +216,24 @@ inline void store_row(const float* src, float scale, int n, T* dst) {
   for (int i = 0; i < n; ++i) from_float(src[i] * scale, dst + i);
 }
 
+// o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] (the SwiGLU activation).
+inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
+  int i = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  const V one = set1(1.0f), neg = set1(-1.0f);
+  for (; i + W <= n; i += W) {
+    V gv = load(g + i);
+    V e = exp(mul(gv, neg));  // e^-g
+#if PAGEDLLM_VEC_AVX512
+    V sig = _mm512_div_ps(one, add(one, e));
+#else
+    V sig = _mm256_div_ps(one, add(one, e));
+#endif
+    store(o + i, mul(mul(gv, sig), load(u + i)));
+  }
+#endif
+  for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
 }  // namespace vec
 }  // namespace pagedllm

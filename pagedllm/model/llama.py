@@ -26,7 +26,7 @@ from torch import nn
 from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import LlamaArchConfig
-from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers
+from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, pack_swiglu_layers
 from pagedllm.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -195,14 +195,24 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear_out(self.inter, config.hidden_size, group, dtype)
         self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.cpu_ops is not None and gate_up.dim() == 2:
-            act = gate_up.new_empty(gate_up.shape[0], self.inter)
-            self.cpu_ops.silu_and_mul(act, gate_up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the result
+        is added into it in place and ``residual`` is returned."""
+        if getattr(self.gate_up_proj, "fused_activation", False):
+            act = self.gate_up_proj(x)  # PackedSwiGLU: the activation straight from the GEMM
+        else:
+            gate_up = self.gate_up_proj(x)
+            if self.cpu_ops is not None and gate_up.dim() == 2:
+                act = gate_up.new_empty(gate_up.shape[0], self.inter)
+                self.cpu_ops.silu_and_mul(act, gate_up)
+            else:
+                gate, up = gate_up.split(self.inter, dim=-1)
+                act = F.silu(gate) * up
+        if residual is None:
             return self.down_proj(act)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if isinstance(self.down_proj, PackedLinear):
+            return self.down_proj.forward_add_(residual, act)  # the add in the GEMM's epilogue
+        return residual.add_(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -225,7 +235,7 @@ class LlamaDecoderLayer(nn.Module):
         if norm.cpu_ops is not None:
             # One pass: x += a (x is this step's own activation, free to overwrite), a = norm(x).
             norm.cpu_ops.fused_add_rms_norm(a, x, norm.weight, norm.eps)
-            return x + self.mlp(a)
+            return self.mlp(a, residual=x)  # x += mlp(a), in place
         h = x + a
         return h + self.mlp(norm(h))
 
@@ -298,8 +308,10 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
         when ``cpu_ops``, the C++ extension, is an AVX2 build, oneDNN otherwise); call after
         ``load_weights``. Returns the number of packed matrices."""
-        # Row-parallel layers (all-reduce) stay as they are.
-        count = pack_linear_layers(self.layers, cpu_ops)
+        # Gate/up with the SwiGLU epilogue first (own GEMM only), then every other projection;
+        # row-parallel layers (all-reduce) stay as they are.
+        count = pack_swiglu_layers(self.layers, cpu_ops)
+        count += pack_linear_layers(self.layers, cpu_ops)
         if self.group is not None:
             return count  # the LM head is a vocabulary shard gathered to rank 0
         self.lm_head_packed = PackedLinear(self.lm_head_weight, cpu_ops)

@@ -106,8 +106,72 @@ class PackedLinear(nn.Module):
             return self.gemm_ops.gemm_linear(x, self.packed, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
+    def forward_add_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out += x W^T in place and return ``out`` ([T, out_features] float32, unit inner
+        stride, not aliasing x): the own GEMM adds in its epilogue (no [T, out_features]
+        temporary, no separate add), oneDNN adds afterwards."""
+        if self.gemm_ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            self.gemm_ops.gemm_linear_add_(out, x, self.packed)
+            return out
+        return out.add_(self(x))
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
+
+
+class PackedSwiGLU(nn.Module):
+    """silu(x W_gate^T) * (x W_up^T) in one pass of the own GEMM (Shazeer 2020's SwiGLU): the
+    fused gate/up weight is packed so that each 16-column panel holds 8 gate and the matching 8 up
+    columns, and the kernel's epilogue stores only the activation.
+
+    Args:
+        weight: [2I, in_features] float32, gate rows then up rows; I a multiple of 8.
+        gemm_ops: the C++ extension, accepted by :func:`cpu_gemm_ops`.
+
+    Forward: x [T, in_features] float32 -> [T, I] float32.
+
+    Raises:
+        ValueError: naming ``weight`` when I is not a multiple of 8.
+    """
+
+    fused_activation = True  # forward returns the activation, not the [T, 2I] product
+
+    def __init__(self, weight: torch.Tensor, gemm_ops: Any) -> None:
+        super().__init__()
+        rows, self.in_features = weight.shape
+        if rows % 16:
+            raise ValueError(f"weight: {rows} gate/up rows, need 2I with I a multiple of 8")
+        self.inter = rows // 2
+        self.gemm_ops = gemm_ops
+        with torch.no_grad():
+            self.packed = gemm_ops.gemm_pack_swiglu_weight(weight.detach().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm_ops.gemm_swiglu(x.contiguous(), self.packed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, inter={self.inter}, pagedllm SwiGLU epilogue"
+
+
+def pack_swiglu_layers(model: nn.Module, cpu_ops: Any) -> int:
+    """Replace the ``gate_up_proj`` (a bias-free ``nn.Linear`` of 2I rows, I % 8 == 0) of every
+    module that has one by a :class:`PackedSwiGLU` when the own GEMM runs (``cpu_gemm_ops``).
+    Returns the count (0 when it does not run)."""
+    gemm = cpu_gemm_ops(cpu_ops, torch.float32)
+    if gemm is None or os.environ.get("PAGEDLLM_DISABLE_PACKED_LINEAR") == "1":
+        return 0
+    count = 0
+    for m in model.modules():
+        proj = getattr(m, "gate_up_proj", None)
+        if (
+            type(proj) is nn.Linear
+            and proj.bias is None
+            and proj.weight.dtype == torch.float32
+            and proj.out_features % 16 == 0
+        ):
+            m.gate_up_proj = PackedSwiGLU(proj.weight, gemm)
+            count += 1
+    return count
 
 
 def pack_linear_layers(model: nn.Module, cpu_ops: Any = None) -> int:

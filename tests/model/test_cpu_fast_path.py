@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.model.packed_linear import (
     PackedLinear,
+    PackedSwiGLU,
     cpu_gemm_ops,
     onednn_linear_available,
     pack_linear_layers,
@@ -125,6 +126,8 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
     assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
     own = cpu_ops_or_skip.simd_level() == "avx2"
     assert fast.layers[0].mlp.down_proj.kernel == ("pagedllm" if own else "onednn")
+    gate_up = fast.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, PackedSwiGLU if own else PackedLinear)
     caches = [CacheEngine(cfg, 8, 4, torch.float32).kv_caches for _ in range(2)]
     table = [2, 7, 5]
     ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
@@ -255,6 +258,31 @@ def test_own_gemm_matches_f_linear(cpu_ops_or_skip, rows, shape):
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 6, 7, 64])
+def test_own_gemm_epilogues(cpu_ops_or_skip, rows):
+    """The accumulate epilogue (out += x W^T in place, also into a strided out and a width that
+    is not a multiple of 16) and the SwiGLU epilogue (silu(gate) * up from the interleaved
+    panels) equal their ATen compositions."""
+    ops = cpu_ops_or_skip
+    torch.manual_seed(rows)
+    for in_f, out_f in ((1536, 576), (24, 40)):
+        w = torch.randn(out_f, in_f) * 0.1
+        x = torch.randn(rows, in_f)
+        base = torch.randn(rows, out_f + 5)
+        out = base.clone()[:, :out_f]
+        ops.gemm_linear_add_(out, x, ops.gemm_pack_weight(w))
+        torch.testing.assert_close(out, base[:, :out_f] + F.linear(x, w), atol=1e-4, rtol=1e-4)
+    for in_f, inter in ((576, 1536), (16, 8), (5, 24)):
+        w = torch.randn(2 * inter, in_f) * 0.3
+        x = torch.randn(rows, in_f)
+        gate, up = F.linear(x, w).split(inter, dim=-1)
+        got = PackedSwiGLU(w, ops)(x)
+        assert got.shape == (rows, inter)
+        torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="weight"):
+        PackedSwiGLU(torch.randn(20, 4), ops)
+
+
 def test_own_gemm_rejects_bad_input(cpu_ops_or_skip):
     ops = cpu_ops_or_skip
     packed = ops.gemm_pack_weight(torch.randn(20, 8))
@@ -266,6 +294,13 @@ def test_own_gemm_rejects_bad_input(cpu_ops_or_skip):
         ops.gemm_linear(torch.randn(2, 8), packed, 40)
     with pytest.raises(RuntimeError, match="2-D float32"):
         ops.gemm_pack_weight(torch.randn(4))
+    with pytest.raises(RuntimeError, match="out has 40 columns"):
+        ops.gemm_linear_add_(torch.zeros(2, 40), torch.randn(2, 8), packed)
+    shared = torch.randn(2, 40)
+    with pytest.raises(RuntimeError, match="overlap"):
+        ops.gemm_linear_add_(shared[:, 8:28], shared[:, :8], packed)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.gemm_pack_swiglu_weight(torch.randn(24, 8))
 
 
 def test_packed_linear_kernel_choice(cpu_ops_or_skip, monkeypatch):
