@@ -2,9 +2,10 @@
 
 A step's matrix multiplies are its QKV, O, gate/up and down projections in every layer on all
 of the step's tokens, then the LM head on the rows that sample. ``linears_ms`` runs exactly those
-through the model's own projection modules (so oneDNN-packed weights count when the engine packs
-them) on random activations; everything else a step does (attention, norms, RoPE, SwiGLU,
-sampling, scheduling, Python) is left out. ``StepShapes`` records the (tokens, sampled rows) of
+through the model's own projection modules (so the packed weights and the GEMM the engine chose
+count: pagedllm's own on AVX2, whose gate/up pass also applies SwiGLU in its epilogue, or oneDNN)
+on random activations; everything else a step does (attention, norms, RoPE, sampling,
+scheduling, Python) is left out. ``StepShapes`` records the (tokens, sampled rows) of
 every step of a real run, and ``workload_floor_s`` replays the linears of all of them: a workload's
 time if only its matmuls cost anything, which bounds the throughput any engine running the same
 fp32 GEMMs can reach on this machine.

@@ -312,8 +312,14 @@ def test_packed_linear_kernel_choice(cpu_ops_or_skip, monkeypatch):
     assert own.kernel == ("pagedllm" if ops.simd_level() == "avx2" else "onednn")
     assert cpu_gemm_ops(ops, torch.bfloat16) is None and cpu_gemm_ops(None, torch.float32) is None
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_GEMM", "1")
-    assert PackedLinear(w, ops).kernel == "onednn"
+    onednn = PackedLinear(w, ops)
+    assert onednn.kernel == "onednn"
     torch.testing.assert_close(own(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    for layer in (own, onednn):  # forward_add_: in place, the same tensor returned
+        x2, base = torch.randn(5, 24), torch.randn(5, 40)
+        out = base.clone()
+        assert layer.forward_add_(out, x2) is out
+        torch.testing.assert_close(out, base + F.linear(x2, w), atol=1e-4, rtol=1e-4)
 
 
 def test_worker_with_cpu_backend_uses_own_gemm(tiny_loaded, cpu_ops_or_skip):
