@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "vec.h"
@@ -122,6 +123,8 @@ void check_x(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
                   packed.size(2) == kGemmPanel && packed.is_contiguous(),
               "packed must come from gemm_pack_weight or gemm_pack_swiglu_weight");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
+              "packed must be 32-byte aligned (the kernel uses aligned loads)");
   TORCH_CHECK(packed.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
               packed.size(1));
 }

@@ -296,6 +296,9 @@ def test_own_gemm_rejects_bad_input(cpu_ops_or_skip):
         ops.gemm_pack_weight(torch.randn(4))
     with pytest.raises(RuntimeError, match="out has 40 columns"):
         ops.gemm_linear_add_(torch.zeros(2, 40), torch.randn(2, 8), packed)
+    misaligned = torch.zeros(2 * 8 * 16 + 1)[1:].view(2, 8, 16)  # 4 bytes past the allocation
+    with pytest.raises(RuntimeError, match="aligned"):
+        ops.gemm_linear(torch.randn(2, 8), misaligned, 20)
     shared = torch.randn(2, 40)
     with pytest.raises(RuntimeError, match="overlap"):
         ops.gemm_linear_add_(shared[:, 8:28], shared[:, :8], packed)
