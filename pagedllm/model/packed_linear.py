@@ -5,8 +5,8 @@ Two kernels, chosen per process:
 - **pagedllm's own GEMM** (``csrc/cpu/gemm.cpp``, a 6 x 16 AVX2 micro-kernel over weight panels
   packed k-major): used when the C++ CPU extension is built for AVX2. Measured on this 2-core
   AMD EPYC (AVX2, FMA peak ~200 GFLOP/s), the 121 linear layers of a SmolLM2-135M step
-  (``benchmarks/gemm.py``): 64 rows 130 GFLOP/s vs 105 for oneDNN, 256 rows 148 vs 126,
-  4 rows 2x faster, 2048 rows still ~8% faster.
+  (``benchmarks/gemm.py``): 1.12x oneDNN's speed at 64 rows (133 vs 119 GFLOP/s), 1.13x at 256,
+  1.23x at 2048, 1.49x at 4.
 - **oneDNN's packed matmul** otherwise (bundled in PyTorch as MKL-DNN; ``mkldnn::
   _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses): on
   AVX-512 machines, where the AVX2 micro-kernel would use half the vector width, and whenever the
@@ -158,7 +158,7 @@ def pack_swiglu_layers(model: nn.Module, cpu_ops: Any) -> int:
     module that has one by a :class:`PackedSwiGLU` when the own GEMM runs (``cpu_gemm_ops``).
     Returns the count (0 when it does not run)."""
     gemm = cpu_gemm_ops(cpu_ops, torch.float32)
-    if gemm is None or os.environ.get("PAGEDLLM_DISABLE_PACKED_LINEAR") == "1":
+    if gemm is None:  # PAGEDLLM_DISABLE_PACKED_LINEAR is the caller's gate, as for the others
         return 0
     count = 0
     for m in model.modules():
