@@ -81,6 +81,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV pool of both engines")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=64,
+        help="pagedllm's KV block size in tokens (default 64: on this CPU the decode attention "
+        "reads 64-token blocks 15-30%% faster than 16-token ones, docs/benchmarks.md; vLLM keeps "
+        "its CPU default, 128)",
+    )
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
     ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
@@ -97,13 +105,15 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_gib * 2**30,
         num_threads=args.threads,
+        block_size=args.block_size,
     )
     reqs = workload_requests(args.workload, llm.get_tokenizer(), args.num_requests)
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     n_out = sum(r["max_tokens"] for r in reqs)
     desc = (
         f"workload {args.workload}: {len(reqs)} requests, {n_in / len(reqs):.0f} prompt / "
-        f"{n_out / len(reqs):.0f} output tokens on average, fp32, greedy, {args.threads} threads"
+        f"{n_out / len(reqs):.0f} output tokens on average, fp32, greedy, {args.threads} threads, "
+        f"pagedllm block size {args.block_size}"
     )
     print(desc, flush=True)
     vllm_wl = {
