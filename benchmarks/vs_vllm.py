@@ -86,7 +86,7 @@ def main() -> None:
         type=int,
         default=64,
         help="pagedllm's KV block size in tokens (default 64: on this CPU the decode attention "
-        "reads 64-token blocks 15-30%% faster than 16-token ones, docs/benchmarks.md; vLLM keeps "
+        "reads 64-token blocks 8-37%% faster than 16-token ones, docs/benchmarks.md; vLLM keeps "
         "its CPU default, 128)",
     )
     ap.add_argument("--skip-vllm", action="store_true")
