@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_lock  # noqa: E402
+from kernel_attention import decode_meta  # noqa: E402
 
 from pagedllm.attention.cpu import load_cpu_ops  # noqa: E402
 
@@ -39,9 +40,9 @@ SHAPES = [(256, 300), (64, 160), (64, 400), (8, 1500)]  # (sequences, context to
 
 def kv_read_gbs(ops, block_size: int, batch: int, ctx: int, repeats: int = 3) -> float:
     """GB/s of K/V consumed by ``paged_attention_decode`` over LAYERS separate caches (fastest
-    of ``repeats`` passes over all layers); each sequence's blocks are a random permutation."""
-    blocks_per_seq = -(-ctx // block_size)
-    num_blocks = batch * blocks_per_seq + 8
+    of ``repeats`` passes over all layers); block tables are shuffled as in
+    ``kernel_attention.decode_meta``."""
+    meta, num_blocks = decode_meta(batch, ctx, block_size, seed=batch * 10007 + ctx)
     g = torch.Generator().manual_seed(batch * 10007 + ctx)
     caches = [
         (
@@ -50,9 +51,7 @@ def kv_read_gbs(ops, block_size: int, batch: int, ctx: int, repeats: int = 3) ->
         )
         for _ in range(LAYERS)
     ]
-    perm = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq]
-    tables = perm.view(batch, blocks_per_seq).to(torch.int64).contiguous()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int64)
+    tables, seq_lens = meta.block_tables, meta.seq_lens
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
     out = torch.empty_like(q)
     best = float("inf")
