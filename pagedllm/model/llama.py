@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,8 @@ from pagedllm.model.parallel_layers import (
     vocab_parallel_logits,
 )
 from pagedllm.model.sharding import TensorParallelShard
+
+_M = TypeVar("_M", bound=nn.Module)
 
 Rotate = Callable[[torch.Tensor], torch.Tensor]
 
@@ -133,13 +135,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _uninitialized(cls: type[_M], *args: Any, **kwargs: Any) -> _M:
+    """``cls(*args, **kwargs)`` for a linear layer, without its random weight init
+    (``torch.nn.utils.skip_init``): every weight is overwritten by ``load_weights``, and drawing
+    the random numbers cost ~1 s of SmolLM2-135M's start-up."""
+    return nn.utils.skip_init(cls, *args, **kwargs)
+
+
 def _linear_out(
     in_features: int, out_features: int, group: TensorParallelGroup | None, dtype: torch.dtype
 ) -> nn.Linear:
     """The second linear of a block: row-parallel (all-reduce) under tensor parallelism."""
     if group is None:
-        return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
-    return RowParallelLinear(in_features, out_features, group, dtype)
+        return _uninitialized(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
+    return _uninitialized(RowParallelLinear, in_features, out_features, group, dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -158,7 +167,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
+        self.qkv_proj = _uninitialized(
+            nn.Linear, hidden, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype
+        )
         self.o_proj = _linear_out(self.q_size, hidden, group, dtype)
 
     def forward(
@@ -191,7 +202,9 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.inter = shard.intermediate_size if shard else config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False, dtype=dtype)
+        self.gate_up_proj = _uninitialized(
+            nn.Linear, config.hidden_size, 2 * self.inter, bias=False, dtype=dtype
+        )
         self.down_proj = _linear_out(self.inter, config.hidden_size, group, dtype)
         self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
 
@@ -273,7 +286,13 @@ class LlamaForCausalLM(nn.Module):
         shard = self.shard
         self.embed_tokens: nn.Module
         if group is None or shard is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            # ``_weight`` skips the random init (skip_init's meta-device normal_ would first
+            # import torch._refs, ~3 s); load_weights fills it.
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+            )
         else:
             self.embed_tokens = VocabParallelEmbedding(
                 shard.vocab_shard_size, shard.vocab, config.hidden_size, group, dtype

@@ -21,14 +21,21 @@ class RowParallelLinear(nn.Linear):
         out_features: full output width (elements).
         group: the tensor-parallel group.
         dtype: weight dtype.
+        device: where to allocate the weight (``"meta"`` lets ``torch.nn.utils.skip_init`` build
+            it without the random init).
 
     Forward: x [T, in_features] -> [T, out_features], same dtype, identical on every rank.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, group: TensorParallelGroup, dtype: torch.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        group: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        super().__init__(in_features, out_features, bias=False, dtype=dtype, device=device)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

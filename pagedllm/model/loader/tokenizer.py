@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # Substrings of special-token names that mark the end of a chat turn, e.g. <|im_end|> (ChatML),
 # <|eot_id|> / <|eom_id|> (Llama 3), <end_of_turn> (Gemma), <|end|> (Phi-3).
@@ -26,8 +33,9 @@ def load_tokenizer(
         path: a Hugging Face folder, or the folder holding ``gguf_file``, or a ``.gguf`` file
             itself (then ``gguf_file`` is taken from its name).
         gguf_file: name of a GGUF file inside ``path``; the tokenizer (vocabulary, merges, special
-            tokens, chat template) is then built from its metadata (about 7 s for a 49k-token
-            vocabulary).
+            tokens, chat template) is then built from its metadata (about 6 s for a 49k-token
+            vocabulary) and saved to :func:`tokenizer_cache_dir`, so later loads of the same
+            file take ~0.2 s.
 
     Returns:
         A fast tokenizer, with ``chat_template`` when the source has one.
@@ -44,8 +52,56 @@ def load_tokenizer(
     if gguf_file is not None:
         if not (p / gguf_file).is_file():
             raise FileNotFoundError(f"GGUF file not found: {p / gguf_file}")
-        return AutoTokenizer.from_pretrained(str(p), gguf_file=gguf_file)
+        return _load_gguf_tokenizer_cached(p / gguf_file)
     return AutoTokenizer.from_pretrained(str(p))
+
+
+def tokenizer_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:
+    """Where the tokenizer built from ``gguf_path`` is saved (``save_pretrained``) for reuse.
+
+    Under ``$PAGEDLLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagedllm`` or
+    ``~/.cache/pagedllm``), in ``tokenizers/<key>``, where the key hashes the file's resolved path,
+    size and modification time (nanoseconds) and the transformers version, so a replaced file or
+    a new transformers gets a fresh entry.
+    """
+    f = Path(gguf_path).resolve()
+    st = f.stat()
+    ident = f"{f}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}|v1"
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
+    )
+    return Path(root) / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+def _load_gguf_tokenizer_cached(gguf_path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``gguf_path``, from the cache when present, else built and then cached.
+
+    Building it means transformers parsing the whole GGUF metadata (~6 s for SmolLM2's 49k
+    tokens and merges); the saved fast tokenizer loads in ~0.2 s. The entry is written to a
+    temporary folder and renamed into place, so a concurrent or interrupted writer never leaves a
+    half-written entry; any failure to read or write the cache falls back to the GGUF itself.
+    """
+    cache = tokenizer_cache_dir(gguf_path)
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception as exc:  # noqa: BLE001 - a damaged entry: rebuild it from the GGUF
+            logger.warning("ignoring the cached tokenizer in %s (%s)", cache, exc)
+            shutil.rmtree(cache, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        if cache.exists():  # a leftover without tokenizer.json would block the rename below
+            shutil.rmtree(cache)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+        try:
+            tokenizer.save_pretrained(str(tmp))
+            os.replace(tmp, cache)  # atomic; fails if another process got there first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:  # read-only home, full disk, a concurrent writer: just don't cache
+        logger.debug("tokenizer not cached in %s: %s", cache, exc)
+    return tokenizer
 
 
 def _as_ids(value: Any) -> list[int]:
