@@ -99,7 +99,8 @@ def _load_gguf_tokenizer_cached(gguf_path: Path) -> PreTrainedTokenizerBase:
             os.replace(tmp, cache)  # atomic; fails if another process got there first
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:  # read-only home, full disk, a concurrent writer: just don't cache
+    except Exception as exc:  # noqa: BLE001 - read-only home, full disk, a concurrent writer:
+        # caching is an optimisation, so a failure only means the next load builds it again.
         logger.debug("tokenizer not cached in %s: %s", cache, exc)
     return tokenizer
 
