@@ -98,15 +98,9 @@ def make_random_state_dict(cfg: LlamaArchConfig, seed: int = 0) -> dict[str, tor
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):
     """Keep the tokenizer cache (``PAGEDLLM_CACHE_DIR``) of the test run out of ~/.cache."""
-    import os
-
-    old = os.environ.get("PAGEDLLM_CACHE_DIR")
-    os.environ["PAGEDLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("pagedllm_cache"))
-    yield
-    if old is None:
-        os.environ.pop("PAGEDLLM_CACHE_DIR", None)
-    else:
-        os.environ["PAGEDLLM_CACHE_DIR"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path_factory.mktemp("pagedllm_cache")))
+        yield
 
 
 @pytest.fixture(scope="session")
