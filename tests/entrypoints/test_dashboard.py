@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.debug_routes import dashboard_enabled, is_loopback
 from tests.engine.test_kv_snapshot import SECRET_WORDS, check_snapshot
 from tests.entrypoints.server_utils import ServerThread, wait_idle
