@@ -350,10 +350,6 @@ class AsyncLLMEngine:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(self.abort_all, error)
 
-    def num_live_requests(self) -> int:
-        """Requests whose consumer is still listening."""
-        return len(self._queues)
-
     async def capture_kv(self) -> dict[str, Any]:
         """The raw KV state (``kv_snapshot.capture``), copied on the engine thread between two
         steps (directly when the thread is not running: then nothing steps the engine).

@@ -4,8 +4,8 @@ SIGINT / SIGTERM.
 The server itself is split by responsibility: ``app.py`` (app factory), ``routes.py``,
 ``serving_completion.py`` / ``serving_chat.py`` / ``serving_common.py`` (the generation
 endpoints), ``middleware.py``, ``errors.py``, ``logprobs.py``, ``metrics.py``, ``protocol.py`` and
-``debug_routes.py`` (the KV-cache dashboard). ``build_app`` and ``create_app`` are re-exported
-here for the code that imports them from this module.
+``debug_routes.py`` (the KV-cache dashboard). ``build_app`` is re-exported here for the code
+that imports it from this module (``tests/bench``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import signal
 from typing import Any
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestAbortedError
-from pagedllm.entrypoints.openai.app import build_app, create_app
+from pagedllm.entrypoints.openai.app import build_app
 
-__all__ = ["build_app", "create_app", "run_server"]
+__all__ = ["build_app", "run_server"]
 
 logger = logging.getLogger(__name__)
 

@@ -83,7 +83,6 @@ class KVSnapshotSource:
         self._raw: dict[str, Any] | None = None
         self._raw_at = -1e9
         self._pending: asyncio.Future | None = None
-        self.num_captures = 0
 
     async def raw(self, max_age: float = MIN_CAPTURE_INTERVAL) -> dict[str, Any]:
         """A ``kv_snapshot.capture`` at most ``max_age`` seconds old (one capture in flight at a
@@ -105,7 +104,6 @@ class KVSnapshotSource:
                 self._pending = None
         if self._raw is None or raw["monotonic"] >= self._raw["monotonic"]:
             self._raw, self._raw_at = raw, time.monotonic()
-            self.num_captures += 1
         return raw
 
     async def snapshot(self, **kwargs: Any) -> dict[str, Any]:
@@ -282,8 +280,6 @@ def mount_debug_routes(app: FastAPI, async_engine: AsyncLLMEngine) -> None:
     """Add the dashboard's endpoints and page to ``app`` (before it starts)."""
     source = KVSnapshotSource(async_engine)
     history = KVHistory(async_engine)
-    app.state.kv_snapshots = source
-    app.state.kv_history = history
     app.include_router(make_router(source, history))
     app.add_middleware(DashboardPages)  # outermost: the page itself needs no API key
 
