@@ -22,7 +22,6 @@ from pagedllm.entrypoints.openai.serving_common import (
     ChoiceState,
     OpenAIServing,
     RequestContext,
-    usage_body,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -143,17 +142,9 @@ class ChatContext(RequestContext):
     def __init__(
         self, serving: OpenAIServing, req: ChatCompletionRequest, prompt_ids: list[int], rid: str
     ) -> None:
-        super().__init__(serving, req, rid)
+        super().__init__(serving, req, rid, len(prompt_ids))
         self.prompt_ids = prompt_ids
         self.k = (req.top_logprobs or 0) if req.logprobs else None
-
-    def usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        final = finals[0]
-        return usage_body(
-            len(self.prompt_ids),
-            sum(len(c.token_ids) for c in final.outputs),
-            final.num_cached_tokens,
-        )
 
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []

@@ -239,16 +239,27 @@ class ChoiceState:
 class RequestContext:
     """Builds one request's answer: the JSON body, or its SSE stream of chunks.
 
-    Subclasses set ``object_name`` / ``chunk_object_name`` and implement ``usage``,
-    ``full_response`` and ``stream_choice`` (plus ``first_chunks`` when the stream opens with
-    chunks of its own).
+    Subclasses set ``object_name`` / ``chunk_object_name`` and implement ``full_response`` and
+    ``stream_choice`` (plus ``first_chunks`` when the stream opens with chunks of its own).
+
+    Args:
+        serving: the app's ``OpenAIServing``.
+        req: the request body.
+        rid: the response ``id``.
+        num_prompt_tokens: prompt tokens of all its prompts (for ``usage``).
     """
 
     object_name = ""
     chunk_object_name = ""
+    #: Whether generated tokens count as ``completion_tokens`` (not for an echo of the prompt).
+    counts_outputs = True
 
     def __init__(
-        self, serving: OpenAIServing, req: CompletionRequest | ChatCompletionRequest, rid: str
+        self,
+        serving: OpenAIServing,
+        req: CompletionRequest | ChatCompletionRequest,
+        rid: str,
+        num_prompt_tokens: int,
     ) -> None:
         self.serving = serving
         self.tokens = serving.tokens
@@ -257,12 +268,9 @@ class RequestContext:
         self.created = int(time.time())
         self.model = serving.model_name
         self.n = req.n
+        self.num_prompt_tokens = num_prompt_tokens
 
     # ---- hooks ---------------------------------------------------------------------------
-    def usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        """The ``usage`` object of the finished requests."""
-        raise NotImplementedError
-
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         """The non-streaming body of the finished requests."""
         raise NotImplementedError
@@ -278,6 +286,15 @@ class RequestContext:
         return []
 
     # ---- shared --------------------------------------------------------------------------
+    def usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """The ``usage`` object of the finished requests (cached: prefix-cache hits, tokens)."""
+        n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return usage_body(
+            self.num_prompt_tokens,
+            n_out if self.counts_outputs else 0,
+            sum(o.num_cached_tokens for o in finals),
+        )
+
     @property
     def include_usage(self) -> bool:
         """``stream_options.include_usage``: a last chunk carries the usage."""

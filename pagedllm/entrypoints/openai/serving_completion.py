@@ -21,7 +21,6 @@ from pagedllm.entrypoints.openai.serving_common import (
     ChoiceState,
     OpenAIServing,
     RequestContext,
-    usage_body,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -125,9 +124,10 @@ class CompletionContext(RequestContext):
         echo_only: bool,
         request_id: str,
     ) -> None:
-        super().__init__(serving, req, request_id)
+        super().__init__(serving, req, request_id, sum(len(ids) for _, ids in prompts))
         self.prompts = prompts
         self.echo_only = echo_only
+        self.counts_outputs = not echo_only
         self.k = req.logprobs
 
     def prompt_text(self, i: int) -> str:
@@ -188,11 +188,6 @@ class CompletionContext(RequestContext):
         self, i: int, out: RequestOutput, c: CompletionOutput, st: ChoiceState
     ) -> dict[str, Any] | None:
         return self._choice(i, out, c, st, final=False)
-
-    def usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        n_prompt = sum(len(ids) for _, ids in self.prompts)
-        n_out = 0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return usage_body(n_prompt, n_out, sum(o.num_cached_tokens for o in finals))
 
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
