@@ -237,11 +237,11 @@ def test_api_key_guards_debug_endpoints(tiny_loaded):
             assert " c=${r.cached_tokens}" in js.text
             legend = r.text.split('id="q-legend"')[1].split("</div>")[0]
             for term in (
-                "<b>n</b>=sequences",
+                "<b>n</b>=samples",
                 "<b>p</b>=prompt tokens",
                 "<b>o</b>=output tokens",
-                "<b>N</b>b=block-table entries",
-                "<b>c</b>=prompt tokens from the prefix cache",
+                "<b>N</b>b=blocks",
+                "<b>c</b>=cached tokens",
             ):
                 assert term in legend
     finally:
