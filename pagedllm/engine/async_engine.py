@@ -1,11 +1,14 @@
 """``AsyncLLMEngine``: the synchronous ``LLMEngine`` driven by one background thread, for asyncio.
 
 Design:
-- One dedicated thread owns the ``LLMEngine``: it is the only code that touches it after start-up
-  (apart from read-only counters read by ``/metrics``). Adds and aborts from the event loop are
-  funnelled through a thread-safe command queue that the thread drains between steps, so new
-  requests join the running batch at the next step and a step (blocking CPU work, 10-300 ms)
-  never runs on the event loop.
+- One dedicated thread owns the ``LLMEngine``: it is the only code that touches it after start-up.
+  Adds and aborts from the event loop are funnelled through a thread-safe command queue that the
+  thread drains between steps, so new requests join the running batch at the next step and a
+  step (blocking CPU work, 10-300 ms) never runs on the event loop.
+- What the server reads about the engine is plain data: immutable facts copied at construction
+  (``tokenizer`` -- a private copy --, ``max_model_len``, ``vocab_size``, ``model``), the
+  ``counters`` the thread publishes after every step (``kv_snapshot.EngineCounters``), and KV
+  snapshots taken on the thread between two steps (``capture_kv``).
 - Each request has its own ``asyncio.Queue``; the thread hands every ``RequestOutput`` to the
   event loop with ``call_soon_threadsafe``. Outputs are cumulative (text only grows), so a slow
   consumer simply skips to the newest one.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -29,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -116,11 +121,24 @@ class AsyncLLMEngine:
         log_stats_interval: seconds between throughput log lines while busy (0 = never).
 
     Call ``start()`` from the event loop that will consume the outputs (``create_app``'s lifespan
-    does this), and ``shutdown()`` at the end.
+    does this), and ``shutdown()`` at the end. Construct it while nothing steps ``engine``: it
+    copies the tokenizer and the first ``counters`` from it.
+
+    ``engine`` stays reachable as ``.engine`` for tests and for code running on the engine
+    thread (``call_in_engine_thread``); the server uses only the public members of this class.
     """
 
     def __init__(self, engine: LLMEngine, log_stats_interval: float = 5.0) -> None:
         self.engine = engine
+        # The engine thread decodes with its tokenizer; the event loop gets its own copy.
+        try:
+            self._tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:  # not copyable: share it (HF fast tokenizers copy fine)
+            self._tokenizer = engine.tokenizer
+        self._max_model_len: int = engine.max_model_len
+        self._vocab_size: int = engine.vocab_size
+        self._model: str | None = engine.config.model
+        self._counters: EngineCounters = collect_counters(engine)
         self.log_stats_interval = log_stats_interval
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -180,13 +198,43 @@ class AsyncLLMEngine:
         obj._prestarted = (thread, go)
         return obj
 
+    # ---- facts about the model (fixed at construction) -----------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The event loop's own copy of the engine's tokenizer (never used by the engine thread)."""
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + output) of one sequence."""
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``."""
+        return self._vocab_size
+
+    @property
+    def model(self) -> str | None:
+        """The model path or name the engine loaded (``EngineConfig.model``; None: the bundled
+        default)."""
+        return self._model
+
+    @property
+    def counters(self) -> EngineCounters:
+        """The newest gauges and counters, published by the engine thread after every step and
+        while idle (at most 0.5 s old then). Plain data: read it from any thread."""
+        return self._counters
+
     # ---- life cycle ------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
+        """Whether the engine thread is alive (started and not stopped)."""
         return self._thread is not None and self._thread.is_alive()
 
     @property
     def is_dead(self) -> bool:
+        """Whether the engine can serve no more requests (``dead_reason`` says why)."""
         return self.dead_reason is not None
 
     def start(self) -> None:
@@ -220,6 +268,16 @@ class AsyncLLMEngine:
             self.dead_reason = "the engine was shut down"
 
     # ---- requests ----------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """``LLMEngine.validate_request``: check a request without queueing it (it reads only
+        configuration fixed at construction, so any thread may call it). Returns the effective
+        ``max_tokens``.
+
+        Raises:
+            ValueError / ContextLengthExceededError: naming the offending field first.
+        """
+        return self.engine.validate_request(prompt_token_ids, params)
+
     async def add_request(
         self,
         request_id: str,
@@ -284,8 +342,24 @@ class AsyncLLMEngine:
             self._deliver(rid, error)
             self.abort(rid)
 
-    def num_live_requests(self) -> int:
-        return len(self._queues)
+    def abort_all_threadsafe(self, error: BaseException) -> None:
+        """``abort_all(error)`` from any thread (e.g. a signal handler): scheduled on the event
+        loop the engine was started from; does nothing if it was never started or is closed."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self.abort_all, error)
+
+    async def capture_kv(self) -> dict[str, Any]:
+        """The raw KV state (``kv_snapshot.capture``), copied on the engine thread between two
+        steps (directly when the thread is not running: then nothing steps the engine).
+
+        Raises:
+            EngineDeadError: the engine thread stopped before it could take the copy.
+        """
+        if self.is_running:
+            return await asyncio.wrap_future(self.call_in_engine_thread(capture))
+        return capture(self.engine)
 
     def call_in_engine_thread(self, fn: Any) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between two steps (thread-safe); the future
@@ -385,6 +459,7 @@ class AsyncLLMEngine:
             for rid in list(getattr(self.engine, "requests", {})):
                 with contextlib.suppress(Exception):
                     self.engine.abort_request(rid)
+            self._publish_counters()
 
     def _loop_forever(self) -> None:
         eng = self.engine
@@ -396,6 +471,7 @@ class AsyncLLMEngine:
             if self._stop:
                 break
             if not eng.has_unfinished_requests():
+                self._publish_counters()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 last_log = time.monotonic()
@@ -407,6 +483,7 @@ class AsyncLLMEngine:
                 self._on_step_error(e)
                 continue
             self._step_failures = 0
+            self._publish_counters()  # before the outputs: a client that got its answer sees them
             for out in outputs:
                 # Snapshot what the engine may still mutate (the lists are fresh copies already).
                 out = replace(out, outputs=[replace(c) for c in out.outputs])
@@ -418,23 +495,28 @@ class AsyncLLMEngine:
                     last_log = now
                     last_prompt, last_gen = eng.stats.prompt_tokens, eng.stats.generation_tokens
 
-    def _log_stats(self, dt: float, last_prompt: int, last_gen: int) -> None:
-        """One throughput line; never lets a logging problem stop the engine thread."""
-        eng = self.engine
+    def _publish_counters(self) -> None:
+        """Engine thread: replace ``counters`` with a fresh copy (never raises)."""
         try:
-            st = eng.stats
-            logger.info(
-                "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
-                "running: %d, waiting: %d, KV cache usage: %.1f%%, preemptions: %d",
-                (st.prompt_tokens - last_prompt) / dt,
-                (st.generation_tokens - last_gen) / dt,
-                len(eng.scheduler.running),
-                len(eng.scheduler.waiting),
-                100.0 * eng.block_manager.usage(),
-                st.num_preemptions,
-            )
+            self._counters = collect_counters(self.engine)
         except Exception:
-            logger.debug("stats logging failed", exc_info=True)
+            logger.debug("collecting the engine counters failed", exc_info=True)
+
+    def _log_stats(self, dt: float, last_prompt: int, last_gen: int) -> None:
+        """One throughput line from the published counters (``dt`` seconds since the line with
+        ``last_prompt`` / ``last_gen`` tokens); never raises."""
+        c = self._counters
+        st = c.stats
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
+            "running: %d, waiting: %d, KV cache usage: %.1f%%, preemptions: %d",
+            (st.prompt_tokens - last_prompt) / dt,
+            (st.generation_tokens - last_gen) / dt,
+            c.num_running,
+            c.num_waiting,
+            100.0 * c.kv_usage,
+            st.num_preemptions,
+        )
 
     def _on_step_error(self, exc: Exception) -> None:
         eng = self.engine

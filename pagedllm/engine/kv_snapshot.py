@@ -13,6 +13,10 @@ for as little time as possible:
 
 ``kv_snapshot(engine)`` does both (a pure function of the engine's state).
 
+``collect_counters(engine)`` copies the scalar gauges and counters that ``/metrics``, the
+dashboard's history and ``/debug/engine_stats`` read (``EngineCounters``, plain data); the
+``AsyncLLMEngine`` publishes one after every step, so no event-loop code reads the live engine.
+
 A snapshot never carries prompt or output text, token ids or prefix-cache keys (which are hashes
 of token ids): only ids, counts and block numbers.
 
@@ -42,11 +46,16 @@ Format (``version`` 1)::
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import EngineStats
 
 SNAPSHOT_VERSION = 1
 STATE_NAMES = ["free", "used", "used_cached", "evictable"]
@@ -115,6 +124,83 @@ def capture(engine: Any) -> dict[str, Any]:
             "block_bytes": getattr(engine, "block_bytes", None),
         },
     }
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """The engine's gauges and cumulative counters at one moment, as plain data.
+
+    Built by ``collect_counters`` on the engine thread; any thread may read it afterwards.
+
+    Attributes:
+        monotonic: ``time.monotonic()`` when copied (seconds).
+        kv_manager: ``EngineConfig.kv_manager``.
+        num_blocks / num_free_blocks / num_used_blocks: device KV blocks in the pool / not owned
+            by any sequence / owned.
+        block_size: tokens per block.
+        num_running / num_waiting / num_swapped: requests in each scheduler queue.
+        num_unfinished_requests: requests added and not finished or aborted.
+        preemptions_by_mode: preemptions so far, by mode (``recompute``, ``swap``).
+        swap_out_bytes / swap_in_bytes: KV bytes moved to / from host memory so far.
+        prefix_cache_query_tokens / prefix_cache_hit_tokens: prompt tokens looked up in / found
+            in the prefix cache so far (block lookups times ``block_size``); None without
+            prefix caching.
+        prefix_cache_hit_rate: block hit rate 0..1; None without prefix caching.
+        stats: a copy of the engine's ``EngineStats``.
+    """
+
+    monotonic: float
+    kv_manager: str
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_unfinished_requests: int
+    preemptions_by_mode: dict[str, int]
+    swap_out_bytes: int
+    swap_in_bytes: int
+    prefix_cache_query_tokens: int | None
+    prefix_cache_hit_tokens: int | None
+    prefix_cache_hit_rate: float | None
+    stats: EngineStats
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the device pool owned by sequences, 0..1."""
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+def collect_counters(engine: Any) -> EngineCounters:
+    """Copy an ``LLMEngine``'s gauges and counters. Call it only where nothing steps the engine
+    (the engine thread between steps, or before / after it runs). Cost: 45 us measured with 64
+    live sequences on the tiny test model, whose steps took 33 ms (0.14 %)."""
+    bm = engine.block_manager
+    sch = engine.scheduler
+    pc = bm.prefix_cache
+    bs = bm.block_size
+    block_bytes = getattr(engine, "block_bytes", 0)
+    return EngineCounters(
+        monotonic=time.monotonic(),
+        kv_manager=engine.config.kv_manager,
+        num_blocks=bm.num_blocks,
+        num_free_blocks=bm.num_free_blocks,
+        num_used_blocks=bm.num_used_blocks,
+        block_size=bs,
+        num_running=len(sch.running),
+        num_waiting=len(sch.waiting),
+        num_swapped=len(sch.swapped),
+        num_unfinished_requests=engine.get_num_unfinished_requests(),
+        preemptions_by_mode=dict(sch.preemptions_by_mode),
+        swap_out_bytes=sch.num_blocks_swapped_out * block_bytes,
+        swap_in_bytes=sch.num_blocks_swapped_in * block_bytes,
+        prefix_cache_query_tokens=pc.queries * bs if pc is not None else None,
+        prefix_cache_hit_tokens=pc.hits * bs if pc is not None else None,
+        prefix_cache_hit_rate=pc.hit_rate if pc is not None else None,
+        stats=copy.copy(engine.stats),
+    )
 
 
 # ---- phase 2: anywhere ----------------------------------------------------------------------------

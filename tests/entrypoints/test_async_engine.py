@@ -136,3 +136,41 @@ def test_from_factory_builds_and_steps_on_one_thread(tiny_loaded):
     idle.shutdown()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_public_interface_and_published_counters(engine):
+    """What the server reads: facts copied at construction, counters published by the engine
+    thread (equal to the live engine's once idle), KV captures on the engine thread."""
+
+    async def main():
+        ae = AsyncLLMEngine(engine)
+        assert ae.tokenizer is not engine.tokenizer  # the event loop's own copy
+        assert ae.tokenizer("hello").input_ids == engine.tokenizer("hello").input_ids
+        assert (ae.max_model_len, ae.vocab_size) == (128, engine.vocab_size)
+        assert ae.model == engine.config.model
+        params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+        assert ae.validate_request([1, 2, 3], params) == 7
+        with pytest.raises(ValueError, match="^max_tokens"):
+            ae.validate_request([1] * 100, SamplingParams(max_tokens=50))
+        before = ae.counters
+        assert before.stats.generation_tokens == 0 and before.num_unfinished_requests == 0
+        assert before.num_free_blocks == before.num_blocks == engine.block_manager.num_blocks
+
+        ae.start()
+        outs = [o async for o in ae.generate("r", "hello world", params)]
+        assert len(outs[-1].outputs[0].token_ids) == 7
+        # published after the finishing step, before its output reached this loop
+        c = ae.counters
+        assert c.stats.generation_tokens == engine.stats.generation_tokens >= 7
+        assert c.stats.num_steps == engine.stats.num_steps >= 7
+        assert c.block_size == engine.block_manager.block_size
+        assert c is not before and c.monotonic > before.monotonic
+
+        raw = await ae.capture_kv()
+        assert raw["num_blocks"] == c.num_blocks and raw["stats"][0] == c.stats.num_steps
+        ae.shutdown()
+        assert ae.counters.num_unfinished_requests == 0
+        assert ae.counters.num_free_blocks == ae.counters.num_blocks
+        assert (await ae.capture_kv())["num_blocks"] == c.num_blocks  # stopped: taken directly
+
+    run(main())

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.debug_routes import dashboard_enabled, is_loopback
 from tests.engine.test_kv_snapshot import SECRET_WORDS, check_snapshot
 from tests.entrypoints.server_utils import ServerThread, wait_idle
@@ -230,7 +230,20 @@ def test_api_key_guards_debug_endpoints(tiny_loaded):
             # The page itself holds no data: served without the key; it asks for it.
             r = c.get("/dashboard")
             assert r.status_code == 200 and "text/html" in r.headers["content-type"]
-            assert c.get("/dashboard/dashboard.js").status_code == 200
+            js = c.get("/dashboard/dashboard.js")
+            assert js.status_code == 200
+            # Each request row reads "n=2 p=73 o=85 20b c=64"; the page explains the letters.
+            assert "n=${r.n} p=${r.prompt_tokens} o=${r.output_tokens} ${nb}b" in js.text
+            assert " c=${r.cached_tokens}" in js.text
+            legend = r.text.split('id="q-legend"')[1].split("</div>")[0]
+            for term in (
+                "<b>n</b>=samples",
+                "<b>p</b>=prompt tokens",
+                "<b>o</b>=output tokens",
+                "<b>N</b>b=blocks",
+                "<b>c</b>=cached tokens",
+            ):
+                assert term in legend
     finally:
         srv.stop()
 

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.app import build_app
 from tests.entrypoints.server_utils import ServerThread, check_chunk_shape, sse_events, wait_idle
 
 pytestmark = pytest.mark.slow

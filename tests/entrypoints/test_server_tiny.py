@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.app import build_app
 from tests.entrypoints.server_utils import (
     ServerThread,
     check_chunk_shape,
@@ -148,7 +148,9 @@ def test_metrics(client):
 
     def hits() -> float:
         lines = client.get("/metrics").text.splitlines()
-        return float([ln for ln in lines if ln.startswith("vllm:prefix_cache_hits_total")][0].split()[-1])
+        return float(
+            [ln for ln in lines if ln.startswith("vllm:prefix_cache_hits_total")][0].split()[-1]
+        )
 
     before = hits()
     for _ in range(2):

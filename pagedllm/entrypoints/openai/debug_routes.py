@@ -11,14 +11,16 @@ Endpoints (all GET; the ``/debug`` ones need the API key when the server has one
   event also carries ``history_last``, the newest sample of ``/debug/kv/history``.
 - ``/debug/kv/history``: one sample a second over the last 10 minutes (KV usage, useful-token
   fraction, running / waiting / swapped requests, tokens/s, preemptions). Sampled on the event loop
-  from counters only; it never touches the engine thread.
+  from the counters the engine thread publishes (``AsyncLLMEngine.counters``); it never waits for
+  the engine thread.
+- ``/debug/engine_stats``: ``EngineStats.summary()`` and the pool's state, from the same counters.
 - ``/dashboard`` (+ ``/dashboard/dashboard.js``, ``/dashboard/dashboard.css``): the page. It
   holds no data, so it is served without the API key; it asks for the key and sends it as
   ``Authorization: Bearer`` on its ``/debug`` requests.
 
-Snapshots are taken on the engine thread between two steps (``AsyncLLMEngine.
-call_in_engine_thread``): only ``kv_snapshot.capture`` (list copies) runs there; the JSON is built
-on a worker thread. Concurrent viewers share one capture (at most one every 0.1 s).
+Snapshots are taken on the engine thread between two steps (``AsyncLLMEngine.capture_kv``): only
+``kv_snapshot.capture`` (list copies) runs there; the JSON is built on a worker thread. Concurrent
+viewers share one capture (at most one every 0.1 s).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.kv_snapshot import build_snapshot, capture
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.kv_snapshot import build_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -75,28 +78,24 @@ def dashboard_enabled(host: str | None, enable_flag: bool | None) -> bool:
 class KVSnapshotSource:
     """Takes raw captures on the engine thread, shared by concurrent viewers."""
 
-    def __init__(self, async_engine: Any) -> None:
+    def __init__(self, async_engine: AsyncLLMEngine) -> None:
         self.async_engine = async_engine
         self._raw: dict[str, Any] | None = None
         self._raw_at = -1e9
         self._pending: asyncio.Future | None = None
-        self.num_captures = 0
 
     async def raw(self, max_age: float = MIN_CAPTURE_INTERVAL) -> dict[str, Any]:
+        """A ``kv_snapshot.capture`` at most ``max_age`` seconds old (one capture in flight at a
+        time, shared by the callers that wait for it).
+
+        Raises:
+            EngineDeadError: the engine thread stopped before taking it.
+        """
         now = time.monotonic()
         if self._raw is not None and now - self._raw_at < max_age:
             return self._raw
         if self._pending is None:
-            ae = self.async_engine
-            if ae.is_running:
-                self._pending = asyncio.wrap_future(ae.call_in_engine_thread(capture))
-            else:  # no engine thread (stopped): nothing else touches the engine
-                fut = asyncio.get_running_loop().create_future()
-                try:
-                    fut.set_result(capture(ae.engine))
-                except Exception as e:  # noqa: BLE001
-                    fut.set_exception(e)
-                self._pending = fut
+            self._pending = asyncio.ensure_future(self.async_engine.capture_kv())
         pending = self._pending
         try:
             raw = await asyncio.shield(pending)
@@ -105,10 +104,11 @@ class KVSnapshotSource:
                 self._pending = None
         if self._raw is None or raw["monotonic"] >= self._raw["monotonic"]:
             self._raw, self._raw_at = raw, time.monotonic()
-            self.num_captures += 1
         return raw
 
     async def snapshot(self, **kwargs: Any) -> dict[str, Any]:
+        """``kv_snapshot.build_snapshot`` of a recent capture (built on a worker thread);
+        ``tables="auto"`` means all unless there are over ``AUTO_TABLES_MAX_ENTRIES`` entries."""
         raw = await self.raw()
         tables = kwargs.get("tables", True)
         if tables == "auto":
@@ -119,16 +119,18 @@ class KVSnapshotSource:
 
 
 class KVHistory:
-    """One sample a second of the engine's counters (read without stopping the engine)."""
+    """One sample a second of the engine's published counters (never waits for the engine)."""
 
-    def __init__(self, async_engine: Any, maxlen: int = HISTORY_LEN) -> None:
+    def __init__(self, async_engine: AsyncLLMEngine, maxlen: int = HISTORY_LEN) -> None:
         self.async_engine = async_engine
         self.samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=maxlen)
         self._last: tuple[float, int, int, int, float] | None = None
 
     def sample(self) -> dict[str, Any] | None:
-        eng = self.async_engine.engine
-        st, bm, sch = eng.stats, eng.block_manager, eng.scheduler
+        """Append (and return) a sample: rates are over the time since the previous call, which
+        only sets the baseline (returns None)."""
+        c = self.async_engine.counters
+        st = c.stats
         now = time.monotonic()
         cur = (now, st.num_steps, st.prompt_tokens, st.generation_tokens, st.slot_utilization_sum)
         last, self._last = self._last, cur
@@ -136,28 +138,28 @@ class KVHistory:
             return None
         dt = max(1e-6, now - last[0])
         dsteps = cur[1] - last[1]
-        used = bm.num_used_blocks
         s = {
             "time": time.time(),
-            "kv_usage": used / bm.num_blocks,
-            "blocks_used": used,
+            "kv_usage": c.kv_usage,
+            "blocks_used": c.num_used_blocks,
             "useful_token_fraction": (cur[4] - last[4]) / dsteps if dsteps else None,
-            "running": len(sch.running),
-            "waiting": len(sch.waiting),
-            "swapped": len(sch.swapped),
+            "running": c.num_running,
+            "waiting": c.num_waiting,
+            "swapped": c.num_swapped,
             "prompt_tokens_per_s": (cur[2] - last[2]) / dt,
             "generation_tokens_per_s": (cur[3] - last[3]) / dt,
             "steps_per_s": dsteps / dt,
-            "preemptions": sch.num_preemptions,
+            "preemptions": st.num_preemptions,
         }
         self.samples.append(s)
         return s
 
     async def run(self) -> None:
+        """Sample every ``HISTORY_PERIOD`` seconds until cancelled."""
         while True:
             try:
                 self.sample()
-            except Exception:  # a racing read of live counters: skip this second
+            except Exception:  # never stop sampling: skip this second
                 logger.debug("KV history sample failed", exc_info=True)
             await asyncio.sleep(HISTORY_PERIOD)
 
@@ -209,6 +211,7 @@ def _tables_arg(tables: str) -> bool | str:
 
 
 def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
+    """The ``/debug`` endpoints over one snapshot source and one history."""
     router = APIRouter()
 
     @router.get("/debug/kv")
@@ -225,16 +228,15 @@ def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
     @router.get("/debug/engine_stats")
     async def debug_engine_stats() -> dict[str, Any]:
         """``EngineStats.summary()`` (cumulative counters: benchmarks difference two reads) and
-        the pool's state; read without stopping the engine thread."""
-        eng = source.async_engine.engine
-        bm = eng.block_manager
+        the pool's state, from the counters published after the latest step."""
+        c = source.async_engine.counters
         return {
-            "kv_manager": eng.config.kv_manager,
-            "num_blocks": bm.num_blocks,
-            "block_size": bm.block_size,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_unfinished_requests": eng.get_num_unfinished_requests(),
-            "stats": eng.stats.summary(),
+            "kv_manager": c.kv_manager,
+            "num_blocks": c.num_blocks,
+            "block_size": c.block_size,
+            "num_free_blocks": c.num_free_blocks,
+            "num_unfinished_requests": c.num_unfinished_requests,
+            "stats": c.stats.summary(),
         }
 
     @router.get("/debug/kv/history")
@@ -274,12 +276,10 @@ def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
     return router
 
 
-def mount_debug_routes(app: FastAPI, async_engine: Any) -> None:
+def mount_debug_routes(app: FastAPI, async_engine: AsyncLLMEngine) -> None:
     """Add the dashboard's endpoints and page to ``app`` (before it starts)."""
     source = KVSnapshotSource(async_engine)
     history = KVHistory(async_engine)
-    app.state.kv_snapshots = source
-    app.state.kv_history = history
     app.include_router(make_router(source, history))
     app.add_middleware(DashboardPages)  # outermost: the page itself needs no API key
 

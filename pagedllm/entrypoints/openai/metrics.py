@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, named as vLLM names them (``vllm:...``).
 
-Gauges and token counters are read from the engine at scrape time (a custom collector), so they
-cost nothing per step; the latency histograms are observed when a request finishes. Every app gets
+Gauges and token counters are read at scrape time (a custom collector) from the counters the engine
+thread publishes after every step (``AsyncLLMEngine.counters``): a scrape never touches the live
+engine. The latency histograms are observed when a request finishes. Every app gets
 its own ``CollectorRegistry`` so several servers can live in one process (tests).
 """
 
@@ -26,14 +27,15 @@ _TPOT_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    """Reads the live engine counters at scrape time."""
+    """Reads the engine's published counters at scrape time."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, async_engine: Any, model_name: str) -> None:
+        self.async_engine = async_engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        eng = self.engine
+        c = self.async_engine.counters
+        st = c.stats
         labels = ["model_name"]
         values = [self.model_name]
 
@@ -50,62 +52,53 @@ class _EngineCollector(Collector):
         yield gauge(
             "vllm:num_requests_running",
             "Number of requests in the running batch.",
-            len(eng.scheduler.running),
+            c.num_running,
         )
         yield gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be scheduled.",
-            len(eng.scheduler.waiting),
+            c.num_waiting,
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
-            eng.block_manager.usage(),
+            c.kv_usage,
         )
-        yield gauge(
-            "vllm:num_kv_blocks", "KV-cache blocks in the pool.", eng.block_manager.num_blocks
-        )
-        st = eng.stats
+        yield gauge("vllm:num_kv_blocks", "KV-cache blocks in the pool.", c.num_blocks)
         yield counter("vllm:prompt_tokens", "Prompt tokens computed.", st.prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", st.generation_tokens)
         yield counter(
             "vllm:num_preemptions", "Preemptions of running requests.", st.num_preemptions
         )
-        sched = eng.scheduler
         by_mode = CounterMetricFamily(
             "vllm:num_preemptions_by_mode",
             "Preemptions by mode (swap or recompute).",
             labels=["model_name", "mode"],
         )
-        for mode, n in sched.preemptions_by_mode.items():
+        for mode, n in c.preemptions_by_mode.items():
             by_mode.add_metric([self.model_name, mode], n)
         yield by_mode
         yield gauge(
-            "vllm:num_requests_swapped", "Requests swapped out to host memory.", len(sched.swapped)
+            "vllm:num_requests_swapped", "Requests swapped out to host memory.", c.num_swapped
         )
-        block_bytes = getattr(eng, "block_bytes", 0)
-        yield counter(
-            "vllm:swap_out_bytes",
-            "Bytes of KV cache swapped out.",
-            sched.num_blocks_swapped_out * block_bytes,
-        )
-        yield counter(
-            "vllm:swap_in_bytes",
-            "Bytes of KV cache swapped in.",
-            sched.num_blocks_swapped_in * block_bytes,
-        )
-        pc = eng.block_manager.prefix_cache
-        if pc is not None:
-            bs = eng.block_manager.block_size
+        yield counter("vllm:swap_out_bytes", "Bytes of KV cache swapped out.", c.swap_out_bytes)
+        yield counter("vllm:swap_in_bytes", "Bytes of KV cache swapped in.", c.swap_in_bytes)
+        if c.prefix_cache_query_tokens is not None:
             yield counter(
                 "vllm:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
-                pc.queries * bs,
+                c.prefix_cache_query_tokens,
             )
             yield counter(
-                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", pc.hits * bs
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                c.prefix_cache_hit_tokens or 0,
             )
-            yield gauge("vllm:prefix_cache_hit_rate", "Prefix-cache block hit rate.", pc.hit_rate)
+            yield gauge(
+                "vllm:prefix_cache_hit_rate",
+                "Prefix-cache block hit rate.",
+                c.prefix_cache_hit_rate or 0.0,
+            )
         yield gauge(
             "vllm:kv_sharing_saving_perc",
             "Share of KV blocks saved by sharing (fork, copy-on-write, prefix caching), mean over steps.",
@@ -117,15 +110,17 @@ class ServerMetrics:
     """The metrics of one app.
 
     Args:
-        engine: the ``LLMEngine`` (read at scrape time).
+        async_engine: the ``AsyncLLMEngine`` (its ``counters`` are read at scrape time).
         model_name: value of the ``model_name`` label.
         registry: where to register (default: a fresh ``CollectorRegistry``).
     """
 
-    def __init__(self, engine: Any, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(
+        self, async_engine: Any, model_name: str, registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(async_engine, model_name))
         kw: dict[str, Any] = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI-compatible API: requests, responses and the error envelope.
+"""Pydantic models of the OpenAI-compatible API: the request bodies, ``/v1/models``' answer and
+the error envelope (the generation answers are built as plain dicts in the serving modules).
 
 Request models accept (and ignore) unknown fields, as OpenAI clients add new ones over time; value
 ranges are checked by ``SamplingParams`` and the engine, whose messages name the field, so that a
@@ -14,11 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class OpenAIBaseModel(BaseModel):
+    """Base of the API models: unknown fields are kept (and ignored), ``model_*`` names allowed."""
+
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 # ---- errors ---------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
+    """The body of the error envelope."""
+
     message: str
     type: str
     param: str | None = None
@@ -33,18 +38,9 @@ class ErrorResponse(BaseModel):
 
 # ---- shared pieces --------------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk carrying the usage."""
+
     include_usage: bool | None = False
-
-
-class PromptTokensDetails(OpenAIBaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingExtensions(OpenAIBaseModel):
@@ -65,6 +61,8 @@ class SamplingExtensions(OpenAIBaseModel):
 
 # ---- /v1/completions ------------------------------------------------------------------------
 class CompletionRequest(SamplingExtensions):
+    """The body of ``POST /v1/completions``."""
+
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     suffix: str | None = None
@@ -85,62 +83,47 @@ class CompletionRequest(SamplingExtensions):
     user: str | None = None
 
 
-class CompletionLogProbs(OpenAIBaseModel):
-    """The legacy logprobs shape: parallel lists, one entry per token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
 # ---- /v1/chat/completions -------------------------------------------------------------------
 class ContentPart(OpenAIBaseModel):
+    """One part of a message's content list (only ``text`` parts are served)."""
+
     type: str
     text: str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
+    """One chat message: ``role``, ``content`` (text or parts), optional ``name``."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function (accepted for validation; tools are refused unless unused)."""
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
 class ChatTool(OpenAIBaseModel):
+    """One entry of ``tools``."""
+
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
 class ResponseFormat(OpenAIBaseModel):
+    """``response_format`` (only ``text`` is served)."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingExtensions):
+    """The body of ``POST /v1/chat/completions``."""
+
     model: str | None = None
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -168,45 +151,10 @@ class ChatCompletionRequest(SamplingExtensions):
     continue_final_message: bool = False
 
 
-class ChatLogprobTop(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobEntry(ChatLogprobTop):
-    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
-
-
-class ChatLogprobs(OpenAIBaseModel):
-    content: list[ChatLogprobEntry] | None = None
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
 # ---- models, tokenizer, version --------------------------------------------------------------
 class ModelCard(OpenAIBaseModel):
+    """One served model in ``GET /v1/models`` (``max_model_len`` in tokens)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -216,6 +164,8 @@ class ModelCard(OpenAIBaseModel):
 
 
 class ModelList(OpenAIBaseModel):
+    """The answer of ``GET /v1/models``."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
 
@@ -231,20 +181,8 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
 
 
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
 class DetokenizeRequest(OpenAIBaseModel):
+    """The body of ``POST /detokenize``: token ids to decode."""
+
     model: str | None = None
     tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str
-
-
-class VersionResponse(OpenAIBaseModel):
-    version: str

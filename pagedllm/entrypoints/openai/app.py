@@ -1,0 +1,157 @@
+"""The app factory of the OpenAI-compatible server: ``create_app`` (over an ``AsyncLLMEngine``)
+and ``build_app`` (builds the engine too).
+
+The app's lifespan starts and stops the engine thread; ``GuardMiddleware`` checks the API key and
+the body size; every error, including FastAPI's validation errors and unknown routes, is answered
+with the OpenAI envelope (``errors.py``). The routes are in ``routes.py``, the KV-cache dashboard
+(when enabled) in ``debug_routes.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from pagedllm.entrypoints.openai.routes import make_router, server_version
+from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """A 400 for a body FastAPI could not parse, with ``param`` naming the first bad field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ())]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx", {}) or {}
+        return APIError(400, f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}")
+    param = loc[1] if len(loc) > 1 and loc[0] == "body" else None
+    if param is None and loc[:1] == ["body"]:
+        msg = f"the body must be a JSON object: {first.get('msg', 'invalid')}"
+    else:
+        where = ".".join(loc[1:]) if loc[:1] == ["body"] else ".".join(loc)
+        msg = f"{where}: {first.get('msg', 'invalid value')}"
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more errors)"
+    return APIError(400, msg, param=param)
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    """Answer every error with the OpenAI envelope."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+def create_app(
+    async_engine: AsyncLLMEngine,
+    served_model_name: str | list[str],
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    enable_dashboard: bool = False,
+) -> FastAPI:
+    """The FastAPI app serving ``async_engine``; its lifespan starts and stops the engine thread.
+
+    Args:
+        async_engine: the engine (not started yet, or started on the loop that runs the app).
+        served_model_name: the name (or names) accepted in ``model``; the first is reported.
+        api_key: when set, every path except /health, /version, /metrics and the docs needs
+            ``Authorization: Bearer <api_key>``.
+        max_body_bytes: larger request bodies get 413.
+        enable_dashboard: also serve the KV-cache dashboard (``/dashboard``, ``/debug/kv*``).
+
+    ``app.state.serving`` holds the ``OpenAIServing``, ``app.state.async_engine`` the engine.
+    """
+    serving = OpenAIServing(async_engine, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(
+        title="pagedllm OpenAI-compatible server", version=server_version(), lifespan=lifespan
+    )
+    app.state.serving = serving
+    app.state.async_engine = async_engine
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_exception_handlers(app)
+    app.include_router(make_router(serving))
+    if enable_dashboard:
+        from pagedllm.entrypoints.openai.debug_routes import mount_debug_routes
+
+        mount_debug_routes(app, async_engine)
+    return app
+
+
+def build_app(
+    engine_args: dict[str, Any] | None = None,
+    *,
+    loaded: Any = None,
+    served_model_name: str | list[str] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_stats_interval: float = 5.0,
+    enable_dashboard: bool = False,
+) -> FastAPI:
+    """Build the engine from ``EngineConfig`` keyword arguments and return its app.
+
+    Args:
+        engine_args: ``EngineConfig`` fields (``model``, ``max_model_len``, ...).
+        loaded: a ``LoadedModel`` to reuse instead of loading ``engine_args["model"]``.
+        served_model_name: default: the model path, or "SmolLM2-135M-Instruct" for the bundled one.
+        api_key / max_body_bytes / enable_dashboard: see ``create_app``.
+        log_stats_interval: seconds between throughput log lines while busy (0 = never).
+
+    Raises:
+        ValueError: an invalid ``EngineConfig``; FileNotFoundError: a missing model.
+    """
+    from pagedllm.config import EngineConfig
+
+    config = EngineConfig(**(engine_args or {}))
+    if config.tensor_parallel_size == 1:
+        # Built on the thread that will step it (AsyncLLMEngine.from_factory: one OpenMP team).
+        async_engine = AsyncLLMEngine.from_factory(
+            lambda: LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval
+        )
+    else:  # worker processes / Ray are started from the main thread
+        async_engine = AsyncLLMEngine(
+            LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval
+        )
+    name = served_model_name or config.model or "SmolLM2-135M-Instruct"
+    return create_app(
+        async_engine,
+        name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        enable_dashboard=enable_dashboard,
+    )

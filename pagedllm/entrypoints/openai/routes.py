@@ -1,0 +1,108 @@
+"""The API routes: thin functions that parse, delegate to the serving modules and answer.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``GET
+/v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /version``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pagedllm.entrypoints.openai import serving_chat, serving_completion
+from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import render_messages
+from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+
+
+def server_version() -> str:
+    """The installed pagedllm's version ("0.1.0" when it is not installed as a package)."""
+    try:
+        from importlib.metadata import version
+
+        return version("pagedllm")
+    except Exception:
+        return "0.1.0"
+
+
+def make_router(serving: OpenAIServing) -> APIRouter:
+    """The routes of the API, serving through ``serving``."""
+    router = APIRouter()
+    engine = serving.async_engine
+
+    @router.post(
+        "/v1/completions",
+        responses={200: {"description": "a completion or an SSE stream"}, **ERROR_RESPONSES},
+    )
+    async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+        return await serving_completion.create_completion(serving, req, raw)
+
+    @router.post(
+        "/v1/chat/completions",
+        responses={200: {"description": "a chat completion or an SSE stream"}, **ERROR_RESPONSES},
+    )
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving_chat.create_chat_completion(serving, req, raw)
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name, root=str(engine.model or name), max_model_len=engine.max_model_len
+                )
+                for name in serving.model_names
+            ]
+        )
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 while the engine runs; 500 ``engine_dead`` with the reason otherwise."""
+        if engine.is_dead or not engine.is_running:
+            reason = engine.dead_reason or "the engine is not running"
+            return APIError(500, reason, "server_error", code="engine_dead").response()
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        data, ctype = serving.metrics.render()
+        return Response(content=data, media_type=ctype)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": server_version()}
+
+    @router.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(req.model)
+        if req.messages is not None:
+            ids = render_messages(
+                serving, req.messages, req.add_generation_prompt, req.continue_final_message
+            )
+        elif req.prompt is not None:
+            ids = serving.tokenize(req.prompt, req.add_special_tokens)
+        else:
+            raise APIError(400, "prompt or messages is required", param="prompt")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @router.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        serving.check_model(req.model)
+        vocab = engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": serving.tokenizer.decode(req.tokens)}
+
+    return router
