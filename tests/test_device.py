@@ -270,6 +270,41 @@ def test_swap_and_copy_on_write_on_the_device(tiny_llm_factory, cpu_reference, d
     assert [c.token_ids for c in forks.outputs] == [cpu_reference[0]] * 2
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_on_cuda_equals_the_cpu_reference(tiny_loaded, cpu_reference):
+    """Tensor parallelism on CUDA: one GPU per rank, NCCL collectives, the Triton backend."""
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(
+        loaded=tiny_loaded,
+        device="cuda:0",
+        tensor_parallel_size=2,
+        max_model_len=128,
+        kv_cache_memory=1 << 22,
+    )
+    try:
+        driver = llm.engine.executor.driver_worker
+        assert driver.device == torch.device("cuda", 0) and driver.backend.name == "triton"
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == cpu_reference
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_ray_on_cuda_is_refused(tiny_loaded):
+    from pagedllm.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(
+            loaded=tiny_loaded,
+            device="cuda",
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            max_model_len=64,
+        )
+
+
 # ---- Triton through the engine, interpreted on the CPU ---------------------------------------
 
 
