@@ -175,6 +175,11 @@ def test_weights_cache_and_step_metadata_live_on_the_device(tiny_llm_factory, de
     # The backend registered for the device.
     assert worker.backend.name == expected_backend(device)
     assert worker.model.backend is worker.backend
+    # The sampler's C++ helpers only for CPU logits.
+    if uses_cpu_ops(device):
+        assert (llm.engine.sampler.cpu_ops is not None) == cpu_ops_available()
+    else:
+        assert llm.engine.sampler.cpu_ops is None
 
     # Step tensors: record what the model and the attention backend receive.
     seen: list[tuple[str, torch.device]] = []
