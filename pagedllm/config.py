@@ -143,6 +143,9 @@ class EngineConfig:
             raise ValueError(f"kv_manager must be one of {KV_MANAGERS}, got {self.kv_manager!r}")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
+        from pagedllm.device import canonical_device  # ValueError naming ``device``
+
+        self.device = canonical_device(self.device, self.tensor_parallel_size)
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the loaded model (called once by the engine).

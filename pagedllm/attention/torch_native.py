@@ -1,4 +1,8 @@
-"""Vectorized PyTorch paged attention: the default CPU backend until the C++ kernel exists.
+"""Vectorized PyTorch paged attention: the portable backend (CPU or CUDA, any dtype).
+
+It is what "auto" falls back to when the C++ CPU extension cannot be built or Triton cannot run on
+the CUDA device, and what ``CpuPagedAttention`` uses for dtypes its kernels lack (float16). Every
+tensor it creates is on the device of the KV cache.
 
 Decodes (one new token per sequence) are done together: their blocks are gathered through the
 block tables with one ``index_select`` per layer into a padded [KVH, S, L, D] tensor (contiguous
@@ -36,10 +40,11 @@ class TorchNativeAttention:
 
         Args:
             query: [T, H, D]; key, value: [T, KVH, D].
-            key_cache, value_cache: [KVH, num_blocks, block_size, D].
+            key_cache, value_cache: [KVH, num_blocks, block_size, D], same dtype and device.
+            meta: batch layout; its index tensors (int64) on the same device.
 
         Returns:
-            [T, H, D].
+            [T, H, D], dtype and device of ``query``.
         """
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decodes
@@ -66,8 +71,9 @@ class TorchNativeAttention:
             nb = -(-max(meta.seq_lens_list[:nd]) // bs)
             index = meta.block_tables[:nd, :nb].reshape(-1)
             length = nb * bs
-            pad = torch.arange(length) >= meta.seq_lens[:nd, None]  # [S, L]
-            bias = torch.zeros(nd, length, dtype=dtype).masked_fill_(pad, float("-inf"))
+            dev = meta.seq_lens.device
+            pad = torch.arange(length, device=dev) >= meta.seq_lens[:nd, None]  # [S, L]
+            bias = torch.zeros(nd, length, dtype=dtype, device=dev).masked_fill_(pad, float("-inf"))
             plan = (index, bias.view(1, nd, 1, length), length)
             meta.backend_cache["decode"] = plan
         return plan
@@ -117,8 +123,8 @@ class TorchNativeAttention:
             )
         else:
             # Query t sits at position ctx - ql + t and sees keys 0 .. that position.
-            q_pos = torch.arange(ctx - ql, ctx)[:, None]
-            mask = torch.arange(ctx)[None, :] <= q_pos
+            q_pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
             o = F.scaled_dot_product_attention(
                 qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )

@@ -1,7 +1,9 @@
 """PagedAttention Triton kernels for CUDA: write K/V, paged decode, paged prefill with context.
 
 Same contract as ``reference.paged_attention_reference``; cache layout
-[num_kv_heads, num_blocks, block_size, head_dim].
+[num_kv_heads, num_blocks, block_size, head_dim] (contiguous), float32 / bfloat16 / float16; the
+``AttentionMetadata`` index tensors are int64 (any integer dtype loads) on the same CUDA device.
+This is the backend the registry (``pagedllm.attention``) picks for ``device="cuda"``.
 
 * ``_write_kv_kernel``: one program per (token, kv head) copies a K and a V row into its slot.
 * ``_decode_kernel``: one program per (decode sequence, kv head) handles the G query heads of the
@@ -215,7 +217,15 @@ def write_kv_triton(
 
 
 class TritonPagedAttention:
-    """Paged attention with Triton kernels (CUDA; the interpreter on CPU tensors for tests)."""
+    """Paged attention with Triton kernels (CUDA; the interpreter on CPU tensors for tests).
+
+    Args:
+        block_n: context tokens per tile of the decode kernel.
+        block_m: query tokens per tile of the prefill kernel.
+
+    Raises:
+        RuntimeError: Triton cannot run here (``unavailable_reason``).
+    """
 
     name = "triton"
 
@@ -225,6 +235,7 @@ class TritonPagedAttention:
             raise RuntimeError(f"triton attention backend: {reason}")
         self.block_n = block_n
         self.block_m = block_m
+        self._interpret = interpreting()
 
     def forward(
         self,
@@ -236,6 +247,25 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        """Write K/V of the new tokens, then attend.
+
+        Args:
+            query: [T, H, D]; key, value: [T, KVH, D] (last dim contiguous).
+            key_cache, value_cache: [KVH, num_blocks, block_size, D], contiguous.
+            meta: batch layout, index tensors on the same device.
+            scale: softmax scale.
+
+        Returns:
+            [T, H, D], dtype and device of ``query``.
+
+        Raises:
+            ValueError: the tensors are not on a CUDA device (outside the interpreter).
+        """
+        if not self._interpret and query.device.type != "cuda":
+            raise ValueError(
+                f"triton attention backend needs CUDA tensors, got {query.device} "
+                "(device must be 'cuda' for attention_backend 'triton')"
+            )
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()

@@ -1,8 +1,8 @@
 """Tensor-parallel process groups and collectives (paper section 4.6).
 
-``TensorParallelGroup`` wraps one torch.distributed process group (gloo on CPU, nccl on CUDA)
-owned by an engine; there is no process-global default group, so several engines can live in one
-process one after the other.
+``TensorParallelGroup`` wraps one torch.distributed process group (gloo on CPU, nccl on CUDA:
+``pagedllm.device.dist_backend`` chooses from the engine's device) owned by an engine; there is
+no process-global default group, so several engines can live in one process one after the other.
 """
 
 from pagedllm.distributed.parallel_state import (

@@ -63,6 +63,7 @@ class WorkerInit:
         source: model file / folder to load this rank's slices from, or None.
         source_kind: "gguf" or "hf" (with ``source``).
         state_dict: this rank's slices, when the model is not loaded from a file (tests).
+        device: ``EngineConfig.device``; the rank computes on ``device_for_rank(device, rank)``.
     """
 
     config: LlamaArchConfig
@@ -76,11 +77,12 @@ class WorkerInit:
     source: Path | None = None
     source_kind: str = "gguf"
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    device: str = "cpu"
 
 
 def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
-    """Load this rank's weight slices (from ``init.source`` or ``init.state_dict``) and build the
-    ``Worker`` with its KV-cache shard."""
+    """Load this rank's weight slices (from ``init.source`` or ``init.state_dict``, into host
+    memory) and build the ``Worker`` with its KV-cache shard on this rank's device."""
     from pagedllm.model.loader.sharded import load_weight_shard
     from pagedllm.model.sharding import TensorParallelShard
 
@@ -101,6 +103,7 @@ def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
         num_swap_blocks=init.num_swap_blocks,
         group=group,
         weights_sharded=True,
+        device=init.device,
     )
 
 

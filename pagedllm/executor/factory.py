@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from pagedllm.config import EngineConfig
+from pagedllm.device import activate_device, device_for_rank, dist_backend, is_cuda, resolve_device
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.executor.base import Executor, WorkerInit, threads_per_rank
 from pagedllm.model.loader import LoadedModel, resolve_model_path
@@ -33,8 +36,14 @@ def create_executor(
     sliced; the remote ranks re-read only their slices from ``loaded.source`` when it is a file,
     else receive their slices pickled (in-memory models in tests).
 
+    Every rank computes on ``config.device`` (rank r of a CUDA device on its own GPU,
+    ``device.device_for_rank``); the group's collectives use ``device.dist_backend`` (gloo on CPU,
+    nccl on CUDA).
+
     Raises:
-        ValueError: naming ``tensor_parallel_size`` when the model cannot be split.
+        ValueError: naming ``tensor_parallel_size`` when the model cannot be split or there are
+            fewer GPUs than ranks; naming ``device`` when it is not available here;
+            naming ``distributed_executor_backend`` for Ray on CUDA (not supported).
     """
     from pagedllm.executor.uniproc import UniProcExecutor
 
@@ -42,6 +51,9 @@ def create_executor(
     mc = loaded.config
     dtype = config.torch_dtype
     assert config.max_model_len is not None
+    # Validated before any process starts; a bare "cuda" becomes this process's current GPU, so
+    # that spawned ranks count from the same index.
+    device = str(device_for_rank(resolve_device(config.device, tp), 0))
     if tp == 1:
         worker = Worker(
             mc,
@@ -53,11 +65,18 @@ def create_executor(
             attention_backend=attention_backend,
             num_threads=config.num_threads,
             num_swap_blocks=num_swap_blocks,
+            device=device,
         )
         return UniProcExecutor(worker)
 
     for rank in range(tp):  # fail here, before any process starts
         TensorParallelShard.for_rank(mc, rank, tp)
+    if config.distributed_executor_backend == "ray" and is_cuda(device):
+        raise ValueError(
+            "distributed_executor_backend 'ray' runs on device 'cpu' only for now (its actors "
+            "do not reserve GPUs); use 'mp' with device "
+            f"{config.device!r}"
+        )
     threads = threads_per_rank(config.num_threads, tp)
     source = _model_source(loaded)
     inits = []
@@ -71,6 +90,7 @@ def create_executor(
             attention_backend=attention_backend,
             num_threads=threads,
             num_swap_blocks=num_swap_blocks,
+            device=device,
         )
         if source is not None:
             init.source, init.source_kind = source
@@ -95,9 +115,12 @@ def create_executor(
             num_threads=threads,
             num_swap_blocks=num_swap_blocks,
             group=group,
+            device=device,
         )
 
-    comm = "nccl" if config.device.startswith("cuda") else "gloo"
+    # The driver is rank 0: its current CUDA device must be its own before it joins the group.
+    activate_device(torch.device(device))
+    comm = dist_backend(device)
     if config.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 

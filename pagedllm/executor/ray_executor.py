@@ -48,7 +48,10 @@ class RankActor:
         import torch
 
         torch.set_num_threads(init.num_threads)
+        from pagedllm.device import activate_device, device_for_rank
         from pagedllm.executor.base import build_worker
+
+        activate_device(device_for_rank(init.device, rank))
 
         store = create_store(host, port, is_master=False)
         group = init_tensor_parallel_group(store, rank, world_size, backend)

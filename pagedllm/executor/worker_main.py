@@ -22,10 +22,12 @@ def worker_main(
     """
     import torch
 
+    from pagedllm.device import activate_device, device_for_rank
     from pagedllm.distributed import create_store, init_tensor_parallel_group
 
     try:
         torch.set_num_threads(init.num_threads)
+        activate_device(device_for_rank(init.device, rank))  # NCCL binds to the current GPU
         store = create_store("127.0.0.1", port, is_master=False)
         group = init_tensor_parallel_group(store, rank, world_size, backend)
         worker = build_worker(init, group)

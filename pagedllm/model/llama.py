@@ -138,7 +138,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def _uninitialized(cls: type[_M], *args: Any, **kwargs: Any) -> _M:
     """``cls(*args, **kwargs)`` for a linear layer, without its random weight init
     (``torch.nn.utils.skip_init``): every weight is overwritten by ``load_weights``, and drawing
-    the random numbers cost ~1 s of SmolLM2-135M's start-up."""
+    the random numbers cost ~1 s of SmolLM2-135M's start-up. The weight goes to the current
+    default device (``with torch.device(...)``, as the worker builds the model), like every other
+    tensor the model allocates, not to skip_init's default, the CPU."""
+    kwargs.setdefault("device", torch.get_default_device())
     return nn.utils.skip_init(cls, *args, **kwargs)
 
 
@@ -348,9 +351,10 @@ class LlamaForCausalLM(nn.Module):
         """Run one step.
 
         Args:
-            input_ids: [T] int64 new tokens; positions: [T] int64 their positions.
+            input_ids: [T] int64 new tokens; positions: [T] int64 their positions (both on
+                the weights' device, as every tensor here).
             kv_caches: per layer (key_cache, value_cache), each
-                [num_blocks, block_size, KVH, D].
+                [KVH, num_blocks, block_size, D], on the weights' device.
             meta: batch layout and slots.
             logits_indices: [S] int64 rows of the batch whose next-token logits are wanted.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention import cpu as cpu_kernels
+from pagedllm.device import pin_host_memory, uses_cpu_ops
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.worker.huge_pages import zeros_huge
 
@@ -41,20 +42,24 @@ class CacheEngine:
     """Allocates and owns the per-layer KV tensors.
 
     Each layer has ``key_cache`` and ``value_cache`` of shape
-    [num_kv_heads, num_blocks, block_size, head_dim] (see ``attention.reference`` for why heads
-    come first); block ``b`` of every layer together holds the same ``block_size`` tokens.
+    [num_kv_heads, num_blocks, block_size, head_dim] in ``dtype`` on ``device`` (see
+    ``attention.reference`` for why heads come first); block ``b`` of every layer together holds
+    the same ``block_size`` tokens. The swap pool has the same layout with ``num_swap_blocks``
+    blocks and always lives in host memory (pinned when ``device`` is CUDA, so swaps are DMA
+    copies).
 
     Args:
         config: model shape.
         num_blocks: physical blocks (the block manager's pool size).
         block_size: tokens per block.
         dtype: cache dtype (the model's activation dtype).
-        device: torch device.
+        device: where the KV pool lives (the model's device: "cpu" or "cuda:N").
         num_swap_blocks: blocks of host swap space (a separate pool in host memory, also on a
             CPU device: the device pool stays the budget the scheduler manages).
         use_cpu_kernels: copy and swap blocks with the C++ ``copy_blocks`` / ``swap_blocks``
             kernels (one parallel memcpy per block and head) instead of torch index ops; set by
             the worker when it runs the C++ attention backend, so the extension is loaded.
+            Ignored unless ``device`` is the CPU.
         num_kv_heads: KV heads this tensor-parallel rank holds (default: all of the model's).
     """
 
@@ -69,7 +74,8 @@ class CacheEngine:
         use_cpu_kernels: bool = False,
         num_kv_heads: int | None = None,
     ) -> None:
-        self.use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
+        self.device = torch.device(device)
+        self.use_cpu_kernels = use_cpu_kernels and uses_cpu_ops(self.device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         kvh = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
@@ -77,11 +83,11 @@ class CacheEngine:
         # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
         # Huge pages: a decode step touches one 4 KiB page per block and head otherwise.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (zeros_huge(shape, dtype, device), zeros_huge(shape, dtype, device))
+            (zeros_huge(shape, dtype, self.device), zeros_huge(shape, dtype, self.device))
             for _ in range(config.num_hidden_layers)
         ]
         swap_shape = (kvh, num_swap_blocks, block_size, config.head_dim)
-        pin = torch.device(device).type == "cuda"
+        pin = pin_host_memory(self.device)
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
                 torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
@@ -92,6 +98,7 @@ class CacheEngine:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the device KV pool (all layers, K and V; the swap pool not counted)."""
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -101,8 +108,8 @@ class CacheEngine:
         if self.use_cpu_kernels:
             cpu_kernels.copy_blocks(self.kv_caches, pairs)
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         for k, v in self.kv_caches:
             k.index_copy_(1, dst, k.index_select(1, src))
             v.index_copy_(1, dst, v.index_select(1, src))
@@ -129,8 +136,11 @@ class CacheEngine:
                 cpu_kernels.swap_blocks(sk, dk, pairs)
                 cpu_kernels.swap_blocks(sv, dv, pairs)
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        # One side is the device pool, the other the host pool: gather the blocks where they
+        # are, copy the gathered [KVH, n, block_size, D] across once, scatter them on arrival.
+        src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
-            dk.index_copy_(1, dst.to(dk.device), sk.index_select(1, src.to(sk.device)).to(dk.device))
-            dv.index_copy_(1, dst.to(dv.device), sv.index_select(1, src.to(sv.device)).to(dv.device))
+            dk.index_copy_(1, dst, sk.index_select(1, src).to(dst_dev))
+            dv.index_copy_(1, dst, sv.index_select(1, src).to(dst_dev))

@@ -18,8 +18,9 @@ class ModelRunnerOutput:
 
     Attributes:
         sample_seq_ids: sequences that sample this step, in ``logits`` row order.
-        logits: [len(sample_seq_ids), V] float32.
-        prompt_logits: seq_id -> [n, V] float32 logits at the step's prompt positions
+        logits: [len(sample_seq_ids), V] float32, on the worker's device (the sampler works
+            there; it uses its C++ helpers only for CPU logits).
+        prompt_logits: seq_id -> [n, V] float32 logits (same device) at the step's prompt positions
             (row j predicts the token after position start_pos + j), for sequences that asked
             for prompt logprobs.
     """
@@ -34,9 +35,18 @@ class ModelRunner:
 
     Batch order: single-token sequences (decodes) first, then multi-token ones, as
     ``AttentionMetadata`` requires. The per-step metadata (positions, slot mapping, padded block
-    tables) is computed with whole-batch tensor ops from flat lists; the block-table matrix is
-    written into a buffer kept across steps (grown when a step needs more rows or columns), so a
-    decode step allocates no [S, max_blocks] tensor.
+    tables) is computed on the host with whole-batch tensor ops from flat lists; the block-table
+    matrix is written into a host buffer kept across steps (grown when a step needs more rows or
+    columns), so a decode step allocates no [S, max_blocks] tensor. The step's tensors (input ids,
+    positions, the four ``AttentionMetadata`` index tensors, the logits rows) are then copied to
+    ``device`` once (on CPU the copy is a no-op: the same tensors are used).
+
+    Args:
+        model: the decoder, its weights on ``device``.
+        kv_caches: per layer (key_cache, value_cache), each
+            [num_kv_heads, num_blocks, block_size, head_dim] on ``device``.
+        block_size: tokens per KV block.
+        device: where the step's tensors go (the device of the weights and the KV cache).
     """
 
     def __init__(
@@ -44,11 +54,13 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self._tables = torch.zeros(0, dtype=torch.long)  # reused flat int64 buffer
+        self.device = torch.device(device)
+        self._tables = torch.zeros(0, dtype=torch.long)  # reused flat int64 host buffer
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         """Pad ``tables`` (one list of block ids per sequence) into [S, max_blocks] int64 with
@@ -91,11 +103,12 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = tables[seq_idx, positions // bs] * bs + positions % bs
 
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            query_start_loc=q_start,
+            slot_mapping=slot_mapping.to(dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long).to(dev),
+            query_start_loc=q_start.to(dev),
             seq_lens_list=seq_lens,
             query_lens_list=query_lens,
             query_start_loc_list=starts,
@@ -114,7 +127,11 @@ class ModelRunner:
                 prompt_spans.append((w.seq_id, len(rows), query_lens[i]))
                 rows.extend(range(starts[i], starts[i + 1]))
         logits = self.model(
-            input_ids, positions, self.kv_caches, meta, torch.tensor(rows, dtype=torch.long)
+            input_ids.to(dev),
+            positions.to(dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(rows, dtype=torch.long).to(dev),
         )
         prompt_logits = {sid: logits[lo : lo + n] for sid, lo, n in prompt_spans}
         return ModelRunnerOutput(sample_ids, logits[: len(sample_rows)], prompt_logits)

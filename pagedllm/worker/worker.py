@@ -9,6 +9,7 @@ import torch
 from pagedllm.attention import get_attention_backend
 from pagedllm.attention.cpu import CpuPagedAttention
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.device import activate_device, device_for_rank, resolve_device, uses_cpu_ops
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.llama import LlamaForCausalLM
@@ -21,25 +22,43 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """Builds the model from a state dict and the KV cache, then runs steps.
+    """Builds the model from a state dict and the KV cache on its device, then runs steps.
+
+    Everything a step touches lives on ``self.device``: the weights (allocated there, then filled
+    from the host ``state_dict``), the KV pool, the step's input tensors and attention metadata
+    (``ModelRunner``) and the attention backend's work (the backend registered for the device,
+    ``pagedllm.attention``). Only the swap pool stays on the host. The C++ CPU extension (fused
+    layer ops, packed linears, block copies) is used only on the CPU.
 
     Under tensor parallelism (paper section 4.6) there is one worker per rank; each holds its
     shard of the weights and of the KV cache (its KV heads, ``num_blocks`` blocks like every other
-    rank) and runs every step's forward; only rank 0's logits are real.
+    rank) and runs every step's forward; only rank 0's logits are real. On CUDA rank r computes on
+    ``cuda:(i + r)`` (``pagedllm.device.device_for_rank``).
 
     Args:
         config: model shape.
-        state_dict: Hugging Face-named weights: the full model, or this rank's slices when
-            ``weights_sharded``.
+        state_dict: Hugging Face-named weights (host tensors): the full model, or this rank's
+            slices when ``weights_sharded``.
         dtype: compute and cache dtype.
         num_blocks: KV blocks to allocate.
         block_size: tokens per block.
         max_model_len: longest sequence (sizes the RoPE table).
-        attention_backend: backend name (see ``pagedllm.attention``).
+        attention_backend: backend name (see ``pagedllm.attention``); "auto" = the one
+            registered for ``device``.
         num_threads: torch intra-op threads.
         num_swap_blocks: host swap-space blocks.
         group: the tensor-parallel group; None = tp 1.
         weights_sharded: ``state_dict`` already holds only this rank's slices.
+        device: "cpu", "cuda" or "cuda:N" (``EngineConfig.device``; rank r adds r to the CUDA
+            index).
+
+    Attributes:
+        device: the device this rank computes on (an explicit index on CUDA).
+        backend: the attention backend instance.
+
+    Raises:
+        ValueError: naming ``device`` when it is not available here, or ``attention_backend``
+            when the backend does not run on it (both before any weight is copied).
     """
 
     def __init__(
@@ -55,20 +74,29 @@ class Worker:
         num_swap_blocks: int = 0,
         group: TensorParallelGroup | None = None,
         weights_sharded: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
+        world = group.world_size if group is not None else 1
+        rank = group.rank if group is not None else 0
+        self.device = device_for_rank(resolve_device(device, world), rank)
         if num_threads:
             torch.set_num_threads(num_threads)
-        backend = get_attention_backend(attention_backend)
-        self.model = LlamaForCausalLM(
-            config, dtype, backend, max_positions=max_model_len, group=group
-        )
+        activate_device(self.device)
+        backend = get_attention_backend(attention_backend, self.device)
+        self.backend = backend
+        # Every tensor the model allocates (weights, RoPE table) goes straight to the device.
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(
+                config, dtype, backend, max_positions=max_model_len, group=group
+            )
         shard = self.model.shard
         if shard is not None and not weights_sharded:
             state_dict = shard_state_dict(state_dict, shard, config.head_dim)
-        self.model.load_weights(state_dict)
+        self.model.load_weights(state_dict)  # host -> device copies
         self.model.eval()
-        cpu_ops = backend.ops if isinstance(backend, CpuPagedAttention) else None
-        if packed_linear_available(dtype, cpu_ops=cpu_ops):
+        on_cpu = uses_cpu_ops(self.device)
+        cpu_ops = backend.ops if on_cpu and isinstance(backend, CpuPagedAttention) else None
+        if on_cpu and packed_linear_available(dtype, self.device, cpu_ops=cpu_ops):
             self.model.pack_linears(cpu_ops)
         if cpu_ops is not None:
             self.model.use_cpu_layer_ops(cpu_ops)
@@ -77,15 +105,27 @@ class Worker:
             num_blocks,
             block_size,
             dtype,
+            device=self.device,
             num_swap_blocks=num_swap_blocks,
-            use_cpu_kernels=isinstance(backend, CpuPagedAttention),
+            use_cpu_kernels=cpu_ops is not None,
             num_kv_heads=shard.num_kv_heads if shard else None,
         )
-        self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size)
+        self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size, self.device)
+        logger.debug(
+            "worker rank %d on %s: attention backend %s, %d KV blocks",
+            rank,
+            self.device,
+            backend.name,
+            num_blocks,
+        )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block moves (swap out, swap in, copy-on-write, in that order: a block
-        freed by a swap-out may be reused in the same step), then run the forward pass."""
+        freed by a swap-out may be reused in the same step), then run the forward pass.
+
+        Returns:
+            the runner's output; its logits are on ``self.device``.
+        """
         self.cache.swap_out(sched.blocks_to_swap_out)
         self.cache.swap_in(sched.blocks_to_swap_in)
         self.cache.copy_blocks(sched.blocks_to_copy)

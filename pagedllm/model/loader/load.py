@@ -18,11 +18,13 @@ from pagedllm.model.loader.tokenizer import eos_token_ids, load_tokenizer
 
 @dataclass
 class LoadedModel:
-    """A model ready to be placed on a device.
+    """A model ready to be placed on a device: the weights are loaded into host memory, whatever
+    ``EngineConfig.device`` is; each worker allocates its parameters on its device and copies them
+    in (``Worker``), so the loaders never touch a GPU.
 
     Attributes:
         config: architecture, with ``bos_token_id`` and ``eos_token_ids`` filled in.
-        state_dict: Hugging Face names -> contiguous tensors of the requested dtype; linears are
+        state_dict: Hugging Face names -> contiguous CPU tensors of the requested dtype; linears are
             ``[out_features, in_features]``, the embedding ``[vocab, hidden]``, norms ``[hidden]``.
             No ``lm_head.weight`` when ``config.tie_word_embeddings``.
         tokenizer: the model's tokenizer (with its chat template when it has one).
