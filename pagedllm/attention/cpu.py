@@ -1,6 +1,6 @@
 """PagedAttention CPU kernels (C++ / OpenMP / AVX-512 or AVX2) behind the backend interface.
 
-The extension in ``csrc/cpu/`` is compiled on first use with ``torch.utils.cpp_extension.load``
+The extension in ``pagedllm/csrc/cpu/`` is compiled on first use with ``torch.utils.cpp_extension.load``
 (``-O3 -march=native -fopenmp``) into ``build/torch_extensions/`` next to the sources (or
 ``~/.cache/pagedllm/torch_extensions`` when that is not writable) and reused afterwards: torch
 rebuilds only when the sources or flags change. The build directory name includes a hash of the
@@ -35,7 +35,7 @@ from pagedllm.attention.torch_native import TorchNativeAttention
 logger = logging.getLogger(__name__)
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_SRC_DIR = _REPO_ROOT / "csrc" / "cpu"
+_SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 _SOURCES = [_SRC_DIR / "paged_attention.cpp", _SRC_DIR / "layer_ops.cpp", _SRC_DIR / "gemm.cpp"]
 _HEADERS = [_SRC_DIR / "vec.h", _SRC_DIR / "layer_ops.h", _SRC_DIR / "gemm.h"]
 
