@@ -97,8 +97,13 @@ def make_random_state_dict(cfg: LlamaArchConfig, seed: int = 0) -> dict[str, tor
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):
-    """Keep the tokenizer cache (``PAGEDLLM_CACHE_DIR``) of the test run out of ~/.cache."""
+    """Keep the tokenizer cache (``PAGEDLLM_CACHE_DIR``) of the test run out of ~/.cache; the
+    C++ kernel builds stay in the usual cache (``PAGEDLLM_KERNEL_CACHE_DIR``), so a test run does
+    not recompile them (minutes)."""
+    from pagedllm.ops.loader import cache_root
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_KERNEL_CACHE_DIR", str(cache_root()))
         mp.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path_factory.mktemp("pagedllm_cache")))
         yield
 

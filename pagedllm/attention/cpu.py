@@ -1,137 +1,31 @@
-"""PagedAttention CPU kernels (C++ / OpenMP / AVX-512 or AVX2) behind the backend interface.
+"""PagedAttention on the C++ CPU kernels behind the attention backend interface.
 
-The extension in ``csrc/cpu/`` is compiled on first use with ``torch.utils.cpp_extension.load``
-(``-O3 -march=native -fopenmp``) into ``build/torch_extensions/`` next to the sources (or
-``~/.cache/pagedllm/torch_extensions`` when that is not writable) and reused afterwards: torch
-rebuilds only when the sources or flags change. The build directory name includes a hash of the
-CPU's instruction-set flags, so a cache copied to another kind of CPU is not reused there.
+The kernels (``pagedllm/csrc/cpu/``) are built, cached and loaded by :mod:`pagedllm.ops.loader`,
+one instruction-set variant per CPU kind (avx512, avx2 or scalar), and called through the typed
+:class:`pagedllm.ops.CpuOps` (``torch.ops.pagedllm.<name>``). When they cannot be built,
+``load_cpu_ops`` returns ``None`` after one warning and ``CpuPagedAttention`` runs
+``TorchNativeAttention`` instead.
 
-If the sources are missing, no compiler is found, or the build fails, ``load_cpu_ops`` returns
-``None`` after one warning and ``CpuPagedAttention`` runs ``TorchNativeAttention`` instead.
-
-Environment:
-    PAGEDLLM_CPU_ARCH_FLAGS: replaces ``-march=native`` (e.g. ``-march=x86-64`` for the scalar
-        path, ``-mavx2 -mfma`` for AVX2 only).
-    PAGEDLLM_DISABLE_CPU_KERNELS=1: never build; always fall back.
+``load_cpu_ops``, ``cpu_ops_available`` and ``cpu_ops_error`` are re-exported here from
+:mod:`pagedllm.ops` for existing callers.
 """
 
 from __future__ import annotations
-
-import hashlib
-import logging
-import os
-import shutil
-import threading
-import time
-import warnings
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_native import TorchNativeAttention
+from pagedllm.ops import CpuOps, cpu_ops_available, cpu_ops_error, load_cpu_ops
 
-logger = logging.getLogger(__name__)
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-_SRC_DIR = _REPO_ROOT / "csrc" / "cpu"
-_SOURCES = [_SRC_DIR / "paged_attention.cpp", _SRC_DIR / "layer_ops.cpp", _SRC_DIR / "gemm.cpp"]
-_HEADERS = [_SRC_DIR / "vec.h", _SRC_DIR / "layer_ops.h", _SRC_DIR / "gemm.h"]
-
-_lock = threading.Lock()
-_ops: ModuleType | None = None
-_load_error: str | None = None
-_tried = False
-build_seconds: float | None = None  # wall time of the last load (compile or cache hit)
-
-
-def _arch_flags() -> list[str]:
-    return os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS", "-march=native").split()
-
-
-def _cpu_fingerprint() -> str:
-    """Hash of the CPU flags (so a -march=native build is tied to the CPU kind) and build flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    key = flags + " ".join(_arch_flags()) + torch.__version__
-    return hashlib.sha1(key.encode()).hexdigest()[:10]
-
-
-def _build_dir() -> Path:
-    name = f"pagedllm_cpu_{_cpu_fingerprint()}"
-    for root in (
-        _REPO_ROOT / "build" / "torch_extensions",
-        Path.home() / ".cache" / "pagedllm" / "torch_extensions",
-    ):
-        try:
-            path = root / name
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise OSError("no writable directory for the CPU extension build")
-
-
-def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
-    """Build (first time) or load the C++ extension; ``None`` (with one warning) if impossible."""
-    global _ops, _load_error, _tried, build_seconds
-    with _lock:
-        if _tried:
-            return _ops
-        _tried = True
-        if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
-            _load_error = "disabled by PAGEDLLM_DISABLE_CPU_KERNELS=1"
-            return None
-        try:
-            if not all(p.exists() for p in _SOURCES + _HEADERS):
-                raise FileNotFoundError(f"kernel sources not found under {_SRC_DIR}")
-            cxx = os.environ.get("CXX", "c++")
-            if shutil.which(cxx) is None:
-                raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
-            from torch.utils.cpp_extension import load
-
-            t0 = time.perf_counter()
-            _ops = load(
-                name="pagedllm_cpu_kernels",
-                sources=[str(p) for p in _SOURCES],
-                extra_include_paths=[str(_SRC_DIR)],
-                extra_cflags=["-O3", *_arch_flags(), "-fopenmp", "-DNDEBUG"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir()),
-                verbose=verbose,
-            )
-            build_seconds = time.perf_counter() - t0
-            logger.info(
-                "CPU attention kernels (%s) ready in %.1f s", _ops.simd_level(), build_seconds
-            )
-        except Exception as e:  # noqa: BLE001 - any build problem means "fall back"
-            _ops = None
-            _load_error = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                "pagedllm: could not build the C++ CPU attention kernels; falling back to "
-                f"torch_native attention ({_load_error})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return _ops
-
-
-def cpu_ops_available() -> bool:
-    return load_cpu_ops() is not None
-
-
-def cpu_ops_error() -> str | None:
-    """Why the extension is unavailable (``None`` if it loaded or was never tried)."""
-    return _load_error
+__all__ = [
+    "CpuPagedAttention",
+    "copy_blocks",
+    "cpu_ops_available",
+    "cpu_ops_error",
+    "load_cpu_ops",
+    "swap_blocks",
+]
 
 
 class CpuPagedAttention:
@@ -148,7 +42,7 @@ class CpuPagedAttention:
 
     def __init__(self, partition_size: int = 512) -> None:
         self.partition_size = partition_size
-        self.ops = load_cpu_ops()
+        self.ops: CpuOps | None = load_cpu_ops()
         self._fallback = TorchNativeAttention()
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from pagedllm.model.parallel_layers import (
 )
 from pagedllm.model.sharding import TensorParallelShard
 
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
+
 _M = TypeVar("_M", bound=nn.Module)
 
 Rotate = Callable[[torch.Tensor], torch.Tensor]
@@ -46,7 +49,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
+        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_ops is not None and x.dim() == 2:
@@ -101,7 +104,7 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
+        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -209,7 +212,7 @@ class LlamaMLP(nn.Module):
             nn.Linear, config.hidden_size, 2 * self.inter, bias=False, dtype=dtype
         )
         self.down_proj = _linear_out(self.inter, config.hidden_size, group, dtype)
-        self.cpu_ops: Any = None  # the C++ extension when fused kernels are on (fp32, CPU)
+        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the result
@@ -316,9 +319,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: PackedLinear | None = None
         self.requires_grad_(False)
 
-    def use_cpu_layer_ops(self, ops: Any) -> None:
+    def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:
         """Run RMSNorm, the SwiGLU activation and the rotary embedding with the fused C++ kernels
-        of ``ops`` (the CPU extension, ``attention.cpu.load_cpu_ops()``); fp32 only, so other
+        of ``ops`` (``pagedllm.ops.load_cpu_ops()``); fp32 only, so other
         dtypes are ignored."""
         if self.dtype != torch.float32:
             return
@@ -326,9 +329,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, LlamaMLP, RotaryEmbedding)):
                 m.cpu_ops = ops
 
-    def pack_linears(self, cpu_ops: Any = None) -> int:
+    def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
         """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
-        when ``cpu_ops``, the C++ extension, is an AVX2 build, oneDNN otherwise); call after
+        when ``cpu_ops``, the C++ CPU kernels, run the avx2 variant, oneDNN otherwise); call after
         ``load_weights``. Returns the number of packed matrices."""
         # Gate/up with the SwiGLU epilogue first (own GEMM only), then every other projection;
         # row-parallel layers (all-reduce) stay as they are.

@@ -2,8 +2,9 @@
 
 Two kernels, chosen per process:
 
-- **pagedllm's own GEMM** (``csrc/cpu/gemm.cpp``, a 6 x 16 AVX2 micro-kernel over weight panels
-  packed k-major): used when the C++ CPU extension is built for AVX2. Measured on this 2-core
+- **pagedllm's own GEMM** (``pagedllm/csrc/cpu/gemm.cpp``, a 6 x 16 AVX2 micro-kernel over weight
+  panels packed k-major): used when the C++ CPU kernels run their ``avx2`` variant
+  (:mod:`pagedllm.ops`). Measured on this 2-core
   AMD EPYC (AVX2, FMA peak ~200 GFLOP/s), the 121 linear layers of a SmolLM2-135M step
   (``benchmarks/gemm.py``): 1.12x oneDNN's speed at 64 rows (133 vs 119 GFLOP/s), 1.13x at 256,
   1.23x at 2048, 1.49x at 4.
@@ -22,10 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +45,9 @@ def onednn_linear_available(dtype: torch.dtype, device: torch.device | str = "cp
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
-def cpu_gemm_ops(cpu_ops: Any, dtype: torch.dtype) -> Any:
-    """``cpu_ops`` (the C++ extension) when its own GEMM should run the linears: float32, an
-    AVX2 build (``simd_level() == "avx2"``), not disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``;
+def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
+    """``cpu_ops`` (the C++ CPU kernels) when its own GEMM should run the linears: float32, the
+    ``avx2`` variant (``simd_level() == "avx2"``), not disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``;
     else None."""
     if cpu_ops is None or dtype != torch.float32:
         return None
@@ -55,7 +59,7 @@ def cpu_gemm_ops(cpu_ops: Any, dtype: torch.dtype) -> Any:
 
 
 def packed_linear_available(
-    dtype: torch.dtype, device: torch.device | str = "cpu", cpu_ops: Any = None
+    dtype: torch.dtype, device: torch.device | str = "cpu", cpu_ops: CpuOps | None = None
 ) -> bool:
     """Whether the linears can be packed (own GEMM through ``cpu_ops`` or oneDNN), and packing
     is not disabled by ``PAGEDLLM_DISABLE_PACKED_LINEAR=1``."""
@@ -72,13 +76,13 @@ class PackedLinear(nn.Module):
     Args:
         weight: [out_features, in_features] float32 CPU tensor (copied into the packed layout;
             the caller may drop it afterwards).
-        cpu_ops: the C++ extension; when ``cpu_gemm_ops`` accepts it the weight is packed into
+        cpu_ops: the C++ CPU kernels (:class:`pagedllm.ops.CpuOps`); when ``cpu_gemm_ops`` accepts it the weight is packed into
             16-column panels for its GEMM, otherwise into oneDNN's layout.
 
     Forward: x [T, in_features] float32 -> [T, out_features] float32.
     """
 
-    def __init__(self, weight: torch.Tensor, cpu_ops: Any = None) -> None:
+    def __init__(self, weight: torch.Tensor, cpu_ops: CpuOps | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.gemm_ops = cpu_gemm_ops(cpu_ops, weight.dtype)
@@ -126,7 +130,7 @@ class PackedSwiGLU(nn.Module):
 
     Args:
         weight: [2I, in_features] float32, gate rows then up rows; I a multiple of 8.
-        gemm_ops: the C++ extension, accepted by :func:`cpu_gemm_ops`.
+        gemm_ops: the C++ CPU kernels, accepted by :func:`cpu_gemm_ops`.
 
     Forward: x [T, in_features] float32 -> [T, I] float32.
 
@@ -136,7 +140,7 @@ class PackedSwiGLU(nn.Module):
 
     fused_activation = True  # forward returns the activation, not the [T, 2I] product
 
-    def __init__(self, weight: torch.Tensor, gemm_ops: Any) -> None:
+    def __init__(self, weight: torch.Tensor, gemm_ops: CpuOps) -> None:
         super().__init__()
         rows, self.in_features = weight.shape
         if rows % 16:
@@ -153,7 +157,7 @@ class PackedSwiGLU(nn.Module):
         return f"in_features={self.in_features}, inter={self.inter}, pagedllm SwiGLU epilogue"
 
 
-def pack_swiglu_layers(model: nn.Module, cpu_ops: Any) -> int:
+def pack_swiglu_layers(model: nn.Module, cpu_ops: CpuOps | None) -> int:
     """Replace the ``gate_up_proj`` (a bias-free ``nn.Linear`` of 2I rows, I % 8 == 0) of every
     module that has one by a :class:`PackedSwiGLU` when the own GEMM runs (``cpu_gemm_ops``).
     Returns the count (0 when it does not run)."""
@@ -174,7 +178,7 @@ def pack_swiglu_layers(model: nn.Module, cpu_ops: Any) -> int:
     return count
 
 
-def pack_linear_layers(model: nn.Module, cpu_ops: Any = None) -> int:
+def pack_linear_layers(model: nn.Module, cpu_ops: CpuOps | None = None) -> int:
     """Replace every bias-free ``nn.Linear`` in ``model`` (exact type, not subclasses, which may
     add communication) by a :class:`PackedLinear` holding the same weight (own GEMM when
     ``cpu_ops`` qualifies, see :func:`cpu_gemm_ops`). Returns the count."""

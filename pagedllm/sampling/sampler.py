@@ -20,11 +20,14 @@ ops; Python only walks the rows to gather their parameters and to build the outp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.sampling_params import SamplingParams, SamplingType
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
 
 _U64 = (1 << 64) - 1
 _GAMMA_U = 0x9E3779B97F4A7C15  # splitmix64 increment (golden ratio)
@@ -210,12 +213,12 @@ class Sampler:
     Args:
         vocab_size: V, number of real token ids. Logits with more columns (padded vocabulary) are
             cut to the first V columns.
-        cpu_ops: the C++ CPU extension (``attention.cpu.load_cpu_ops()``) or None; with it,
+        cpu_ops: the C++ CPU kernels (``pagedllm.ops.load_cpu_ops()``) or None; with it,
             float32 CPU logits get their argmax and logsumexp in one fused pass per row
             instead of three ATen passes over [B, V].
     """
 
-    def __init__(self, vocab_size: int, cpu_ops: Any = None) -> None:
+    def __init__(self, vocab_size: int, cpu_ops: CpuOps | None = None) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size

@@ -1,6 +1,6 @@
-// fp32 linear layers for every row count (gemm.cpp), bound in paged_attention.cpp.
+// fp32 linear layers for every row count (gemm.cpp), registered in torch_bindings.cpp.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 namespace pagedllm {
 // Columns per packed weight panel (two AVX2 registers).

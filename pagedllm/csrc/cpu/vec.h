@@ -1,8 +1,9 @@
 // Small SIMD helpers for the paged attention CPU kernels.
 //
-// One implementation is chosen at compile time from the target flags (the extension is built
-// with -march=native): AVX-512F (16 floats), AVX2 + FMA (8 floats), or plain scalar loops. The
-// kernels only use the row-level helpers at the bottom of this file, so they are written once.
+// One implementation is chosen at compile time from the target flags of the variant being built
+// (pagedllm/ops/loader.py: avx512, avx2 or scalar): AVX-512F (16 floats), AVX2 + FMA (8 floats),
+// or plain scalar loops. The kernels only use the row-level helpers at the bottom of this file,
+// so they are written once.
 // bf16 values are widened to fp32 on load; all arithmetic is fp32.
 #pragma once
 

@@ -16,18 +16,17 @@
 // (query token j of a sequence with q new tokens and context c sits at position c - q + j).
 //
 // fp32 and bf16 tensors; arithmetic and accumulation in fp32. Threads: OpenMP, as many as
-// torch.get_num_threads().
+// torch.get_num_threads(). The ops are registered with the dispatcher in torch_bindings.cpp.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#include "gemm.h"
-#include "layer_ops.h"
+#include "paged_attention.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -581,37 +580,3 @@ std::string simd_level() {
 }
 
 }  // namespace pagedllm
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm PagedAttention CPU kernels";
-  m.def("paged_attention_decode", &pagedllm::paged_attention_decode, "paged decode attention",
-        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_seqs"), py::arg("scale"),
-        py::arg("partition_size") = 512);
-  m.def("paged_attention_prefill", &pagedllm::paged_attention_prefill,
-        "paged causal attention of multi-token queries with cached context", py::arg("out"),
-        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("seq_begin"),
-        py::arg("seq_end"), py::arg("scale"));
-  m.def("reshape_and_cache", &pagedllm::reshape_and_cache, "write K/V into their slots");
-  m.def("copy_blocks", &pagedllm::copy_blocks, "copy blocks within every layer's cache");
-  m.def("swap_blocks", &pagedllm::swap_blocks, "copy blocks between two caches");
-  m.def("simd_level", &pagedllm::simd_level, "SIMD instruction set compiled in");
-  m.def("rms_norm", &pagedllm::rms_norm, "RMSNorm of each row (fp32)");
-  m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
-        "residual += x; x = rms_norm(residual), in place (fp32)");
-  m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(gate) * up from a fused [T, 2I] (fp32)");
-  m.def("rotary_embedding", &pagedllm::rotary_embedding, "rotary embedding in place (fp32)");
-  m.def("gemm_pack_weight", &pagedllm::gemm_pack_weight,
-        "pack a [N, K] fp32 weight into [ceil(N/16), K, 16] panels for gemm_linear");
-  m.def("gemm_linear", &pagedllm::gemm_linear, "y = x W^T from packed panels (fp32)",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"));
-  m.def("gemm_pack_swiglu_weight", &pagedllm::gemm_pack_swiglu_weight,
-        "pack a fused [2I, K] gate/up weight for gemm_swiglu");
-  m.def("gemm_linear_add_", &pagedllm::gemm_linear_add_, "out += x W^T in place (fp32)",
-        py::arg("out"), py::arg("x"), py::arg("packed"));
-  m.def("gemm_swiglu", &pagedllm::gemm_swiglu, "silu(x W_gate^T) * (x W_up^T) (fp32)",
-        py::arg("x"), py::arg("packed"));
-  m.def("argmax_logsumexp", &pagedllm::argmax_logsumexp,
-        "per-row argmax and logsumexp of [B, V] fp32 logits");
-}

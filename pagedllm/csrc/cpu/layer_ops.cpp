@@ -2,8 +2,8 @@
 // activation, rotary embedding in place, and the sampler's per-row argmax + logsumexp. Each
 // replaces 3-7 separate ATen ops (and their temporaries) by one pass over the rows, parallel over
 // rows with at::parallel_for. bf16 and other dtypes stay on the ATen path in Python.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>

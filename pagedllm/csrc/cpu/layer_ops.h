@@ -1,6 +1,6 @@
-// Fused element-wise layer ops (layer_ops.cpp), bound in paged_attention.cpp's module.
+// Fused element-wise layer ops (layer_ops.cpp), registered in torch_bindings.cpp.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <tuple>
 

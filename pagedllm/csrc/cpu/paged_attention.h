@@ -1,0 +1,32 @@
+// Paged attention and KV block ops (paged_attention.cpp), registered in torch_bindings.cpp.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+namespace pagedllm {
+// Decode attention for sequences [0, num_seqs): sequence s's single query is query[s].
+// out, query [T, H, D]; caches [KVH, NB, BS, D]; block_tables [S, MB] and seq_lens [S] int64.
+void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t num_seqs, double scale,
+                            int64_t partition_size);
+// Causal attention for sequences [seq_begin, seq_end) whose new tokens are
+// query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens.
+void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t seq_begin,
+                             int64_t seq_end, double scale);
+// key/value [T, KVH, D] (rows contiguous) into their slots; negative slots are skipped.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                       at::Tensor value_cache, const at::Tensor& slot_mapping);
+// Copy-on-write: for every layer, block mapping[i, 0] -> mapping[i, 1] within the same cache.
+void copy_blocks(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                 const at::Tensor& block_mapping);
+// Copy block mapping[i, 0] of src to block mapping[i, 1] of dst (e.g. device <-> host pool).
+void swap_blocks(const at::Tensor& src, at::Tensor dst, const at::Tensor& block_mapping);
+// The SIMD code compiled in: "avx512", "avx2" or "scalar" (the kernel variant).
+std::string simd_level();
+}  // namespace pagedllm

@@ -1,0 +1,60 @@
+// Registers the CPU kernels with PyTorch's dispatcher as torch.ops.pagedllm.<name>.
+//
+// Each schema names its arguments and marks those written in place (Tensor(a!)), so the ops are
+// ordinary dispatcher ops (torch.ops.pagedllm.rms_norm, ...). The tensor ops get a CPU kernel;
+// simd_level has no tensor argument and is registered for every backend. Typed Python wrappers:
+// pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
+// pagedllm/ops/loader.py), and a process loads exactly one of them.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "gemm.h"
+#include "layer_ops.h"
+#include "paged_attention.h"
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def(
+      "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, int num_seqs, float scale, int partition_size=512) "
+      "-> ()");
+  m.def(
+      "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "int seq_begin, int seq_end, float scale) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) "
+      "-> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  m.def("simd_level() -> str", &pagedllm::simd_level);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("gemm_pack_weight(Tensor weight) -> Tensor");
+  m.def("gemm_pack_swiglu_weight(Tensor weight) -> Tensor");
+  m.def("gemm_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("gemm_linear_add_(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("gemm_swiglu(Tensor x, Tensor packed) -> Tensor");
+  m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention_decode", &pagedllm::paged_attention_decode);
+  m.impl("paged_attention_prefill", &pagedllm::paged_attention_prefill);
+  m.impl("reshape_and_cache", &pagedllm::reshape_and_cache);
+  m.impl("copy_blocks", &pagedllm::copy_blocks);
+  m.impl("swap_blocks", &pagedllm::swap_blocks);
+  m.impl("rms_norm", &pagedllm::rms_norm);
+  m.impl("fused_add_rms_norm", &pagedllm::fused_add_rms_norm);
+  m.impl("silu_and_mul", &pagedllm::silu_and_mul);
+  m.impl("rotary_embedding", &pagedllm::rotary_embedding);
+  m.impl("gemm_pack_weight", &pagedllm::gemm_pack_weight);
+  m.impl("gemm_pack_swiglu_weight", &pagedllm::gemm_pack_swiglu_weight);
+  m.impl("gemm_linear", &pagedllm::gemm_linear);
+  m.impl("gemm_linear_add_", &pagedllm::gemm_linear_add_);
+  m.impl("gemm_swiglu", &pagedllm::gemm_swiglu);
+  m.impl("argmax_logsumexp", &pagedllm::argmax_logsumexp);
+}

@@ -1,0 +1,159 @@
+"""Typed Python face of the C++ CPU kernels registered as ``torch.ops.pagedllm.<name>``.
+
+Each method calls the op's default overload (``torch.ops.pagedllm.<name>.default``, resolved
+once here) with the same arguments; the C++ side checks shapes, dtypes and devices and raises
+``RuntimeError`` on a mismatch. Ops that write in place return ``None``. Build and load:
+:mod:`pagedllm.ops.loader`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class CpuOps:
+    """The loaded kernels of one ISA variant (``avx512``, ``avx2`` or ``scalar``).
+
+    Tensors are CPU tensors. The attention ops take float32 or bfloat16; the layer ops and the
+    GEMM float32 only. Layouts: ``query``/``out`` ``[T, H, D]``, KV caches
+    ``[KVH, num_blocks, block_size, D]``, block tables ``[S, max_blocks]`` int64.
+    """
+
+    def __init__(self, variant: str) -> None:
+        lib = torch.ops.pagedllm  # raises AttributeError when the library is not loaded
+        self.variant = variant
+        self._decode = lib.paged_attention_decode.default
+        self._prefill = lib.paged_attention_prefill.default
+        self._reshape_and_cache = lib.reshape_and_cache.default
+        self._copy_blocks = lib.copy_blocks.default
+        self._swap_blocks = lib.swap_blocks.default
+        self._simd_level = lib.simd_level.default
+        self._rms_norm = lib.rms_norm.default
+        self._fused_add_rms_norm = lib.fused_add_rms_norm.default
+        self._silu_and_mul = lib.silu_and_mul.default
+        self._rotary_embedding = lib.rotary_embedding.default
+        self._gemm_pack_weight = lib.gemm_pack_weight.default
+        self._gemm_pack_swiglu_weight = lib.gemm_pack_swiglu_weight.default
+        self._gemm_linear = lib.gemm_linear.default
+        self._gemm_linear_add_ = lib.gemm_linear_add_.default
+        self._gemm_swiglu = lib.gemm_swiglu.default
+        self._argmax_logsumexp = lib.argmax_logsumexp.default
+        self._simd = str(self._simd_level())
+
+    def __repr__(self) -> str:
+        return f"CpuOps(variant={self.variant!r}, simd_level={self._simd!r})"
+
+    def simd_level(self) -> str:
+        """The SIMD code compiled in: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+        return self._simd
+
+    # ---- paged attention and KV blocks ------------------------------------------------------
+
+    def paged_attention_decode(
+        self,
+        out: Tensor,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        num_seqs: int,
+        scale: float,
+        partition_size: int = 512,
+    ) -> None:
+        """Decode attention of sequences ``[0, num_seqs)`` (one query token each, ``query[s]``)
+        into ``out``; contexts longer than ``partition_size`` may be split across threads (0:
+        never)."""
+        self._decode(
+            out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, scale,
+            partition_size,
+        )  # fmt: skip
+
+    def paged_attention_prefill(
+        self,
+        out: Tensor,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        seq_begin: int,
+        seq_end: int,
+        scale: float,
+    ) -> None:
+        """Causal attention of sequences ``[seq_begin, seq_end)`` whose new tokens are
+        ``query[query_start_loc[s] : query_start_loc[s + 1]]``, the last of ``seq_lens[s]``."""
+        self._prefill(
+            out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            seq_begin, seq_end, scale,
+        )  # fmt: skip
+
+    def reshape_and_cache(
+        self,
+        key: Tensor,
+        value: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        slot_mapping: Tensor,
+    ) -> None:
+        """Write ``key``/``value`` ``[T, KVH, D]`` into their slots (int64; negative: skip)."""
+        self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def copy_blocks(
+        self, key_caches: list[Tensor], value_caches: list[Tensor], block_mapping: Tensor
+    ) -> None:
+        """Per layer, copy block ``mapping[i, 0]`` to ``mapping[i, 1]`` (int64 ``[N, 2]``)."""
+        self._copy_blocks(key_caches, value_caches, block_mapping)
+
+    def swap_blocks(self, src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+        """Copy block ``mapping[i, 0]`` of ``src`` into block ``mapping[i, 1]`` of ``dst``."""
+        self._swap_blocks(src, dst, block_mapping)
+
+    # ---- fused layer ops (float32) ------------------------------------------------------------
+
+    def rms_norm(self, out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+        """``out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight`` for ``[T, d]`` rows."""
+        self._rms_norm(out, x, weight, eps)
+
+    def fused_add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+        """``residual += x; x = rms_norm(residual) * weight``, both in place."""
+        self._fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, out: Tensor, gate_up: Tensor) -> None:
+        """``out = silu(gate_up[:, :I]) * gate_up[:, I:]`` (``gate_up`` ``[T, 2I]``)."""
+        self._silu_and_mul(out, gate_up)
+
+    def rotary_embedding(self, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Rotate-half RoPE in place: ``x`` ``[T, heads, D]``, ``positions`` ``[T]`` int64,
+        ``cos``/``sin`` ``[P, D / 2]``."""
+        self._rotary_embedding(x, positions, cos, sin)
+
+    def argmax_logsumexp(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Per row of ``[B, V]`` logits: (first argmax ``[B]`` int64, logsumexp ``[B]``)."""
+        arg, lse = self._argmax_logsumexp(logits)
+        return arg, lse
+
+    # ---- fp32 GEMM over packed weight panels --------------------------------------------------
+
+    def gemm_pack_weight(self, weight: Tensor) -> Tensor:
+        """``[N, K]`` weight -> ``[ceil(N / 16), K, 16]`` panels for :meth:`gemm_linear`."""
+        return self._gemm_pack_weight(weight)
+
+    def gemm_pack_swiglu_weight(self, weight: Tensor) -> Tensor:
+        """Fused gate/up ``[2I, K]`` weight (gate rows first) -> panels for
+        :meth:`gemm_swiglu`."""
+        return self._gemm_pack_swiglu_weight(weight)
+
+    def gemm_linear(self, x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+        """``x [M, K] @ W^T`` -> ``[M, out_features]`` from :meth:`gemm_pack_weight` panels."""
+        return self._gemm_linear(x, packed, out_features)
+
+    def gemm_linear_add_(self, out: Tensor, x: Tensor, packed: Tensor) -> None:
+        """``out += x @ W^T`` in place."""
+        self._gemm_linear_add_(out, x, packed)
+
+    def gemm_swiglu(self, x: Tensor, packed: Tensor) -> Tensor:
+        """``silu(x @ W_gate^T) * (x @ W_up^T)`` -> ``[M, I]``."""
+        return self._gemm_swiglu(x, packed)

@@ -1,0 +1,283 @@
+"""Build (first use) and load the C++ CPU kernels, one ISA variant per process.
+
+Sources: ``pagedllm/csrc/cpu/`` (``*.cpp``, ``*.h``), shipped inside the package as package
+data, so an installed pagedllm (wheel, sdist, ``pip install .``) builds them exactly like a
+checkout. ``torch_bindings.cpp`` registers the ops with PyTorch's dispatcher as
+``torch.ops.pagedllm.<name>``; :class:`pagedllm.ops.CpuOps` is the typed Python face.
+
+Variants: the same sources are compiled with explicit instruction-set flags, never
+``-march=native``:
+
+- ``avx512``: ``-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq``
+- ``avx2``: ``-mavx2 -mfma -mf16c`` (and ``-mno-avx512f``)
+- ``scalar``: no SIMD (``-mno-avx`` on x86): plain C++ loops, for any CPU
+
+``pagedllm.platform.cpu_kernel_variant()`` picks the best one the running CPU supports, so a build
+cache made on one kind of CPU is correct on another: each variant has its own build.
+
+Builds: JIT with ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -fopenmp``) on first use, into
+``<root>/pagedllm_cpu_<variant>_<hash>/``; the hash covers the source files' contents, the
+compiler flags, the variant, the compiler command and the torch version (not the build host).
+``<root>`` is the first writable of ``$PAGEDLLM_KERNEL_CACHE_DIR``,
+``$PAGEDLLM_CACHE_DIR/torch_extensions`` (default ``$XDG_CACHE_HOME/pagedllm`` or
+``~/.cache/pagedllm``, the directory of the tokenizer cache) and
+``<tmp>/pagedllm-<uid>/torch_extensions``. A first build takes about 1-2 minutes, a cached load
+well under a second. Concurrent processes share one build (torch's lock file in the directory).
+
+If the sources are missing, no compiler is found, the CPU cannot run the requested variant, or
+the build fails, :func:`load_cpu_ops` returns ``None`` after one warning and callers use the
+PyTorch path.
+
+Environment:
+    PAGEDLLM_DISABLE_CPU_KERNELS=1: never build; always fall back.
+    PAGEDLLM_CPU_KERNEL_VARIANT: ``auto`` (default), ``avx512``, ``avx2`` or ``scalar``; a variant
+        the CPU cannot run is refused (fallback with a warning naming the missing CPU flags).
+    PAGEDLLM_CPU_ARCH_FLAGS: replaces the variant's instruction-set flags (e.g. ``-march=native``
+        for the former behaviour); part of the build hash.
+    PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
+    CXX: the C++ compiler (default ``c++``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform as _std_platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.ops.cpu_ops import CpuOps
+from pagedllm.platform import (
+    KERNEL_VARIANTS,
+    cpu_flags,
+    cpu_kernel_variant,
+    missing_flags,
+)
+
+logger = logging.getLogger(__name__)
+
+SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "torch_bindings.cpp")
+HEADERS = ("vec.h", "paged_attention.h", "layer_ops.h", "gemm.h")
+
+_X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+# Instruction-set flags per variant (the optimisation and OpenMP flags are common, see _cflags).
+VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512": (
+        "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+    ),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f"),
+    "scalar": ("-mno-avx",) if _X86 else (),
+}  # fmt: skip
+_COMMON_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """What :func:`load_cpu_ops` loaded: the variant, its compiler flags, where the build lives
+    and how long the load took (compile or cache hit)."""
+
+    variant: str
+    simd_level: str
+    cflags: tuple[str, ...]
+    build_dir: Path
+    library: Path
+    seconds: float
+
+
+_lock = threading.Lock()
+_ops: CpuOps | None = None
+_build: KernelBuild | None = None
+_load_error: str | None = None
+_tried = False
+
+
+def requested_variant() -> str:
+    """The variant to load: ``$PAGEDLLM_CPU_KERNEL_VARIANT`` when set (not ``auto``), else the
+    best one this CPU supports."""
+    forced = os.environ.get("PAGEDLLM_CPU_KERNEL_VARIANT", "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in KERNEL_VARIANTS:
+            raise ValueError(
+                f"PAGEDLLM_CPU_KERNEL_VARIANT={forced!r}: expected auto or one of "
+                f"{', '.join(KERNEL_VARIANTS)}"
+            )
+        return forced
+    return cpu_kernel_variant()
+
+
+def isa_flags(variant: str) -> tuple[str, ...]:
+    """The instruction-set compiler flags of ``variant`` (``$PAGEDLLM_CPU_ARCH_FLAGS`` wins)."""
+    override = os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS")
+    if override is not None and override.strip():
+        return tuple(override.split())
+    return VARIANT_FLAGS[variant]
+
+
+def _cflags(variant: str) -> tuple[str, ...]:
+    return (*_COMMON_CFLAGS, *isa_flags(variant))
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def cache_root() -> Path:
+    """The preferred build root (see the module docstring); may not exist yet."""
+    explicit = os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    # Same resolution as pagedllm.model.loader.tokenizer.tokenizer_cache_dir.
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
+    )
+    return Path(root) / "torch_extensions"
+
+
+def build_key(variant: str) -> str:
+    """Hash of what the build depends on: sources, flags, variant, compiler and torch version."""
+    h = hashlib.sha1()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode() + b"\0" + (SRC_DIR / name).read_bytes() + b"\0")
+    h.update(" ".join((variant, *_cflags(variant), _cxx(), torch.__version__)).encode())
+    return h.hexdigest()[:12]
+
+
+def build_dir(variant: str) -> Path:
+    """The (created, writable) directory of ``variant``'s build."""
+    name = f"pagedllm_cpu_{variant}_{build_key(variant)}"
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    roots = [cache_root(), Path(tempfile.gettempdir()) / f"pagedllm-{uid}" / "torch_extensions"]
+    for root in roots:
+        try:
+            path = root / name
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise OSError(f"no writable directory for the CPU kernel build (tried {roots})")
+
+
+def _check_buildable() -> None:
+    missing = [n for n in (*SOURCES, *HEADERS) if not (SRC_DIR / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"kernel sources {missing} not found under {SRC_DIR}")
+    if shutil.which(_cxx()) is None:
+        raise RuntimeError(f"no C++ compiler ({_cxx()}) on PATH")
+
+
+def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
+    """Build (first time) or load this CPU's kernel variant and return its typed ops; ``None``
+    (after one warning) when that is impossible. Later calls return the same object."""
+    global _ops, _build, _load_error, _tried
+    with _lock:
+        if _tried:
+            return _ops
+        _tried = True
+        if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
+            _load_error = "disabled by PAGEDLLM_DISABLE_CPU_KERNELS=1"
+            return None
+        try:
+            variant = requested_variant()
+            lacking = missing_flags(variant)
+            if lacking:
+                raise RuntimeError(
+                    f"the CPU cannot run kernel variant {variant!r} (missing CPU flags: "
+                    f"{' '.join(lacking)})"
+                )
+            _check_buildable()
+            from torch.utils.cpp_extension import load
+
+            t0 = time.perf_counter()
+            directory = build_dir(variant)
+            library = load(
+                name=f"pagedllm_cpu_{variant}",
+                sources=[str(SRC_DIR / n) for n in SOURCES],
+                extra_include_paths=[str(SRC_DIR)],
+                extra_cflags=list(_cflags(variant)),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=verbose,
+                is_python_module=False,  # torch.ops.load_library: registers torch.ops.pagedllm
+            )
+            ops = CpuOps(variant)
+            seconds = time.perf_counter() - t0
+            _build = KernelBuild(
+                variant=variant,
+                simd_level=ops.simd_level(),
+                cflags=_cflags(variant),
+                build_dir=directory,
+                library=Path(str(library)),
+                seconds=seconds,
+            )
+            _ops = ops
+            override = os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS", "").strip()
+            logger.info(
+                "pagedllm C++ CPU kernels: variant %s (cpu flags: %s)%s, ready in %.1f s from %s",
+                variant,
+                cpu_flags().summary(),
+                f", simd {_build.simd_level} from PAGEDLLM_CPU_ARCH_FLAGS={override!r}"
+                if override
+                else "",
+                seconds,
+                directory,
+            )
+        except Exception as e:  # noqa: BLE001 - any build problem means "fall back"
+            _ops = None
+            _load_error = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                "pagedllm: could not build the C++ CPU kernels; falling back to the PyTorch "
+                f"path ({_load_error})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return _ops
+
+
+def cpu_ops_available() -> bool:
+    """Whether the C++ kernels load (builds them on first call)."""
+    return load_cpu_ops() is not None
+
+
+def cpu_ops_error() -> str | None:
+    """Why the kernels are unavailable (``None`` if they loaded or were never tried)."""
+    return _load_error
+
+
+def kernel_build() -> KernelBuild | None:
+    """The loaded build (``None`` before a successful :func:`load_cpu_ops`)."""
+    return _build
+
+
+def compile_check(variant: str, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Compile every source of ``variant`` to an object file in ``out_dir`` (``-O0``, no link,
+    nothing loaded), so a variant this CPU cannot run can still be checked to build. Returns the
+    object files; raises ``subprocess.CalledProcessError`` (with the compiler's output) on an
+    error."""
+    from torch.utils.cpp_extension import include_paths
+
+    _check_buildable()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in (str(SRC_DIR), *include_paths())]
+    objects = []
+    for name in SOURCES:
+        obj = out / f"{variant}_{Path(name).stem}.o"
+        cmd = [
+            _cxx(), "-std=c++20", "-fPIC", "-O0", "-fopenmp", *isa_flags(variant), *includes,
+            "-c", str(SRC_DIR / name), "-o", str(obj),
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        objects.append(obj)
+    return objects
