@@ -109,7 +109,9 @@ def run_transformers_continuous(
             res = m.get_result(timeout=1)
             if res is None:
                 if not m.is_running():
-                    raise RuntimeError(f"transformers continuous batching stopped after {done} requests")
+                    raise RuntimeError(
+                        f"transformers continuous batching stopped after {done} requests"
+                    )
                 continue
             if res.is_finished():
                 done += 1
