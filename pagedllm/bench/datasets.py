@@ -56,6 +56,25 @@ def default_data_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
+def dataset_file(
+    name: str, dataset_path: str | Path | None = None, data_dir: str | Path | None = None
+) -> Path:
+    """The JSON file of dataset ``name``: ``dataset_path`` when given, else ``FILES[name]`` in
+    ``data_dir`` (default ``default_data_dir()``).
+
+    Raises:
+        FileNotFoundError: when the file is missing; the message says where to get it.
+    """
+    path = Path(dataset_path or Path(data_dir or default_data_dir()) / FILES[name])
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{name} data not found: {path}. Pass --dataset-path FILE (dataset_path=) with "
+            f"{SOURCES[name]}, or set PAGEDLLM_DATA to a folder holding {FILES[name]}; "
+            "--dataset random needs no file"
+        )
+    return path
+
+
 @dataclass
 class BenchRequest:
     """One benchmark request.
@@ -151,13 +170,7 @@ def load_dataset(
         ]
     if wmt_shots < 0:
         raise ValueError(f"wmt_shots must be >= 0, got {wmt_shots}")
-    path = Path(dataset_path or Path(data_dir or default_data_dir()) / FILES[name])
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{name} data not found: {path}. Pass --dataset-path FILE (dataset_path=) with "
-            f"{SOURCES[name]}, or set PAGEDLLM_DATA to a folder holding {FILES[name]}; "
-            "--dataset random needs no file"
-        )
+    path = dataset_file(name, dataset_path, data_dir)
     records = json.loads(path.read_text())
     pairs = list(_pairs(name, records, wmt_shots))
     if shuffle:
