@@ -51,6 +51,8 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``pagedllm generate``: run the prompts through one ``LLM`` built from the engine flags and
+    print each completion and a summary. Returns the exit status (2 for invalid input)."""
     from pagedllm.entrypoints.llm import LLM, apply_chat_template
     from pagedllm.sampling_params import SamplingParams
 
