@@ -36,6 +36,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_SWAP_SPACE = 256 << 20
 
 # The enumerations of the config; each is the ``choices`` of its field and of its flag.
+# ATTENTION_BACKENDS are the names pagedllm.attention.get_attention_backend accepts.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
@@ -172,7 +173,8 @@ class EngineConfig:
 
     model: str | None = _option(
         None,
-        "GGUF file, folder holding one, or Hugging Face folder (config.json + *.safetensors); "
+        "GGUF file, a folder holding one GGUF file, or a Hugging Face folder (config.json + "
+        "*.safetensors); "
         "default: the bundled SmolLM2-135M-Instruct",
         positional=True,
     )
@@ -190,7 +192,9 @@ class EngineConfig:
     device: str = _option("cpu", "device the model, KV cache and attention run on (cpu, cuda)")
     attention_backend: str = _option(
         "auto",
-        "attention kernels: auto = the device's best (cpu: the C++ kernels when they build)",
+        "attention kernels: cpu = the C++ kernels, triton = Triton (CUDA), torch_native = "
+        "vectorized torch, reference = the slow oracle; auto = triton on CUDA, else cpu when "
+        "the C++ kernels build, else torch_native",
         choices=ATTENTION_BACKENDS,
     )
     block_size: int = _option(16, "tokens per KV block (paper section 4.2)", min=1)
@@ -277,6 +281,8 @@ class EngineConfig:
             if choices and f.name != "dtype" and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
             low = f.metadata.get("min")
+            if low is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
             if low is not None and value < low:
                 unit = " bytes" if f.metadata.get("size") else ""
                 raise ValueError(f"{f.name} must be >= {low}{unit}, got {value}")

@@ -76,6 +76,8 @@ def test_config_takes_sizes_with_units():
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "uni"),
         ({"dtype": "int8"}, "dtype"),
+        ({"block_size": "16"}, "block_size must be an integer"),
+        ({"max_model_len": 2.5}, "max_model_len must be an integer"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
