@@ -10,15 +10,17 @@ import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
-DATA_DIR = Path(
-    os.environ.get("PAGEDLLM_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data")
-)
+from pagedllm.bench.datasets import dataset_file, default_data_dir
+
+# Where the scripts read the dataset samples: $PAGEDLLM_DATA, else ../shared/data (see
+# pagedllm.bench.datasets: SOURCES says where each file comes from on a fresh clone).
+DATA_DIR = default_data_dir()
 
 
 def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
     """``n`` prompts of exactly ``prompt_len`` tokens: first human turns of ShareGPT, truncated
     (turns shorter than ``prompt_len`` are skipped)."""
-    records = json.loads((DATA_DIR / "sharegpt_1024.json").read_text())
+    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
     out: list[list[int]] = []
     for r in records:
         turns = r.get("conversations") or []

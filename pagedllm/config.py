@@ -1,9 +1,21 @@
-"""Engine configuration: cache, scheduler and model options, validated once at start-up."""
+"""Engine configuration: every engine option, its default and its help, in one place.
+
+``EngineConfig`` is the single source: ``LLM(**kwargs)`` takes its fields as keyword arguments,
+and ``pagedllm generate``, ``pagedllm serve`` and ``pagedllm bench throughput`` derive their
+flags from its fields with :func:`add_engine_args` (``--<field-with-dashes>``, the type from the
+annotation, ``--x/--no-x`` for booleans, choices for enumerations, the help and default from the
+field's metadata). Values are validated once, in ``EngineConfig.__post_init__``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+import re
+import typing
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -20,16 +32,79 @@ _DTYPES = {
 # 23,000 tokens, far more than the batch limits below can fill on a 2-core CPU.
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
-
 # Host swap space: 256 MiB holds about 5,800 tokens of SmolLM2-135M KV in fp32.
 DEFAULT_SWAP_SPACE = 256 << 20
 
+# The enumerations of the config; each is the ``choices`` of its field and of its flag.
+# ATTENTION_BACKENDS are the names pagedllm.attention.get_attention_backend accepts.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch_native", "reference", "triton")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+# The name the bundled model is served under.
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """Bytes from an int (bytes) or a string: a number with an optional unit.
+
+    Units (case-insensitive, an optional space before them): none or ``B`` = bytes, ``KiB`` /
+    ``MiB`` / ``GiB`` / ``TiB`` = powers of 1024, ``KB`` / ``MB`` / ``GB`` / ``TB`` = powers of
+    1000. ``"2GiB"`` -> 2147483648, ``"512 mib"`` -> 536870912, ``"1.5GB"`` -> 1500000000,
+    ``"4096"`` -> 4096. Fractions are rounded down to whole bytes.
+
+    Raises:
+        ValueError: naming ``name`` when ``value`` is not a size (a negative or bool value, an
+            unknown unit, no number).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{name} must be a number of bytes or a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+        return value
+    m = _SIZE_RE.fullmatch(value)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"{name} must be bytes or a number with a unit (KiB, MiB, GiB, TiB: powers of 1024; "
+            f"KB, MB, GB, TB: powers of 1000), got {value!r}"
+        )
+    number = m.group(1)
+    if "." in number:
+        return int(float(number) * _SIZE_UNITS[unit])
+    return int(number) * _SIZE_UNITS[unit]
+
+
+def format_size(num_bytes: int) -> str:
+    """``num_bytes`` in the largest binary unit that divides it: 1073741824 -> "1GiB"."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _SIZE_UNITS[unit.lower()]
+        if num_bytes and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return str(num_bytes)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map "float32" / "bfloat16" / "float16" (or a torch dtype) to a torch dtype.
+    """Map "float32" / "bfloat16" / "float16" (or "auto" = float32, the short forms "fp32",
+    "bf16", "fp16", or a torch dtype) to a torch dtype.
 
     Raises:
         ValueError: naming ``dtype`` when it is not one of the supported types.
@@ -46,106 +121,193 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def resolve_chat_template(value: str) -> str:
+    """The Jinja text of a ``chat_template`` option: the contents of the file ``value`` names, or
+    ``value`` itself when it is no file but holds Jinja markup (``{{`` or ``{%``).
+
+    Raises:
+        ValueError: naming ``chat_template`` when ``value`` is neither a readable file nor a
+            template.
+    """
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: cannot read {path}: {e}") from e
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: no such file {value!r} (and not a Jinja template)")
+
+
+def served_model_name(model: str | os.PathLike[str] | None) -> str:
+    """The default name a model is served under: a folder's base name, a GGUF file's stem,
+    ``"SmolLM2-135M-Instruct"`` for the bundled model (None)."""
+    if model is None:
+        return BUNDLED_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name or str(model)
+
+
+def _option(default: Any, help: str, **meta: Any) -> Any:
+    """A config field with its help sentence and CLI metadata: ``choices``, ``min`` (smallest
+    valid value), ``size`` (bytes, parsed by :func:`parse_size`), ``aliases`` (more flag
+    spellings)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass
 class EngineConfig:
-    """Every option of the engine, in the units the user gives them.
+    """Every option of the engine, in the units the user gives them (see each field's help).
 
-    Attributes:
-        model: path to a GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
-        dtype: weight, activation and KV-cache dtype. Default float32: on this CPU (AVX-512 without
-            AMX) fp32 matmuls run at ~320 GFLOP/s against ~190 for bf16, and decode batches are
-            matmul-bound, so fp32 is the faster choice here despite the 2x memory.
-        block_size: tokens per KV block (the paper's block size, section 4.2).
-        kv_cache_memory: bytes given to the KV block pool; the number of blocks follows from it.
-        num_gpu_blocks_override: force the number of KV blocks (tests use tiny pools).
-        max_num_seqs: most sequences in one step's batch.
-        max_num_batched_tokens: most tokens computed in one step (prefill chunks + decodes).
-            None = max(max_model_len, 2048) without chunked prefill, 512 with it.
-        max_model_len: longest sequence (prompt + output tokens); None = the model's context length.
-        enable_chunked_prefill: split prompts longer than the step's token budget over several steps.
-        enable_prefix_caching: reuse the KV blocks of earlier requests with the same prefix.
-        swap_space: bytes of host swap space for preemption by swapping.
-        preemption_mode: "auto", "swap" or "recompute" (see ``core.scheduler``).
-        seed: seeds the random seeds given to requests that do not set their own.
-        num_threads: torch intra-op threads; None = all cores.
-        max_logprobs: most top logprobs a request may ask for.
-        check_invariants: run the block-manager invariant check after every step (tests).
-        kv_manager: the KV memory manager: "paged" (block tables, this engine's design) or one
-            of the contiguous-reservation baselines of the paper's section 6.1, "orca-max",
-            "orca-pow2", "orca-oracle" (see ``core.contiguous_kv_manager``; prefix caching,
-            sharing and swapping are off for them).
-        tensor_parallel_size: ranks the model is split over (paper section 4.6; Megatron-LM
-            sharding). ``kv_cache_memory`` is then per rank: each rank caches only its KV heads.
-        distributed_executor_backend: "uni" (in-process, tp = 1), "mp" (worker processes on this
-            machine; the default when tp > 1) or "ray" (Ray actors); None = pick.
+    ``dtype`` defaults to float32 because on AVX2 / AVX-512 CPUs without AMX fp32 matmuls are
+    faster than bf16 ones, and batched decode is matmul-bound (measured in docs/benchmarks.md).
+    ``kv_cache_memory`` and ``swap_space`` take bytes or a size string (``"2GiB"``, see
+    :func:`parse_size`); they hold bytes after validation. Under tensor parallelism
+    ``kv_cache_memory`` is per rank: each rank caches only its KV heads.
+
+    Raises:
+        ValueError: naming the field for an invalid value (out of range, not one of the choices,
+            an unreadable chat template, an inconsistent executor backend).
     """
 
-    model: str | None = None
-    dtype: str | torch.dtype = "float32"
-    block_size: int = 16
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = False
-    enable_prefix_caching: bool = True
-    swap_space: int = DEFAULT_SWAP_SPACE
-    preemption_mode: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    max_logprobs: int = 20
-    check_invariants: bool = False
-    device: str = "cpu"
-    kv_manager: str = "paged"
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    model: str | None = _option(
+        None,
+        "GGUF file, a folder holding one GGUF file, or a Hugging Face folder (config.json + "
+        "*.safetensors); "
+        "default: the bundled SmolLM2-135M-Instruct",
+        positional=True,
+    )
+    chat_template: str | None = _option(
+        None,
+        "Jinja chat-template file used instead of the model's own (chat prompts of generate, "
+        "/v1/chat/completions of serve); default: the model's template",
+    )
+    dtype: str | torch.dtype = _option(
+        "float32",
+        "weight, activation and KV-cache dtype (auto = float32: faster than bf16 on CPUs without "
+        "AMX)",
+        choices=DTYPES,
+    )
+    device: str = _option("cpu", "device the model, KV cache and attention run on (cpu, cuda)")
+    attention_backend: str = _option(
+        "auto",
+        "attention kernels: cpu = the C++ kernels, triton = Triton (CUDA), torch_native = "
+        "vectorized torch, reference = the slow oracle; auto = triton on CUDA, else cpu when "
+        "the C++ kernels build, else torch_native",
+        choices=ATTENTION_BACKENDS,
+    )
+    block_size: int = _option(16, "tokens per KV block (paper section 4.2)", min=1)
+    kv_cache_memory: int = _option(
+        DEFAULT_KV_CACHE_MEMORY,
+        "memory of the KV block pool, per rank; the number of blocks follows from it",
+        size=True,
+        min=1,
+    )
+    num_gpu_blocks_override: int | None = _option(
+        None,
+        "force the number of KV blocks; default: derived from kv_cache_memory",
+        min=1,
+        aliases=("--num-kv-blocks",),
+    )
+    max_num_seqs: int = _option(256, "most sequences in one step's batch", min=1)
+    max_num_batched_tokens: int | None = _option(
+        None,
+        "most tokens computed in one step (prefill chunks + decodes); default "
+        "max(max_model_len, 2048), or 512 with chunked prefill",
+        min=1,
+    )
+    max_model_len: int | None = _option(
+        None,
+        "longest sequence, prompt + output tokens; default: the model's context length",
+        min=2,
+    )
+    enable_chunked_prefill: bool = _option(
+        False, "split prompts longer than the step's token budget over several steps"
+    )
+    enable_prefix_caching: bool = _option(
+        True, "reuse the KV blocks of earlier requests with the same prefix (paged manager only)"
+    )
+    swap_space: int = _option(
+        DEFAULT_SWAP_SPACE,
+        "host memory for KV blocks swapped out by preemption",
+        size=True,
+        min=0,
+    )
+    preemption_mode: str = _option(
+        "auto",
+        "when blocks run out: swap or recompute the preempted request; auto = recompute "
+        "single-sequence requests, swap groups",
+        choices=PREEMPTION_MODES,
+    )
+    seed: int = _option(0, "seeds the random seeds of requests that set none")
+    num_threads: int | None = _option(None, "torch intra-op threads; default: every core", min=1)
+    max_logprobs: int = _option(20, "most top logprobs a request may ask for", min=0)
+    check_invariants: bool = _option(
+        False, "check the block manager's invariants after every step (slow; for tests)"
+    )
+    kv_manager: str = _option(
+        "paged",
+        "KV memory manager: paged (block tables), or a contiguous Orca baseline of paper "
+        "section 6.1 (no prefix caching, sharing or swapping)",
+        choices=KV_MANAGERS,
+    )
+    tensor_parallel_size: int = _option(
+        1,
+        "ranks the model is split over (paper section 4.6, Megatron-LM sharding)",
+        min=1,
+        aliases=("-tp",),
+    )
+    distributed_executor_backend: str | None = _option(
+        None,
+        "how the ranks run: uni = in-process (tp 1), mp = worker processes, ray = Ray actors; "
+        "default: uni for tp 1, else mp",
+        choices=EXECUTOR_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
-        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
-            raise ValueError(
-                "distributed_executor_backend must be 'uni', 'mp' or 'ray', got "
-                f"{self.distributed_executor_backend!r}"
-            )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("size"):
+                value = parse_size(value, f.name)
+                setattr(self, f.name, value)
+            if value is None:
+                continue
+            choices = f.metadata.get("choices")
+            # dtype is checked by parse_dtype, which also takes torch dtypes and short names.
+            if choices and f.name != "dtype" and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+            low = f.metadata.get("min")
+            if low is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if low is not None and value < low:
+                unit = " bytes" if f.metadata.get("size") else ""
+                raise ValueError(f"{f.name} must be >= {low}{unit}, got {value}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one process: it needs "
                 f"tensor_parallel_size 1, got {self.tensor_parallel_size}"
             )
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(
-                f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
-            )
-        if self.kv_manager not in KV_MANAGERS:
-            raise ValueError(f"kv_manager must be one of {KV_MANAGERS}, got {self.kv_manager!r}")
+        self.chat_template_text: str | None = (
+            None if self.chat_template is None else resolve_chat_template(self.chat_template)
+        )
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
         from pagedllm.device import canonical_device  # ValueError naming ``device``
 
         self.device = canonical_device(self.device, self.tensor_parallel_size)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of a command line parsed with a parser that :func:`add_engine_args` filled.
+
+        Raises:
+            ValueError: naming the field for an invalid value.
+        """
+        return cls(**engine_kwargs_from_args(args))
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the loaded model (called once by the engine).
@@ -165,3 +327,115 @@ class EngineConfig:
                 f"({self.max_model_len}) unless enable_chunked_prefill is set: a whole prompt must "
                 "fit in one step"
             )
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``EngineConfig`` keyword arguments from a namespace parsed with :func:`add_engine_args`.
+
+    Raises:
+        AttributeError: naming the field when the parser had no flag for it.
+    """
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+
+
+def check_engine_kwargs(kwargs: dict[str, Any], caller: str = "EngineConfig") -> None:
+    """Refuse keyword arguments that are no ``EngineConfig`` field.
+
+    Raises:
+        TypeError: naming every unknown keyword (and ``caller``).
+    """
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unknown engine option(s) {', '.join(map(repr, unknown))}; "
+            f"the options are EngineConfig's fields: {', '.join(sorted(known))}"
+        )
+
+
+class _ModelAction(argparse.Action):
+    """Stores MODEL from the positional or from ``--model``; both at once must agree."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if values is None:  # the optional positional, absent
+            return
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != values:
+            parser.error(f"the model is given twice: {before!r} and {values!r}")
+        setattr(namespace, self.dest, values)
+
+
+def _cli_size(text: str) -> int:
+    """``parse_size`` for argparse: a bad value becomes an error naming the flag."""
+    try:
+        return parse_size(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _flag_help(f: Field[Any]) -> str:
+    """The field's help sentence, the size units where they apply, and the default."""
+    text = f.metadata["help"]
+    if f.metadata.get("size"):
+        text += (
+            "; bytes, or a number with a unit: KiB/MiB/GiB (powers of 1024) or KB/MB/GB "
+            "(powers of 1000), e.g. 2GiB"
+        )
+        default = f"{format_size(cast(int, f.default))} = {f.default} bytes"
+    elif isinstance(f.default, bool):
+        default = "on" if f.default else "off"
+    elif f.default is None:  # the help says what None means
+        return text.replace("%", "%%")
+    else:
+        default = str(f.default)
+    return f"{text} (default: {default})".replace("%", "%%")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add a flag for every ``EngineConfig`` field to ``parser``; returns the parser.
+
+    Each field ``x_y`` becomes ``--x-y`` (plus the field's ``aliases``), typed from the
+    annotation: booleans as ``--x-y / --no-x-y``, enumerations with their choices, sizes in bytes
+    or with a unit (``2GiB``). ``model`` is also accepted as the positional ``MODEL`` (giving two
+    different models is an error). The help of each flag is the field's sentence and its default.
+    Read the result back with ``EngineConfig.from_cli_args(args)``.
+
+    Raises:
+        TypeError: naming a field whose annotation has no command-line type (a programming error).
+    """
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _flag_help(f)}
+        types = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+        kind = types[0] if types else hints[f.name]
+        if meta.get("positional"):
+            parser.add_argument(
+                f.name,
+                nargs="?",
+                default=f.default,
+                action=_ModelAction,
+                metavar=f.name.upper(),
+                help=f"same as {flag}",
+            )
+            kw.update(action=_ModelAction, metavar=f.name.upper())
+        elif meta.get("size"):
+            kw.update(type=_cli_size, metavar="SIZE")
+        elif meta.get("choices"):
+            kw["choices"] = list(meta["choices"])
+        elif kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind in (int, float, str):
+            kw["type"] = kind
+        else:
+            raise TypeError(f"EngineConfig.{f.name}: no command-line type for {hints[f.name]}")
+        group.add_argument(flag, *meta.get("aliases", ()), **kw)
+    return parser

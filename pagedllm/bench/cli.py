@@ -5,19 +5,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.datasets import DATASETS, BenchRequest, hf_tokenize, load_dataset
+from pagedllm.bench.datasets import (
+    DATASETS,
+    FILES,
+    SOURCES,
+    BenchRequest,
+    hf_tokenize,
+    load_dataset,
+)
+from pagedllm.config import add_engine_args, engine_kwargs_from_args
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", default="sharegpt", choices=list(DATASETS))
+    """Add the workload flags of ``bench throughput`` and ``bench serve``."""
     p.add_argument(
-        "--data-dir", default=None, help="dataset folder (default $PAGEDLLM_DATA or ../shared/data)"
+        "--dataset",
+        "--dataset-name",
+        default="sharegpt",
+        choices=list(DATASETS),
+        help="workload (default sharegpt); random = random token ids, needs no file",
+    )
+    p.add_argument(
+        "--dataset-path",
+        default=None,
+        metavar="FILE",
+        help="the dataset's JSON file: for sharegpt "
+        + SOURCES["sharegpt"]
+        + "; for alpaca "
+        + SOURCES["alpaca"]
+        + "; for wmt16 "
+        + SOURCES["wmt16"]
+        + f" (default: --data-dir/{FILES['sharegpt']}, {FILES['alpaca']} or {FILES['wmt16']})",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder of the development samples, under their default names (default "
+        "$PAGEDLLM_DATA, else ../shared/data next to the repository)",
     )
     p.add_argument("--num-prompts", type=int, default=100, help="requests in the run")
     p.add_argument("--dataset-seed", type=int, default=0, help="which records are sampled")
@@ -34,11 +65,18 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+    """The workload the dataset flags describe, lengths counted with ``tokenizer``.
+
+    Raises:
+        ValueError: naming the flag's field for an invalid value, or when no record is usable.
+        FileNotFoundError: when the dataset file is missing (the message says where to get it).
+    """
     reqs = load_dataset(
         args.dataset,
         hf_tokenize(tokenizer),
         args.num_prompts,
         data_dir=args.data_dir,
+        dataset_path=args.dataset_path,
         seed=args.dataset_seed,
         max_prompt_len=args.max_prompt_len,
         max_model_len=args.max_total_len,
@@ -68,13 +106,25 @@ def _load_tokenizer(model: str | None) -> Any:
     return load_tokenizer(resolve_model_path(model)[0])
 
 
+def kv_memory_line(st: dict[str, Any]) -> str:
+    """The engine's KV memory breakdown, averaged over steps: the share holding token states
+    (useful) and the shares lost to reservation, internal and external fragmentation (paper
+    figure 2)."""
+    w = st["memory_waste"]
+    return (
+        f"KV memory: token states {100 * w['token_states']:.1f}% (useful), reserved "
+        f"{100 * w['reserved']:.1f}%, internal frag {100 * w['internal_fragmentation']:.1f}%, "
+        f"external frag {100 * w['external_fragmentation']:.1f}%"
+    )
+
+
 def cmd_throughput(args: argparse.Namespace) -> int:
+    """``bench throughput``: serve the workload in-process and print / write the result."""
     from pagedllm.bench.throughput import (
         run_pagedllm,
         run_transformers,
         run_transformers_continuous,
     )
-    from pagedllm.entrypoints.cli import engine_kwargs
 
     try:
         reqs = build_requests(args, _load_tokenizer(args.model))
@@ -83,10 +133,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                 reqs, args.model, args.dtype, args.hf_batch_size, progress=not args.quiet
             )
         elif args.backend == "transformers-continuous":
-            kw = {"kv_tokens": args.num_kv_blocks * args.block_size} if args.num_kv_blocks else {}
+            blocks = args.num_gpu_blocks_override
+            kw = {"kv_tokens": blocks * args.block_size} if blocks else {}
             result = run_transformers_continuous(reqs, args.model, args.dtype, **kw)
         else:
-            result = run_pagedllm(reqs, engine_kwargs(args), progress=not args.quiet)
+            result = run_pagedllm(reqs, engine_kwargs_from_args(args), progress=not args.quiet)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -98,12 +149,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         f"{result['total_token_throughput']:.1f} total tokens/s over {result['elapsed_s']:.1f} s"
     )
     if st:
-        w = st["memory_waste"]
         print(
-            f"batched requests/step {st['mean_batched_requests']:.2f}; KV memory: token states "
-            f"{100 * w['token_states']:.1f}%, reserved {100 * w['reserved']:.1f}%, internal "
-            f"frag {100 * w['internal_fragmentation']:.1f}%, external frag "
-            f"{100 * w['external_fragmentation']:.1f}%; preemptions {st['num_preemptions']}"
+            f"batched requests/step {st['mean_batched_requests']:.2f}; {kv_memory_line(st)}; "
+            f"preemptions {st['num_preemptions']}"
         )
     _write(result, args.output)
     return 0
@@ -117,8 +165,12 @@ def _rate(text: str) -> float:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``bench serve``: send the workload to a running server and print / write the result."""
     from pagedllm.bench.serve import run_serve_bench
 
+    # httpx logs every request at INFO, which would scroll through the progress bar.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         reqs = build_requests(args, _load_tokenizer(args.tokenizer))
         result = asyncio.run(
@@ -144,6 +196,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def print_serve_summary(r: dict[str, Any]) -> None:
+    """Print a ``bench serve`` result: throughput, latency percentiles, engine counters."""
+
     def ms(d: dict[str, Any], k: str) -> str:
         v = d.get(k)
         return "-" if v is None else f"{1000 * v:.1f}"
@@ -169,15 +223,14 @@ def print_serve_summary(r: dict[str, Any]) -> None:
     if st:
         print(
             f"engine ({st['kv_manager']}): batched requests/step {st['mean_batched_requests']:.2f}, "
-            f"memory waste {json.dumps({k: round(v, 4) for k, v in st['memory_waste'].items()})}, "
-            f"free blocks after {st['num_free_blocks_after']}/{st['num_blocks']}"
+            f"{kv_memory_line(st)}, free blocks after {st['num_free_blocks_after']}/"
+            f"{st['num_blocks']}"
         )
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    """Add ``bench throughput`` and ``bench serve`` to the ``pagedllm`` command."""
-    from pagedllm.entrypoints.cli import add_engine_args
-
+    """Add ``bench throughput`` (every engine flag, ``add_engine_args``) and ``bench serve`` to
+    the ``pagedllm`` command."""
     bench = subparsers.add_parser("bench", help="benchmarks of the paper's section 6")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 

@@ -10,9 +10,13 @@
 
 Records whose prompt or reference output is shorter than ``min_len`` tokens (default 4) are
 dropped (degenerate conversations), as are those with a prompt over ``max_prompt_len`` tokens or
-prompt + output over ``max_model_len`` tokens (they could not be served). Files are read from
-``data_dir``: ``$PAGEDLLM_DATA``, else ``../shared/data`` next to the repository
-(see that folder's README.md for the sources).
+prompt + output over ``max_model_len`` tokens (they could not be served).
+
+The file of a dataset is ``dataset_path`` when given (``--dataset-path``, as vLLM's bench),
+else ``FILES[name]`` in ``data_dir``: ``$PAGEDLLM_DATA``, else ``../shared/data`` next to the
+repository (the development environment's samples). ``SOURCES`` says where each file comes from:
+ShareGPT is vLLM's ``ShareGPT_V3_unfiltered_cleaned_split.json``, Alpaca the Stanford Alpaca
+``alpaca_data.json``; ``random`` needs no file.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ FILES = {
     "alpaca": "alpaca_2000.json",
     "wmt16": "wmt16_en_de.json",
 }
+# Where a user without the development environment's samples gets each file (--dataset-path).
+SOURCES = {
+    "sharegpt": "ShareGPT_V3_unfiltered_cleaned_split.json, the ShareGPT file of vLLM's "
+    "benchmarks, from the Hugging Face dataset anon8231489123/ShareGPT_Vicuna_unfiltered "
+    '(a JSON list of {"conversations": [{"from": "human", "value": ...}, '
+    '{"from": "gpt", "value": ...}]})',
+    "alpaca": "alpaca_data.json of the Stanford Alpaca repository (tatsu-lab/stanford_alpaca "
+    'on GitHub; a JSON list of {"instruction", "input", "output"})',
+    "wmt16": 'a JSON list of {"en": ..., "de": ...} sentence pairs, e.g. WMT16 newstest2016 '
+    "English-German",
+}
 
 
 def default_data_dir() -> Path:
@@ -39,6 +54,25 @@ def default_data_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def dataset_file(
+    name: str, dataset_path: str | Path | None = None, data_dir: str | Path | None = None
+) -> Path:
+    """The JSON file of dataset ``name``: ``dataset_path`` when given, else ``FILES[name]`` in
+    ``data_dir`` (default ``default_data_dir()``).
+
+    Raises:
+        FileNotFoundError: when the file is missing; the message says where to get it.
+    """
+    path = Path(dataset_path or Path(data_dir or default_data_dir()) / FILES[name])
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{name} data not found: {path}. Pass --dataset-path FILE (dataset_path=) with "
+            f"{SOURCES[name]}, or set PAGEDLLM_DATA to a folder holding {FILES[name]}; "
+            "--dataset random needs no file"
+        )
+    return path
 
 
 @dataclass
@@ -86,6 +120,7 @@ def load_dataset(
     num_requests: int,
     *,
     data_dir: str | Path | None = None,
+    dataset_path: str | Path | None = None,
     seed: int = 0,
     shuffle: bool = True,
     min_len: int = 4,
@@ -103,7 +138,9 @@ def load_dataset(
         name: "sharegpt", "alpaca", "wmt16" or "random".
         tokenize: text -> token ids (no special tokens), for the lengths.
         num_requests: how many requests (all usable records if fewer exist).
-        data_dir: folder of the JSON files (default ``default_data_dir()``).
+        data_dir: folder of the JSON files under their ``FILES`` names (default
+            ``default_data_dir()``).
+        dataset_path: the JSON file itself (wins over ``data_dir``).
         seed: order of the records when ``shuffle`` (a sample of the file, reproducible).
         shuffle: sample records in a seeded random order instead of file order.
         min_len / max_prompt_len / max_model_len: the filters of the module docstring (tokens).
@@ -113,7 +150,7 @@ def load_dataset(
 
     Raises:
         ValueError: naming the field: an unknown ``name``, ``num_requests`` < 1, bad lengths.
-        FileNotFoundError: when the dataset file is missing.
+        FileNotFoundError: when the dataset file is missing; the message says where to get it.
     """
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {name!r}")
@@ -133,9 +170,7 @@ def load_dataset(
         ]
     if wmt_shots < 0:
         raise ValueError(f"wmt_shots must be >= 0, got {wmt_shots}")
-    path = Path(data_dir or default_data_dir()) / FILES[name]
-    if not path.is_file():
-        raise FileNotFoundError(f"{name} data not found: {path} (set PAGEDLLM_DATA)")
+    path = dataset_file(name, dataset_path, data_dir)
     records = json.loads(path.read_text())
     pairs = list(_pairs(name, records, wmt_shots))
     if shuffle:

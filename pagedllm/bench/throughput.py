@@ -27,9 +27,13 @@ def _token_prompts(requests: list[BenchRequest], tokenize: Any) -> list[list[int
 def run_pagedllm(
     requests: list[BenchRequest], engine_args: dict[str, Any], progress: bool = True, **llm_kw: Any
 ) -> dict[str, Any]:
-    """Serve ``requests`` with one ``LLM`` built from ``engine_args`` (``EngineConfig`` fields).
+    """Serve ``requests`` with one ``LLM`` built from ``engine_args`` (``EngineConfig`` fields,
+    e.g. ``engine_kwargs_from_args(args)``); ``llm_kw`` goes to ``LLM`` too (``loaded=`` a model
+    to reuse). Returns the result dict (throughputs in requests/s and tokens/s, engine stats).
 
-    ``llm_kw`` goes to ``LLM`` too (``loaded=`` a model to reuse, ``attention_backend=``)."""
+    Raises:
+        TypeError / ValueError: naming an unknown or invalid engine option.
+    """
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
@@ -109,7 +113,9 @@ def run_transformers_continuous(
             res = m.get_result(timeout=1)
             if res is None:
                 if not m.is_running():
-                    raise RuntimeError(f"transformers continuous batching stopped after {done} requests")
+                    raise RuntimeError(
+                        f"transformers continuous batching stopped after {done} requests"
+                    )
                 continue
             if res.is_finished():
                 done += 1

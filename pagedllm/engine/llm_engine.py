@@ -171,6 +171,8 @@ class LLMEngine:
     ) -> None:
         self.config = config
         loaded = loaded or load_model(config.model, config.torch_dtype)
+        if config.chat_template_text is not None:
+            loaded = loaded.with_chat_template(config.chat_template_text)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         mc = loaded.config

@@ -10,80 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, KV_MANAGERS
+from pagedllm.config import add_engine_args
+from pagedllm.config import engine_kwargs_from_args as engine_kwargs
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every subcommand."""
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="GGUF file or HF folder (default: bundled SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument(
-        "--kv-cache-memory",
-        type=int,
-        default=DEFAULT_KV_CACHE_MEMORY,
-        help="bytes for the KV block pool",
-    )
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="force the number of KV blocks")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-chunked-prefill", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV blocks of earlier requests with the same prefix (paged manager only)",
-    )
-    p.add_argument(
-        "--kv-manager",
-        default="paged",
-        choices=list(KV_MANAGERS),
-        help="KV memory manager: paged, or a contiguous Orca baseline (paper section 6.1)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split the model over this many ranks (paper section 4.6); default 1",
-    )
-    p.add_argument(
-        "--distributed-executor-backend",
-        choices=["uni", "mp", "ray"],
-        default=None,
-        help="how the ranks run: mp = worker processes (default when tp > 1), ray = Ray actors",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_gpu_blocks_override=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        kv_manager=args.kv_manager,
-        enable_prefix_caching=args.enable_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-    )
+__all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``SamplingParams`` flags of ``generate`` (``--max-tokens``, ``--temperature``...)."""
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -117,6 +51,8 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``pagedllm generate``: run the prompts through one ``LLM`` built from the engine flags and
+    print each completion and a summary. Returns the exit status (2 for invalid input)."""
     from pagedllm.entrypoints.llm import LLM, apply_chat_template
     from pagedllm.sampling_params import SamplingParams
 
@@ -187,7 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedllm`` parser: ``generate``, ``serve`` (with the server extra) and ``bench``."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM serving with PagedAttention")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``pagedllm`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.config import EngineConfig, check_engine_kwargs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
@@ -22,47 +22,39 @@ class LLM:
 
     Args:
         model: GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
-        dtype: "float32" (default, fastest on this CPU) or "bfloat16".
-        block_size: tokens per KV block.
-        kv_cache_memory: bytes for the KV block pool.
-        max_num_seqs: most sequences per step.
-        max_model_len: longest prompt + output (tokens); default the model's context length.
-        seed: seeds the per-request seeds of requests that set none.
-        tensor_parallel_size: ranks the model is split over (paper section 4.6); > 1 starts
-            worker processes (or Ray actors with ``distributed_executor_backend="ray"``), which
-            stop with ``shutdown()``, when the ``LLM`` is garbage collected, or at exit.
-        **kwargs: any other ``EngineConfig`` field (e.g. ``num_gpu_blocks_override``,
-            ``enable_chunked_prefill``, ``max_num_batched_tokens``, ``check_invariants``), plus
-            ``loaded`` (a ``LoadedModel`` to reuse) and ``attention_backend``.
+        loaded: an already loaded model to reuse (tests share one); None = load ``model``.
+        **engine_kwargs: any ``EngineConfig`` field, with the same defaults and meaning as the
+            ``--<field>`` flags of ``pagedllm generate`` / ``serve``: ``dtype``, ``block_size``,
+            ``kv_cache_memory`` (bytes or a size such as ``"2GiB"``), ``max_num_seqs``,
+            ``max_model_len``, ``chat_template`` (a Jinja file used instead of the model's
+            template by ``chat``), ``attention_backend``, ``tensor_parallel_size`` (> 1 starts
+            worker processes, or Ray actors with ``distributed_executor_backend="ray"``, which
+            stop with ``shutdown()``, when the ``LLM`` is garbage collected, or at exit), ...
+
+    Raises:
+        TypeError: naming any keyword that is no ``EngineConfig`` field.
+        ValueError: naming the field of an invalid value.
+        FileNotFoundError: when ``model`` does not exist.
     """
 
     def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "float32",
-        block_size: int = 16,
-        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        **kwargs: Any,
+        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_kwargs: Any
     ) -> None:
-        loaded: LoadedModel | None = kwargs.pop("loaded", None)
-        backend: str = kwargs.pop("attention_backend", "auto")
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            **kwargs,
-        )
-        self.engine = LLMEngine(config, loaded=loaded, attention_backend=backend)
+        config = self.build_config(model, **engine_kwargs)
+        self.engine = LLMEngine(config, loaded=loaded, attention_backend=config.attention_backend)
         self._ids = itertools.count()
+
+    @staticmethod
+    def build_config(model: str | None = None, **engine_kwargs: Any) -> EngineConfig:
+        """The ``EngineConfig`` that ``LLM(model, **engine_kwargs)`` runs with, without loading
+        anything.
+
+        Raises:
+            TypeError: naming any keyword that is no ``EngineConfig`` field.
+            ValueError: naming the field of an invalid value.
+        """
+        check_engine_kwargs(engine_kwargs, "LLM")
+        return EngineConfig(model=model, **engine_kwargs)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers, if any; idempotent."""
@@ -73,7 +65,8 @@ class LLM:
         its prompts (as vLLM's ``LLM.reset_prefix_cache``). Returns the number of blocks dropped."""
         return self.engine.reset_prefix_cache()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (with the ``chat_template`` option applied, if one was given)."""
         return self.engine.tokenizer
 
     def generate(
@@ -160,7 +153,8 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate.
+        """Apply the chat template (``chat_template`` if given, else the model's) to one
+        conversation or a list of them, then generate.
 
         Raises:
             ValueError: naming ``messages`` when a conversation is empty.

@@ -68,3 +68,18 @@ def test_bad_input_names_the_field(tmp_path):
         load("alpaca", n=0)
     with pytest.raises(FileNotFoundError, match="PAGEDLLM_DATA"):
         load_dataset("alpaca", split, 1, data_dir=tmp_path)
+
+
+def test_dataset_path_names_the_file_itself(tmp_path):
+    path = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    path.write_text((DATA / "sharegpt_1024.json").read_text())
+    reqs = load_dataset("sharegpt", split, 100, dataset_path=path, data_dir="/nonexistent")
+    assert len(reqs) == 2
+
+
+def test_missing_file_says_where_to_get_it(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        load_dataset("sharegpt", split, 1, dataset_path=tmp_path / "nope.json")
+    msg = str(e.value)
+    assert "--dataset-path" in msg and "ShareGPT_V3_unfiltered_cleaned_split.json" in msg
+    assert "--dataset random" in msg

@@ -11,21 +11,26 @@ import importlib.util
 import os
 from typing import Any
 
+from pagedllm.config import add_engine_args, served_model_name
+
 for _mod in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_mod) is None:
         raise ImportError(f"pagedllm serve needs {_mod}: pip install 'pagedllm[serve]'")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM; the engine options are ``EngineConfig``'s (see
+    ``add_engine_args``). Returns the exit status."""
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    if not args.served_model_name:
+        args.served_model_name = [served_model_name(args.model)]
     return run_server(args)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``serve [MODEL] --host --port --served-model-name --api-key --max-logprobs ...``."""
-    from pagedllm.entrypoints.cli import add_engine_args
-
+    """Add ``serve [MODEL] --host --port --served-model-name --api-key ...`` and every engine
+    flag (``add_engine_args``)."""
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)",
@@ -35,15 +40,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="name clients pass as `model` (default: the model path, or SmolLM2-135M-Instruct)",
+        metavar="NAME",
+        help="name(s) clients pass as `model`; the first is reported (default: the model "
+        "folder's base name or GGUF file's stem, or SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDLLM_API_KEY"),
         help="require `Authorization: Bearer KEY` on the API (default: $PAGEDLLM_API_KEY, or none)",
     )
-    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask")
     p.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,11 @@ from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.loader.bundled import bundled_model_path
 from pagedllm.model.loader.gguf_loader import load_gguf_weights
 from pagedllm.model.loader.hf_loader import load_hf_weights
-from pagedllm.model.loader.tokenizer import eos_token_ids, load_tokenizer
+from pagedllm.model.loader.tokenizer import (
+    chat_template_end_of_turn_ids,
+    eos_token_ids,
+    load_tokenizer,
+)
 
 
 @dataclass
@@ -37,6 +43,17 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     source: Path
     weight_bytes: int
+
+    def with_chat_template(self, template: str) -> LoadedModel:
+        """A copy whose tokenizer renders chats with ``template`` (Jinja text) instead of its own;
+        the template's end-of-turn special tokens join ``config.eos_token_ids``. ``self`` is left
+        unchanged (tests share one loaded model), and the weights are shared, not copied."""
+        tokenizer = copy.copy(self.tokenizer)
+        tokenizer.chat_template = template
+        eos = list(self.config.eos_token_ids)
+        eos += [i for i in chat_template_end_of_turn_ids(tokenizer) if i not in eos]
+        config = dataclasses.replace(self.config, eos_token_ids=eos)
+        return dataclasses.replace(self, tokenizer=tokenizer, config=config)
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
