@@ -19,6 +19,8 @@ from typing import Any, cast
 
 import torch
 
+from pagedllm.attention import attention_backend_names
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -36,12 +38,12 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_SWAP_SPACE = 256 << 20
 
 # The enumerations of the config; each is the ``choices`` of its field and of its flag.
-# ATTENTION_BACKENDS are the names pagedllm.attention.get_attention_backend accepts.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-ATTENTION_BACKENDS = ("auto", "cpu", "torch_native", "reference", "triton")
+# The names pagedllm.attention.get_attention_backend accepts: "auto" or a registered backend.
+ATTENTION_BACKENDS = ("auto", *attention_backend_names())
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 # The name the bundled model is served under.

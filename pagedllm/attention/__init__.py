@@ -90,6 +90,12 @@ def register_attention_backend(entry: BackendEntry, auto_for: tuple[str, ...] = 
         prefs.insert(0, entry.name)
 
 
+def attention_backend_names() -> tuple[str, ...]:
+    """Every registered backend name, in registration order (``EngineConfig.attention_backend``
+    takes these or "auto")."""
+    return tuple(_REGISTRY)
+
+
 def attention_backends_for(device: torch.device | str) -> list[str]:
     """Names of the registered backends that run on ``device`` (sorted)."""
     dev = torch.device(device).type
@@ -206,4 +212,5 @@ __all__ = [
     "attention_backends_for",
     "get_attention_backend",
     "register_attention_backend",
+    "attention_backend_names",
 ]

@@ -30,6 +30,13 @@ def parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+@pytest.fixture(autouse=True)
+def _one_cuda_device(monkeypatch):
+    """``--device cuda:0`` is the device field's non-default value: pretend one GPU exists so that
+    the config accepts it here (device validation itself: tests/test_device.py)."""
+    monkeypatch.setattr("pagedllm.device._cuda_count", lambda: 1)
+
+
 @pytest.fixture(scope="module")
 def template_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
@@ -44,7 +51,7 @@ def non_default(f: dataclasses.Field, template_file: str) -> tuple[list[str], ty
     special = {
         "model": ("some/model-folder", "some/model-folder"),
         "chat_template": (template_file, template_file),
-        "device": ("cuda", "cuda"),
+        "device": ("cuda:0", "cuda:0"),
     }
     base = getattr(BASELINE, f.name)
     kinds = [t for t in typing.get_args(HINTS[f.name]) if t is not type(None)] or [HINTS[f.name]]

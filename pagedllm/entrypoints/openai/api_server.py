@@ -43,11 +43,9 @@ def run_server(args: Any) -> int:
 
     from pagedllm.entrypoints.cli import engine_kwargs
 
-    kw = engine_kwargs(args)
-    kw["max_logprobs"] = args.max_logprobs
     try:
         app = build_app(
-            kw,
+            engine_kwargs(args),
             served_model_name=args.served_model_name,
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,

@@ -128,7 +128,8 @@ def build_app(
     Args:
         engine_args: ``EngineConfig`` fields (``model``, ``max_model_len``, ...).
         loaded: a ``LoadedModel`` to reuse instead of loading ``engine_args["model"]``.
-        served_model_name: default: the model path, or "SmolLM2-135M-Instruct" for the bundled one.
+        served_model_name: default: ``pagedllm.config.served_model_name(model)`` (a folder's
+            base name, a GGUF file's stem, "SmolLM2-135M-Instruct" for the bundled model).
         api_key / max_body_bytes / enable_dashboard: see ``create_app``.
         log_stats_interval: seconds between throughput log lines while busy (0 = never).
 
@@ -136,6 +137,7 @@ def build_app(
         ValueError: an invalid ``EngineConfig``; FileNotFoundError: a missing model.
     """
     from pagedllm.config import EngineConfig
+    from pagedllm.config import served_model_name as default_served_model_name
 
     config = EngineConfig(**(engine_args or {}))
     if config.tensor_parallel_size == 1:
@@ -147,7 +149,7 @@ def build_app(
         async_engine = AsyncLLMEngine(
             LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval
         )
-    name = served_model_name or config.model or "SmolLM2-135M-Instruct"
+    name = served_model_name or default_served_model_name(config.model)
     return create_app(
         async_engine,
         name,
