@@ -33,7 +33,9 @@ class LLM:
             stop with ``shutdown()``, when the ``LLM`` is garbage collected, or at exit.
         **kwargs: any other ``EngineConfig`` field (e.g. ``num_gpu_blocks_override``,
             ``enable_chunked_prefill``, ``max_num_batched_tokens``, ``check_invariants``), plus
-            ``loaded`` (a ``LoadedModel`` to reuse) and ``attention_backend``.
+            ``loaded`` (a ``LoadedModel`` to reuse), ``attention_backend`` and ``kv_stats``
+            (default True: ``engine.stats`` gets the paper-figure KV accounting, see
+            ``LLMEngine.enable_kv_stats``).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class LLM:
     ) -> None:
         loaded: LoadedModel | None = kwargs.pop("loaded", None)
         backend: str = kwargs.pop("attention_backend", "auto")
+        kv_stats: bool = kwargs.pop("kv_stats", True)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -62,6 +65,7 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config, loaded=loaded, attention_backend=backend)
+        self.engine.enable_kv_stats(kv_stats)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
