@@ -52,8 +52,9 @@ def main() -> None:
         max_model_len=args.prompt_len + args.steps + 64,
         num_threads=args.threads,
         max_num_seqs=max(args.batch, 1),
+        attention_backend=args.attention_backend,
     )
-    engine = LLMEngine(cfg, loaded=loaded, attention_backend=args.attention_backend)
+    engine = LLMEngine(cfg, loaded=loaded)
     sp = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     with bench_lock():
         for i, p in enumerate(prompts):

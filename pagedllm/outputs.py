@@ -53,6 +53,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
+        """Whether this sample has a ``finish_reason``."""
         return self.finish_reason is not None
 
 

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life; the finished values are OpenAI ``finish_reason`` s."""
+
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
@@ -29,6 +31,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
+        """Stopped, cut at its length limit or aborted."""
         return self in (
             SequenceStatus.FINISHED_STOPPED,
             SequenceStatus.FINISHED_LENGTH,
@@ -37,6 +40,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
+        """"stop", "length" or "abort" once finished, else None."""
         return self.value if self.is_finished else None
 
 
@@ -81,25 +85,31 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens."""
         return len(self.token_ids)
 
     @property
     def prompt_token_ids(self) -> list[int]:
+        """The prompt's ids (a copy)."""
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated ids (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is not in the cache yet (what the next steps compute)."""
         return len(self.token_ids) - self.num_computed_tokens
 
     def append_token(self, token_id: int, logprob: float) -> None:
+        """Add a sampled token and its raw-model logprob (natural log) to the cumulative sum."""
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
 
@@ -124,6 +134,7 @@ class Sequence:
         return child
 
     def is_finished(self) -> bool:
+        """Whether the sequence stopped, hit its length limit or was aborted."""
         return self.status.is_finished
 
     def __repr__(self) -> str:
@@ -165,12 +176,15 @@ class SequenceGroup:
 
     @property
     def prompt_token_ids(self) -> list[int]:
+        """The request's prompt ids (shared by every sequence)."""
         return self.seqs[0].prompt_token_ids
 
     def unfinished_seqs(self) -> list[Sequence]:
+        """The group's sequences still generating."""
         return [s for s in self.seqs if not s.is_finished()]
 
     def is_finished(self) -> bool:
+        """Every sample finished (beam search: the search produced its hypotheses)."""
         if self.beam is not None:
             return self.beam_results is not None
         return all(s.is_finished() for s in self.seqs)

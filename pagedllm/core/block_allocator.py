@@ -33,10 +33,12 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        """Blocks with reference count 0."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Blocks with a reference count above 0."""
         return self.num_blocks - len(self._free)
 
     def free_block_ids(self) -> list[int]:
@@ -90,4 +92,5 @@ class BlockAllocator:
         return self.ref_counts[block_id]
 
     def is_free(self, block_id: int) -> bool:
+        """Whether ``block_id`` is in the free list."""
         return block_id in self._free

@@ -11,16 +11,18 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedllm.core.block_allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.core.kv_manager import cdiv, check_pool_fits
+from pagedllm.core.kv_waste import KVWaste, paged_waste
 from pagedllm.core.prefix_cache import PrefixCache, hash_block
 from pagedllm.sequence import Sequence
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["BlockManager", "cdiv"]
 
 
 class BlockManager:
     """Owns the physical block pool, every sequence's block table and the prefix cache.
+
+    The paged implementation of ``core.kv_manager.KVManager``.
 
     Args:
         num_blocks: physical blocks in the pool.
@@ -58,6 +60,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks owned by at least one sequence (a shared block counts once)."""
         return self.allocator.num_used
 
     @property
@@ -87,8 +90,33 @@ class BlockManager:
         """Fraction of the pool owned by sequences, 0..1."""
         return self.allocator.num_used / self.num_blocks
 
+    def ref_counts(self) -> list[int]:
+        """A copy of every device block's reference count (index = block id)."""
+        return list(self.allocator.ref_counts)
+
+    def swap_ref_counts(self) -> list[int] | None:
+        """A copy of every host swap block's reference count; None without swap space."""
+        return list(self.swap_allocator.ref_counts) if self.swap_allocator is not None else None
+
     def get_block_table(self, seq: Sequence) -> list[int]:
+        """``seq``'s physical block ids, logical order ([] when it holds none)."""
         return self.block_tables.get(seq.seq_id, [])
+
+    def check_request_fits(
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+    ) -> None:
+        """Refuse a request whose samples (sharing their prompt's full blocks) could never fit
+        in the whole pool; beams count as samples.
+
+        Raises:
+            ContextLengthExceededError: (param "max_tokens") naming the pool size.
+        """
+        check_pool_fits(self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples)
+
+    def waste(self, holders: list[Sequence], waiting_head: Sequence | None) -> KVWaste:
+        """The figure 2 breakdown (``core.kv_waste.paged_waste``); no external fragmentation,
+        so ``waiting_head`` is not needed."""
+        return paged_waste(self, holders)
 
     def _needs_cow(self, table: list[int], num_computed: int) -> bool:
         """The next token lands in a partly filled block that other sequences share."""

@@ -69,6 +69,7 @@ class BuddyAllocator:
 
     @property
     def num_used(self) -> int:
+        """Blocks inside allocated chunks."""
         return self.num_blocks - self._num_free
 
     @property

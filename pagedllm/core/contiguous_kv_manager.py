@@ -23,8 +23,10 @@ preempted for growth. No prefix caching, sharing or swapping.
 from __future__ import annotations
 
 from pagedllm.core.block_allocator import NoFreeBlocksError
-from pagedllm.core.block_manager import BlockManager, cdiv
 from pagedllm.core.buddy_allocator import BuddyAllocator, order_for
+from pagedllm.core.kv_manager import ContextLengthExceededError, cdiv, check_pool_fits
+from pagedllm.core.kv_waste import KVWaste, contiguous_waste
+from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.sequence import Sequence
 
 ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle")
@@ -35,9 +37,12 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-class ContiguousKVManager(BlockManager):
-    """One contiguous reservation per sequence, behind the ``BlockManager`` interface the
-    scheduler uses.
+class ContiguousKVManager:
+    """One contiguous reservation per sequence: an implementation of ``core.kv_manager.KVManager``.
+
+    Block tables are ``start, start + 1, ...`` inside a buddy chunk, so the same paged kernels run
+    on them. There is no prefix cache (``prefix_cache`` is None), no swap space
+    (``num_swap_blocks`` is 0) and no sharing (``fork`` raises).
 
     Args:
         num_blocks: physical blocks in the pool.
@@ -53,13 +58,15 @@ class ContiguousKVManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int, policy: str, max_model_len: int) -> None:
         if policy not in ORCA_POLICIES:
             raise ValueError(f"policy must be one of {ORCA_POLICIES}, got {policy!r}")
-        super().__init__(num_blocks, block_size, watermark=0.0, enable_prefix_caching=False)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_swap_blocks = 0
         self.policy = policy
         self.max_model_len = max_model_len
         self.buddy = BuddyAllocator(num_blocks)
-        # The buddy allocator answers the free / used / ref-count queries of the base class
-        # and of the KV dashboard; every base method that allocates is overridden below.
-        self.allocator = self.buddy  # type: ignore[assignment]
+        self.block_tables: dict[int, list[int]] = {}
+        self.swapped_tables: dict[int, list[int]] = {}  # always empty: no swapping
+        self.prefix_cache: PrefixCache | None = None
         self._chunk_start: dict[int, int] = {}  # seq_id -> first block of its chunk
         self._chunk_blocks: dict[int, int] = {}  # seq_id -> blocks in its chunk
         self._covered: dict[int, int] = {}  # seq_id -> tokens its scheduled work covers
@@ -76,7 +83,12 @@ class ContiguousKVManager(BlockManager):
     # ---- reservation sizes -----------------------------------------------------------------
     def reservation_tokens(self, seq: Sequence) -> int:
         """KV slots (tokens) the policy reserves for ``seq``."""
-        true_len = seq.max_num_tokens or self.max_model_len
+        return self._reservation_for(seq.max_num_tokens)
+
+    def _reservation_for(self, final_len: int | None) -> int:
+        """Tokens reserved for a sequence whose final length is ``final_len`` (None: unknown,
+        taken as ``max_model_len``)."""
+        true_len = final_len or self.max_model_len
         if self.policy == "orca-max":
             return self.max_model_len
         if self.policy == "orca-pow2":
@@ -89,7 +101,10 @@ class ContiguousKVManager(BlockManager):
 
     def chunk_blocks_for(self, seq: Sequence) -> int:
         """Blocks of the buddy chunk that would hold ``seq``'s reservation."""
-        return 1 << order_for(self.reservation_blocks(seq))
+        return self._chunk_for(seq.max_num_tokens)
+
+    def _chunk_for(self, final_len: int | None) -> int:
+        return 1 << order_for(cdiv(self._reservation_for(final_len), self.block_size))
 
     def reserved_chunk_blocks(self, seq: Sequence) -> int:
         """Blocks of the chunk ``seq`` holds now (0 when it holds none)."""
@@ -99,12 +114,82 @@ class ContiguousKVManager(BlockManager):
         """Whether the empty pool could ever hold ``seq``'s reservation."""
         return self.chunk_blocks_for(seq) <= self.buddy.max_chunk_blocks
 
+    # ---- queries (KVManager) ---------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in no chunk."""
+        return self.buddy.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks inside allocated chunks (the buddy rounding included)."""
+        return self.buddy.num_used
+
+    def usage(self) -> float:
+        """Fraction of the pool inside allocated chunks, 0..1."""
+        return self.buddy.num_used / self.num_blocks
+
+    def ref_counts(self) -> list[int]:
+        """1 for a block inside an allocated chunk, 0 otherwise (index = block id)."""
+        return self.buddy.ref_counts
+
+    def swap_ref_counts(self) -> list[int] | None:
+        """None: no swap space."""
+        return None
+
+    def check_request_fits(
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+    ) -> None:
+        """Refuse requests of several sequences, and requests whose reservation needs a chunk
+        larger than the whole pool could give.
+
+        Raises:
+            ValueError: (message starting "n:") for parallel sampling or beam search.
+            ContextLengthExceededError: (param "max_tokens") naming the reservation and chunk.
+        """
+        if num_samples > 1 or use_beam_search:
+            raise ValueError(
+                f"n: kv_manager={self.policy!r} reserves one contiguous run per "
+                "request and cannot share it; parallel sampling and beam search need 'paged'"
+            )
+        final_len = prompt_len + max_tokens
+        chunk = self._chunk_for(final_len)
+        if chunk > self.buddy.max_chunk_blocks:
+            raise ContextLengthExceededError(
+                f"max_tokens: the {self.policy} reservation of "
+                f"{self._reservation_for(final_len)} tokens needs a chunk of "
+                f"{chunk} blocks, more than the pool's largest "
+                f"({self.buddy.max_chunk_blocks} blocks of {self.block_size} tokens)",
+                "max_tokens",
+            )
+        check_pool_fits(self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples)
+
+    def waste(self, holders: list[Sequence], waiting_head: Sequence | None) -> KVWaste:
+        """The figure 2 breakdown (``core.kv_waste.contiguous_waste``)."""
+        return contiguous_waste(self, holders, waiting_head)
+
     # ---- the scheduler's interface ---------------------------------------------------------
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        """[]: no prefix cache."""
+        return []
+
+    def group_shared_blocks(self, seqs: list[Sequence]) -> int:
+        """0: nothing is shared."""
+        return 0
+
+    def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:
+        """Never called (``group_shared_blocks`` is 0).
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("n: parallel sampling and beam search need kv_manager='paged'")
+
     def can_allocate(self, seqs: list[Sequence], watermark: bool = True) -> bool:
         """Whether every sequence's whole reservation fits in a free chunk now (no watermark:
         a reserved request never grows)."""
         if len(seqs) != 1:
-            return False  # parallel samples are refused at validation; see LLMEngine
+            return False  # several sequences are refused by check_request_fits
         return self.buddy.can_allocate(self.reservation_blocks(seqs[0]))
 
     def allocate_prefix(self, seq: Sequence) -> int:
@@ -146,7 +231,15 @@ class ContiguousKVManager(BlockManager):
         table = self.block_tables.get(seq.seq_id, [])
         return table[: cdiv(self._covered.get(seq.seq_id, 0), self.block_size)]
 
+    def mark_computed(self, seq: Sequence) -> None:
+        """Nothing to do: no prefix cache."""
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Sharing is impossible here.
+
+        Raises:
+            ValueError: always (requests of several sequences are refused at admission).
+        """
         raise ValueError("n: parallel sampling and beam search need kv_manager='paged'")
 
     def free(self, seq: Sequence) -> None:
@@ -157,6 +250,34 @@ class ContiguousKVManager(BlockManager):
         start = self._chunk_start.pop(seq.seq_id, None)
         if start is not None:
             self.buddy.free(start)
+
+    def reset_prefix_cache(self) -> int:
+        """0: no prefix cache."""
+        return 0
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """False: no swap space (a preempted group is recomputed)."""
+        return False
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Never called (``can_swap_out`` is False).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("the contiguous KV managers have no swap space")
+
+    def can_swap_in(self, seqs: list[Sequence], reserve: bool = True) -> bool:
+        """False: nothing is ever swapped out."""
+        return False
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Never called (nothing is swapped out).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("the contiguous KV managers have no swap space")
 
     def check_invariants(self) -> None:
         """Assert the buddy chunks tile the pool and every table lies in its own chunk.

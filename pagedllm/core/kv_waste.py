@@ -27,10 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagedllm.core.block_manager import BlockManager
-from pagedllm.core.contiguous_kv_manager import ContiguousKVManager
-from pagedllm.sequence import Sequence
+if TYPE_CHECKING:  # the managers import this module for their ``waste`` methods
+    from pagedllm.core.block_manager import BlockManager
+    from pagedllm.core.contiguous_kv_manager import ContiguousKVManager
+    from pagedllm.sequence import Sequence
 
 
 @dataclass
@@ -44,6 +46,7 @@ class KVWaste:
 
     @property
     def total(self) -> int:
+        """All accounted slots (the four parts add up to it)."""
         return (
             self.token_states
             + self.reserved

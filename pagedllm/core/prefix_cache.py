@@ -51,6 +51,7 @@ class PrefixCache:
         self.evictions = 0
 
     def lookup(self, key: bytes) -> int | None:
+        """The block holding the prefix ``key``, or None."""
         return self.block_of.get(key)
 
     def register(self, block_id: int, key: bytes) -> None:
@@ -71,8 +72,10 @@ class PrefixCache:
         return True
 
     def is_cached(self, block_id: int) -> bool:
+        """Whether ``block_id`` holds a registered prefix."""
         return block_id in self.key_of
 
     @property
     def hit_rate(self) -> float:
+        """Blocks found / blocks looked up at admission, 0..1 (0 before any lookup)."""
         return self.hits / self.queries if self.queries else 0.0

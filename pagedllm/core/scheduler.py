@@ -19,7 +19,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_manager import KVManager
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -66,6 +66,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Whether nothing was scheduled (no forward pass this step)."""
         return not self.scheduled
 
 
@@ -103,10 +104,11 @@ class Scheduler:
 
     Args:
         config: limits.
-        block_manager: the pool whose blocks the scheduler hands out.
+        block_manager: the KV manager whose blocks the scheduler hands out (paged or
+            contiguous; see ``core.kv_manager.KVManager``).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: KVManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()
@@ -122,12 +124,15 @@ class Scheduler:
 
     # ---- queue management ----------------------------------------------------------------
     def add_seq_group(self, group: SequenceGroup) -> None:
+        """Queue a new request at the back of ``waiting`` (FCFS)."""
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running or swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
     def num_unfinished(self) -> int:
+        """Requests waiting, running or swapped out."""
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -154,6 +159,7 @@ class Scheduler:
         return done
 
     def free_seq(self, seq: Sequence) -> None:
+        """Release one sequence's blocks (a finished sample or a pruned beam of a live group)."""
         self.block_manager.free(seq)
 
     # ---- the step ------------------------------------------------------------------------

@@ -99,7 +99,6 @@ def capture(engine: Any) -> dict[str, Any]:
                     ],
                 )
             )
-    swap = bm.swap_allocator
     cfg = engine.config
     return {
         "time": time.time(),
@@ -107,8 +106,8 @@ def capture(engine: Any) -> dict[str, Any]:
         "num_blocks": bm.num_blocks,
         "block_size": bm.block_size,
         "num_swap_blocks": bm.num_swap_blocks,
-        "ref_counts": list(bm.allocator.ref_counts),
-        "swap_ref_counts": list(swap.ref_counts) if swap is not None else None,
+        "ref_counts": bm.ref_counts(),
+        "swap_ref_counts": bm.swap_ref_counts(),
         "tables": {sid: list(t) for sid, t in bm.block_tables.items()},
         "swapped_tables": {sid: list(t) for sid, t in bm.swapped_tables.items()},
         "cached": list(pc.key_of) if pc is not None else [],

@@ -23,6 +23,8 @@ class LLM:
     Args:
         model: GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
         loaded: an already loaded model to reuse (tests share one); None = load ``model``.
+        kv_stats: give ``engine.stats`` the paper-figure KV accounting (waste, batch size,
+            sharing; see ``LLMEngine.enable_kv_stats``); default True.
         **engine_kwargs: any ``EngineConfig`` field, with the same defaults and meaning as the
             ``--<field>`` flags of ``pagedllm generate`` / ``serve``: ``dtype``, ``block_size``,
             ``kv_cache_memory`` (bytes or a size such as ``"2GiB"``), ``max_num_seqs``,
@@ -38,10 +40,16 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+        kv_stats: bool = True,
+        **engine_kwargs: Any,
     ) -> None:
         config = self.build_config(model, **engine_kwargs)
-        self.engine = LLMEngine(config, loaded=loaded, attention_backend=config.attention_backend)
+        self.engine = LLMEngine(config, loaded=loaded)
+        self.engine.enable_kv_stats(kv_stats)
         self._ids = itertools.count()
 
     @staticmethod

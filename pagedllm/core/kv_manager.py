@@ -1,0 +1,255 @@
+"""The KV-memory manager interface: what the scheduler and the engine call on the KV pool.
+
+Two implementations satisfy ``KVManager``:
+
+- ``core.block_manager.BlockManager``: the paper's paged manager (block tables, sharing by
+  reference count, copy-on-write, prefix caching, swapping; sections 4.2-4.5);
+- ``core.contiguous_kv_manager.ContiguousKVManager``: the re-implemented Orca baselines of section
+  6.1 (one contiguous reservation per request; no sharing, prefix caching or swapping).
+
+``create_kv_manager`` picks one by ``EngineConfig.kv_manager``, so nothing else branches on the
+manager's kind: what differs (admission limits, the figure 2 waste breakdown) sits behind methods.
+
+Units: blocks are physical block ids (ints, ``0 .. num_blocks - 1``); one block holds the K/V of
+``block_size`` tokens; a "slot" is one token's K/V in a block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.core.kv_waste import KVWaste
+    from pagedllm.core.prefix_cache import PrefixCache
+    from pagedllm.sequence import Sequence
+
+
+class ContextLengthExceededError(ValueError):
+    """The prompt (plus ``max_tokens``) does not fit in ``max_model_len`` or in the KV pool.
+
+    Attributes:
+        param: the request field to blame ("prompt" or "max_tokens").
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints: the blocks of ``b`` tokens that hold ``a`` tokens."""
+    return -(-a // b)
+
+
+def check_pool_fits(
+    num_blocks: int, block_size: int, prompt_len: int, max_tokens: int, num_samples: int
+) -> None:
+    """Refuse a request whose samples could never fit in the whole pool at once.
+
+    Every sample needs ``cdiv(prompt_len + max_tokens, block_size)`` blocks at its longest; the
+    samples share the prompt's full blocks (paper figure 8), so each extra sample adds its
+    blocks minus those.
+
+    Raises:
+        ContextLengthExceededError: (param "max_tokens") when that exceeds ``num_blocks``.
+    """
+    total = prompt_len + max_tokens
+    per_seq = cdiv(total, block_size)
+    if per_seq + (num_samples - 1) * (per_seq - prompt_len // block_size) > num_blocks:
+        raise ContextLengthExceededError(
+            f"max_tokens: the request's {num_samples} sample(s) of up to {total} "
+            f"tokens need more KV blocks than the whole pool ({num_blocks} blocks of "
+            f"{block_size} tokens)",
+            "max_tokens",
+        )
+
+
+@runtime_checkable
+class KVManager(Protocol):
+    """What the scheduler, the engine and the KV dashboard use of a KV-memory manager.
+
+    Attributes:
+        block_size: tokens per block.
+        num_blocks: physical blocks in the device pool.
+        num_swap_blocks: blocks of host swap space (0: this manager never swaps).
+        block_tables: seq_id -> physical block ids of its logical blocks, for every sequence
+            holding device blocks (the tables the kernels read; paper figure 6).
+        swapped_tables: seq_id -> host block ids, for swapped-out sequences.
+        prefix_cache: the content-addressed cache of full blocks, or None without prefix caching.
+    """
+
+    block_size: int
+    num_blocks: int
+    num_swap_blocks: int
+    block_tables: dict[int, list[int]]
+    swapped_tables: dict[int, list[int]]
+    prefix_cache: PrefixCache | None
+
+    # ---- queries -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks no sequence owns."""
+        ...
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Device blocks some sequence owns (a shared block counts once)."""
+        ...
+
+    def usage(self) -> float:
+        """Fraction of the device pool owned by sequences, 0..1."""
+        ...
+
+    def ref_counts(self) -> list[int]:
+        """Per device block (index = block id) the number of owners (for the dashboard)."""
+        ...
+
+    def swap_ref_counts(self) -> list[int] | None:
+        """Per host swap block the number of owners; None when there is no swap space."""
+        ...
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """The physical blocks the kernels read for ``seq`` this step."""
+        ...
+
+    def check_request_fits(
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+    ) -> None:
+        """Admission check of a new request against what this manager can ever hold.
+
+        Args:
+            prompt_len: prompt tokens.
+            max_tokens: the request's effective output-token limit.
+            num_samples: ``max(n, best_of)`` sequences the request will run.
+            use_beam_search: whether its sequences are beams (they share blocks).
+
+        Raises:
+            ContextLengthExceededError: (param "max_tokens") when it could never fit.
+            ValueError: (message starting "n:") when the manager cannot share blocks and the
+                request needs several sequences.
+        """
+        ...
+
+    def waste(self, holders: list[Sequence], waiting_head: Sequence | None) -> KVWaste:
+        """The paper's figure 2 breakdown of the KV memory now (see ``core.kv_waste``).
+
+        Args:
+            holders: the sequences holding device blocks.
+            waiting_head: the first waiting sequence, or None (for stranded free memory).
+        """
+        ...
+
+    # ---- admission ---------------------------------------------------------------------------
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        """Device blocks holding the longest cached prefix of ``seq`` (prefix caching)."""
+        ...
+
+    def group_shared_blocks(self, seqs: list[Sequence]) -> int:
+        """Full prompt blocks the sequences of a readmitted group can share."""
+        ...
+
+    def can_allocate(self, seqs: list[Sequence], watermark: bool = True) -> bool:
+        """Whether a waiting group (no blocks yet) can be admitted now."""
+        ...
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Admit a waiting sequence; returns the tokens already cached for it."""
+        ...
+
+    def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:
+        """Point ``other`` at ``lead``'s first ``num_blocks`` blocks; returns their tokens."""
+        ...
+
+    # ---- growth ------------------------------------------------------------------------------
+    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to take so ``seq`` can compute ``num_new_tokens`` more tokens."""
+        ...
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for ``num_new_tokens`` more tokens; returns (src, dst) copy-on-write pairs.
+
+        Raises:
+            NoFreeBlocksError: when the pool (or the reservation) is too small.
+        """
+        ...
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """After a step: register ``seq``'s newly full blocks (prefix caching)."""
+        ...
+
+    # ---- sharing and release -----------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (paper figure 8).
+
+        Raises:
+            ValueError: when the manager cannot share blocks.
+        """
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block ``seq`` holds (device and swap)."""
+        ...
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefixes no sequence holds; returns the blocks dropped."""
+        ...
+
+    # ---- swapping (paper section 4.5) --------------------------------------------------------
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """Whether the host pool can take the group's blocks (False: preempt by recompute)."""
+        ...
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the group's blocks to host memory; returns (device, host) block pairs."""
+        ...
+
+    def can_swap_in(self, seqs: list[Sequence], reserve: bool = True) -> bool:
+        """Whether the device pool can take a swapped group back."""
+        ...
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring a swapped group back; returns (host, device) block pairs."""
+        ...
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert the manager's bookkeeping is consistent.
+
+        Raises:
+            AssertionError: describing the first violation.
+        """
+        ...
+
+
+def create_kv_manager(
+    config: EngineConfig, num_blocks: int, num_swap_blocks: int, max_model_len: int
+) -> KVManager:
+    """The KV manager ``config.kv_manager`` names.
+
+    Args:
+        config: engine options (``kv_manager``, ``block_size``, ``enable_prefix_caching``).
+        num_blocks: physical blocks in the device pool.
+        num_swap_blocks: host swap blocks offered (the Orca baselines take none: read the
+            manager's ``num_swap_blocks`` for what it uses).
+        max_model_len: longest sequence in tokens.
+
+    Raises:
+        ValueError: naming ``kv_manager`` when unknown; see the managers' own errors.
+    """
+    # Imported here: both managers import this module (the error and the helpers above).
+    from pagedllm.core.block_manager import BlockManager
+    from pagedllm.core.contiguous_kv_manager import ORCA_POLICIES, ContiguousKVManager
+
+    if config.kv_manager == "paged":
+        return BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_swap_blocks=num_swap_blocks,
+        )
+    if config.kv_manager in ORCA_POLICIES:
+        return ContiguousKVManager(num_blocks, config.block_size, config.kv_manager, max_model_len)
+    raise ValueError(
+        f"kv_manager must be 'paged' or one of {ORCA_POLICIES}, got {config.kv_manager!r}"
+    )

@@ -1,0 +1,102 @@
+"""One beam-search step on the KV blocks: the block tree of the paper (section 4.4, figure 9).
+
+``engine.beam_search.BeamSearch`` decides, without touching memory, which ``(parent beam, next
+token)`` pairs survive a step. ``beam_step`` applies that decision to a request's sequences: a
+parent's first kept child continues the parent's own sequence, every further child forks the
+parent's blocks (shared by reference count, copied on write when it grows into a shared block),
+and parents with no kept child are freed. Sequences of a beam request therefore form a tree of
+shared blocks whose leaves are the live beams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.core.kv_manager import KVManager
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class BeamStepResult:
+    """What a beam step changed in the request's sequences.
+
+    Attributes:
+        forked: new sequences (children forked from a parent kept more than once).
+        dropped: pruned beams: their blocks are freed, their status is ``FINISHED_ABORTED``.
+        num_new_tokens: tokens appended to the live beams (one per kept beam).
+    """
+
+    forked: list[Sequence] = field(default_factory=list)
+    dropped: list[Sequence] = field(default_factory=list)
+    num_new_tokens: int = 0
+
+
+def beam_step(
+    group: SequenceGroup,
+    logits: torch.Tensor,
+    kv: KVManager,
+    new_seq_id: Callable[[], int],
+) -> BeamStepResult:
+    """One beam-search step for a group whose live beams all reached their end.
+
+    Kept candidates become the new live beams (``group.seqs``), in the order ``BeamSearch.step``
+    returns them. When the search is done (or nothing is kept), ``group.beam_results`` gets the
+    best ``n`` hypotheses and the live beams are marked ``FINISHED_STOPPED``; the caller frees
+    them with the rest of the finished request.
+
+    Args:
+        group: a beam-search request (``group.beam`` is its ``BeamSearch``).
+        logits: ``[len(group.seqs), vocab]`` raw logits, row ``i`` for ``group.seqs[i]``.
+        kv: the KV manager (forks and frees blocks).
+        new_seq_id: returns a fresh sequence id per call.
+
+    Returns:
+        The sequences forked and dropped, and the tokens appended.
+    """
+    beam = group.beam
+    live = group.seqs
+    result = BeamStepResult()
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    kept = beam.step(logprobs, [(s.output_token_ids, s.cumulative_logprob) for s in live])
+    used: set[int] = set()
+    new_live: list[Sequence] = []
+    plan: list[tuple[Sequence, int, float]] = []
+    for parent_row, token, cum in kept:
+        parent = live[parent_row]
+        if parent_row in used:
+            child = parent.fork(new_seq_id(), parent.seed)
+            kv.fork(parent, child)
+            result.forked.append(child)
+            plan.append((child, token, cum))
+            new_live.append(child)
+        else:
+            used.add(parent_row)
+            plan.append((parent, token, cum))
+            new_live.append(parent)
+    if kept:
+        for row, seq in enumerate(live):
+            if row not in used:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                kv.free(seq)
+                result.dropped.append(seq)
+        for seq, token, cum in plan:
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = cum
+        result.num_new_tokens = len(plan)
+        group.seqs = new_live
+    else:
+        new_live = live
+    if group.metrics.first_token_time is None:
+        group.metrics.first_token_time = time.monotonic()
+    if beam.done or not kept:
+        group.beam_results = beam.finalize(
+            [(s.output_token_ids, s.cumulative_logprob) for s in new_live],
+            group.sampling_params.n,
+        )
+        for seq in new_live:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+    return result

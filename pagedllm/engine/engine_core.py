@@ -1,0 +1,196 @@
+"""The engine core: add / abort requests and run one step = schedule -> execute -> update.
+
+One step (paper section 4.5, iteration-level scheduling):
+
+1. the scheduler picks the sequences and token counts of this step and their block tables;
+2. the executor runs the model on them (writing their K/V into the paged cache);
+3. the core updates the sequences: prompt logprobs; for every sequence that reached its end a
+   sampled token (after forking parallel samples, ``parallel_sampling``) or a beam step
+   (``beam_stepper``); detokenization and stop checks (``OutputProcessor``); then it frees the
+   blocks of finished requests.
+
+The core returns the requests that made progress; ``LLMEngine`` turns them into
+``RequestOutput`` (``OutputProcessor.make_output``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pagedllm.core.kv_manager import KVManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.beam_stepper import beam_step
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.parallel_sampling import fork_samples
+from pagedllm.engine.stats import EngineStats, KVStatsObserver
+from pagedllm.sampling.sampler import Sampler, SamplingBatch
+from pagedllm.sequence import Sequence, SequenceGroup
+
+
+class EngineCore:
+    """Owns the live requests and runs the steps.
+
+    Args:
+        scheduler: the scheduler (with ``kv``, its KV manager).
+        kv: the KV manager.
+        executor: runs the model (``execute_model(SchedulerOutput)`` -> logits).
+        sampler: samples one token per row of logits.
+        output_processor: detokenizes, checks stops and records logprobs.
+        stats: the counters to keep (the cheap ones always; see ``engine.stats``).
+        eos_token_ids: the model's end-of-sequence ids (the sampler's ``min_tokens``).
+        seq_ids: the engine's sequence-id counter (shared with the input processor).
+        check_invariants: run ``kv.check_invariants()`` after every step (tests).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: KVManager,
+        executor: Any,
+        sampler: Sampler,
+        output_processor: OutputProcessor,
+        stats: EngineStats,
+        eos_token_ids: list[int],
+        seq_ids: Iterator[int],
+        check_invariants: bool = False,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv = kv
+        self.executor = executor
+        self.sampler = sampler
+        self.output_processor = output_processor
+        self.stats = stats
+        self.stats_observer: KVStatsObserver | None = None
+        self.eos_token_ids = eos_token_ids
+        self._seq_ids = seq_ids
+        self._check_invariants = check_invariants
+        self.requests: dict[str, SequenceGroup] = {}
+        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, group: SequenceGroup) -> None:
+        """Queue a built request (``InputProcessor.process``); its id must be unused.
+
+        Raises:
+            ValueError: the request id is already live.
+        """
+        if group.request_id in self.requests:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
+        self.requests[group.request_id] = group
+        for seq in group.seqs:
+            self._seqs[seq.seq_id] = (seq, group)
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Returns False if it was not live."""
+        group = self.scheduler.abort(request_id)
+        if group is None:
+            return False
+        self.forget(group)
+        group.metrics.finished_time = time.monotonic()
+        return True
+
+    def forget(self, group: SequenceGroup) -> None:
+        """Drop a request (already out of the scheduler) from the live maps; idempotent."""
+        self.requests.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._seqs.pop(seq.seq_id, None)
+
+    def _new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[SequenceGroup]:
+        """Run one iteration; returns every request that made progress, in batch order (the
+        finished ones are already freed and forgotten)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        result = self.executor.execute_model(sched)
+        touched: dict[str, SequenceGroup] = {}
+        self.scheduler.on_step_done(sched)
+        for request_id, work in sched.scheduled:
+            seq, group = self._seqs[work.seq_id]
+            touched[request_id] = group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            n_prompt_part = max(0, min(seq.num_prompt_tokens - work.start_pos, len(work.token_ids)))
+            self.stats.prompt_tokens += n_prompt_part
+        for seq_id, logits in result.prompt_logits.items():
+            self.output_processor.add_prompt_logprobs(*self._seqs[seq_id], logits)
+        if result.sample_seq_ids:
+            self._process_samples(result.sample_seq_ids, result.logits)
+
+        st = self.stats
+        used = self.kv.num_used_blocks
+        st.num_steps += 1
+        st.peak_blocks_used = max(st.peak_blocks_used, used)
+        st.num_preemptions = self.scheduler.num_preemptions
+        if self.stats_observer is not None:
+            # Finished sequences still hold their blocks until free_finished() right after this.
+            self.stats_observer.after_step(self.kv, self.scheduler, sched)
+        for group in self.scheduler.free_finished():
+            group.metrics.finished_time = time.monotonic()
+            self.forget(group)
+        if self._check_invariants:
+            self.kv.check_invariants()
+        return list(touched.values())
+
+    def _process_samples(self, seq_ids: list[int], logits: torch.Tensor) -> None:
+        """Sample a token for every sequence in ``seq_ids`` (row ``i`` of ``logits``, ``[len(
+        seq_ids), vocab]``), after the beam steps of beam requests and the forks of parallel
+        samples."""
+        pairs = [self._seqs[s] for s in seq_ids]
+        beam_rows: dict[str, list[int]] = {}
+        for i, (_, group) in enumerate(pairs):
+            if group.beam is not None:
+                beam_rows.setdefault(group.request_id, []).append(i)
+        if beam_rows:
+            for rows_of_group in beam_rows.values():
+                group = pairs[rows_of_group[0]][1]
+                # Rows in the group's beam order (BeamSearch.step relies on it).
+                row_of = {pairs[i][0].seq_id: i for i in rows_of_group}
+                ordered = [row_of[s.seq_id] for s in group.seqs]
+                step = beam_step(group, logits[torch.tensor(ordered)], self.kv, self._new_seq_id)
+                for child in step.forked:
+                    self._seqs[child.seq_id] = (child, group)
+                for seq in step.dropped:
+                    self._seqs.pop(seq.seq_id, None)
+                self.stats.generation_tokens += step.num_new_tokens
+            keep = [i for i, (_, g) in enumerate(pairs) if g.beam is None]
+            if not keep:
+                return
+            pairs = [pairs[i] for i in keep]
+            logits = logits[torch.tensor(keep)]
+        # Parallel sampling: a group's forks sample from its logits row (rows[k] = row of pair k).
+        rows = list(range(len(pairs)))
+        for i in range(len(pairs)):
+            seq, group = pairs[i]
+            for child in fork_samples(seq, group, self.kv, self._new_seq_id):
+                self._seqs[child.seq_id] = (child, group)
+                pairs.append((child, group))
+                rows.append(i)
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows)]
+        batch = SamplingBatch(
+            params=[g.sampling_params for _, g in pairs],
+            seeds=[s.seed for s, _ in pairs],
+            output_token_ids=[s.output_token_ids for s, _ in pairs],
+            prompt_token_ids=[s.prompt_token_ids for s, _ in pairs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        out = self.sampler(logits, batch)
+        now = time.monotonic()
+        for i, (seq, group) in enumerate(pairs):
+            seq.append_token(out.sampled_token_ids[i], out.sampled_logprobs[i])
+            self.stats.generation_tokens += 1
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            self.output_processor.process_sample(seq, group, out, i)
+            if seq.is_finished() and len(group.seqs) > 1:
+                self.scheduler.free_seq(seq)  # a finished sample gives its blocks back at once

@@ -1,0 +1,180 @@
+"""Input processing: tokenize and validate a request, then build what the engine core queues.
+
+``InputProcessor.process`` turns ``(request_id, prompt, SamplingParams)`` into a
+``SequenceGroup`` of one ``Sequence`` (its seed drawn, its incremental detokenizer set up, its
+``BeamSearch`` state attached for beam search); parallel samples and beams are forked from that
+sequence later, by the engine core, once its prompt is computed (paper section 4.4).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_manager import ContextLengthExceededError, KVManager
+from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.parallel_sampling import num_samples
+from pagedllm.outputs import RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceGroup
+
+__all__ = ["ContextLengthExceededError", "InputProcessor"]
+
+
+class InputProcessor:
+    """Tokenizes, validates and builds requests.
+
+    Args:
+        config: engine options (``seed``, ``max_logprobs``).
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the model's vocabulary size (valid ids are ``0 .. vocab_size - 1``).
+        max_model_len: longest sequence in tokens (prompt + output).
+        eos_token_ids: the model's end-of-sequence ids (beam search's stopping tokens).
+        kv: the KV manager (``check_request_fits``: what its pool can ever hold).
+        seq_ids: the engine's sequence-id counter (shared with the core's forks).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        kv: KVManager,
+        seq_ids: Iterator[int],
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.kv = kv
+        self._seq_ids = seq_ids
+        self._seed_rng = random.Random(config.seed)
+        self._arrivals = itertools.count()
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """The prompt's token ids under the model's tokenizer (special tokens as it adds them)."""
+        return list(self.tokenizer(prompt).input_ids)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request before it enters the engine; returns its effective max_tokens.
+
+        Raises:
+            ValueError: naming the field: ``prompt`` (empty, ids outside the vocabulary, too
+                long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or more blocks
+                than the whole pool), ``n`` (several sequences on a KV manager that cannot share
+                blocks), ``logprobs`` / ``prompt_logprobs`` (over ``max_logprobs``),
+                ``stop_token_ids`` / ``logit_bias`` (ids outside the vocabulary), beam search
+                with stop strings or non-default temperature / top_p / top_k.
+                ``ContextLengthExceededError`` (a ``ValueError``) for the length and pool limits.
+        """
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        params.verify_token_ids(self.vocab_size)
+        if params.use_beam_search:
+            if params.stop:
+                raise ValueError("stop strings are not supported with use_beam_search")
+            if params.temperature not in (0.0, 1.0) or params.top_p < 1.0 or params.top_k > 1:
+                raise ValueError(
+                    "temperature / top_p / top_k must keep their defaults with use_beam_search"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {k}")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt is {n_prompt} tokens; max_model_len is {self.max_model_len}, which leaves "
+                "no room for an output token",
+                "prompt",
+            )
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ContextLengthExceededError(
+                f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+                "max_tokens",
+            )
+        self.kv.check_request_fits(
+            n_prompt, max_tokens, num_samples(params), params.use_beam_search
+        )
+        return max_tokens
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> SequenceGroup:
+        """Tokenize (a text prompt), validate and build the request's ``SequenceGroup``.
+
+        Args:
+            request_id: the caller's id (uniqueness is the engine's check).
+            prompt: text or token ids.
+            params: sampling parameters.
+            arrival_time: ``time.monotonic()`` seconds; default now.
+            cache_salt: requests with different salts never share prefix-cache blocks.
+
+        Returns:
+            A group of one waiting sequence: seed ``params.seed`` or one drawn from the engine's
+            seeded generator, ``max_num_tokens`` = prompt + effective max_tokens, a detokenizer
+            when ``params.detokenize``, a ``BeamSearch`` of width ``max(n, best_of)`` for beam
+            search, and an empty prompt-logprobs list (first position None) when asked.
+
+        Raises:
+            ValueError: see ``validate``.
+        """
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = self.tokenize(prompt) if prompt else []
+        else:
+            prompt_text = None
+            token_ids = list(prompt)
+        max_tokens = self.validate(token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        salt = cache_salt.encode() if cache_salt else None
+        seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
+        seq.max_num_tokens = len(token_ids) + max_tokens
+        if params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[seq],
+            sampling_params=params,
+            prompt=prompt_text,
+            arrival_index=next(self._arrivals),
+            metrics=RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
+            max_tokens=max_tokens,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        if params.use_beam_search:
+            group.beam = BeamSearch(
+                beam_width=num_samples(params),
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                max_tokens=max_tokens,
+                eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                vocab_size=self.vocab_size,
+            )
+        return group
