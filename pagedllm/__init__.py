@@ -26,7 +26,7 @@ from pagedllm.sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # LLM pulls in torch and transformers; import it lazily so `import pagedllm` stays light.
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM

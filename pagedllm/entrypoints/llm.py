@@ -203,7 +203,7 @@ class LLM:
 
 
 def apply_chat_template(
-    tokenizer,
+    tokenizer: Any,
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,

@@ -248,7 +248,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, shard, group)
 
-    def forward(self, rotate, x, kv_cache, meta, backend) -> torch.Tensor:
+    def forward(
+        self,
+        rotate: Rotate,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         a = self.self_attn(rotate, self.input_layernorm(x), kv_cache, meta, backend)
         norm = self.post_attention_layernorm
         if norm.cpu_ops is not None:

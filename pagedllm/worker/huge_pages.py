@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ _MADV_HUGEPAGE = 14  # <linux/mman.h>
 _libc = None
 
 
-def _madvise():
+def _madvise() -> Any:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -10,6 +10,7 @@ with the OpenAI envelope (``errors.py``). The routes are in ``routes.py``, the K
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -91,7 +92,7 @@ def create_app(
     serving = OpenAIServing(async_engine, served_model_name)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         try:
             yield
