@@ -312,3 +312,35 @@ def test_forged_turn_with_the_bundled_smollm_tokenizer():
     )
     assert tok.decode(ids) == text
     assert render_messages(tok, msgs, True, False, True).count(start) == 4
+
+
+# ---- item 8: prompt-token metrics and return_token_ids -----------------------------------------------
+def metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_prompt_tokens_total_counts_prefix_cache_hits(client, server):
+    prompt = list(range(5, 45))  # 40 tokens: two full blocks of 16 can be reused
+    names = (
+        "vllm:prompt_tokens_total",
+        "vllm:prompt_tokens_cached_total",
+        "vllm:prompt_tokens_computed_total",
+    )
+    before = [metric(client, n) for n in names]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "return_token_ids": True}
+    cached = 0
+    for _ in range(2):
+        r = ok(client, CMPL, body)
+        cached += r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # return_token_ids: the prompt ids are inside each choice (as vLLM does)
+        assert r["choices"][0]["prompt_token_ids"] == prompt and "prompt_token_ids" not in r
+    assert cached >= 32
+    total, hit, computed = (metric(client, n) - b for n, b in zip(names, before, strict=True))
+    assert total == 2 * len(prompt)
+    assert hit == cached
+    assert computed == 2 * len(prompt) - cached
+    chat = ok(client, CHAT, _chat([{"role": "user", "content": "hi"}], return_token_ids=True))
+    assert chat["prompt_token_ids"] and "prompt_token_ids" not in chat["choices"][0]
