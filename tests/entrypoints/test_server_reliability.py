@@ -344,3 +344,24 @@ def test_prompt_tokens_total_counts_prefix_cache_hits(client, server):
     assert computed == 2 * len(prompt) - cached
     chat = ok(client, CHAT, _chat([{"role": "user", "content": "hi"}], return_token_ids=True))
     assert chat["prompt_token_ids"] and "prompt_token_ids" not in chat["choices"][0]
+
+
+# ---- schema conformance ---------------------------------------------------------------------------------
+def test_openapi_schema_matches_answers(client, server):
+    spec = client.get("/openapi.json").json()
+    assert "422" not in str(spec) and "HTTPValidationError" not in spec["components"]["schemas"]
+    r = client.get("/health")
+    assert r.status_code == 200 and r.content == b""
+    assert "content" not in spec["paths"]["/health"]["get"]["responses"]["200"]
+    # a bad query parameter: the 400 the schema documents, with the envelope
+    err = assert_error(client.get("/debug/kv", params={"max_cells": 0}), 400)
+    assert "max_cells" in err["message"]
+    assert "400" in spec["paths"]["/debug/kv"]["get"]["responses"]
+    ref = spec["paths"]["/debug/kv"]["get"]["responses"]["400"]["content"]["application/json"]
+    assert ref["schema"]["$ref"].endswith("/ErrorResponse")
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    assert client.get("/metrics").headers["content-type"].startswith("text/plain")
+    chat = spec["paths"][CHAT]["post"]["responses"]["200"]["content"]
+    assert set(chat) == {"application/json", "text/event-stream"}
+    healthy(server, client)

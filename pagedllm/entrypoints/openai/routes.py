@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.openai import serving_chat, serving_completion
 from pagedllm.entrypoints.openai.chat_render import render_messages
@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -37,6 +38,17 @@ def server_version() -> str:
         return "0.1.0"
 
 
+def _json_or_sse(description: str) -> dict[str, Any]:
+    """OpenAPI entry of a 200 that is a JSON body, or an SSE stream with ``stream: true``."""
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+
+
 def make_router(serving: OpenAIServing) -> APIRouter:
     """The routes of the API, serving through ``serving``."""
     router = APIRouter()
@@ -44,14 +56,14 @@ def make_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post(
         "/v1/completions",
-        responses={200: {"description": "a completion or an SSE stream"}, **ERROR_RESPONSES},
+        responses={200: _json_or_sse("a completion or an SSE stream"), **ERROR_RESPONSES},
     )
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         return await serving_completion.create_completion(serving, req, raw)
 
     @router.post(
         "/v1/chat/completions",
-        responses={200: {"description": "a chat completion or an SSE stream"}, **ERROR_RESPONSES},
+        responses={200: _json_or_sse("a chat completion or an SSE stream"), **ERROR_RESPONSES},
     )
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving_chat.create_chat_completion(serving, req, raw)
@@ -67,16 +79,25 @@ def make_router(serving: OpenAIServing) -> APIRouter:
             ]
         )
 
-    @router.get("/health")
+    @router.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "the engine runs (an empty body)", "content": None},
+            500: {"model": ErrorResponse, "description": "the engine is dead"},
+        },
+    )
     async def health() -> Response:
-        """200 while the engine runs; 500 ``engine_dead`` with the reason otherwise."""
+        """200 with an empty body while the engine runs; 500 ``engine_dead`` with the reason
+        otherwise."""
         if engine.is_dead or not engine.is_running:
             reason = engine.dead_reason or "the engine is not running"
             return APIError(500, reason, "server_error", code="engine_dead").response()
         return Response(status_code=200)
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """The Prometheus text exposition."""
         data, ctype = serving.metrics.render()
         return Response(content=data, media_type=ctype)
 
