@@ -24,7 +24,6 @@ from tests.entrypoints.server_utils import (
     check_chunk_shape,
     healthy,
     sse_events,
-    wait_idle,
 )
 
 CHAT = "/v1/chat/completions"
@@ -48,19 +47,6 @@ def server(tiny_loaded):
     srv = ServerThread(app).start()
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def _idle_after(request):
-    yield
-    if "server" in request.fixturenames:
-        wait_idle(request.getfixturevalue("server").engine)
 
 
 def ok(client: httpx.Client, path: str, body: dict) -> dict:

@@ -51,12 +51,6 @@ def server(smollm):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -64,13 +58,6 @@ def oai(server):
 @pytest.fixture(scope="module")
 def tok(smollm):
     return smollm.tokenizer
-
-
-@pytest.fixture(autouse=True)
-def _idle_after(request):
-    yield
-    if "server" in request.fixturenames:
-        wait_idle(request.getfixturevalue("server").engine)
 
 
 def post(client, path, body, status=200):

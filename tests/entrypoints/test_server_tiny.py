@@ -48,21 +48,8 @@ def server(tiny_loaded):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(autouse=True)
-def _idle_after(request):
-    yield
-    if "server" in request.fixturenames:
-        wait_idle(request.getfixturevalue("server").engine)
 
 
 # ---- plain endpoints --------------------------------------------------------------------------
