@@ -92,7 +92,8 @@ def log_unknown_fields(model: BaseModel, where: str) -> None:
         if len(_logged_unknown) > MAX_LOGGED_UNKNOWN:
             logger.warning("too many unknown request fields: no longer logging new ones")
         else:
-            logger.warning("ignoring the unknown request field %r (in %s)", name, where)
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            logger.warning("ignoring the unknown request field %r (in %s)", shown, where)
 
 
 def _check_table(extra: dict[str, Any], table: dict[str, tuple[Callable[[Any], bool], str]]):
