@@ -54,7 +54,7 @@ def server(tiny_loaded):
 
 
 @pytest.mark.slow
-def test_schemathesis_finds_no_server_error_or_schema_violation(server, client):
+def test_schemathesis_finds_no_server_error_or_schema_violation(server, client, tmp_path):
     seconds = os.environ.get("PAGEDLLM_FUZZ_SECONDS", "120")
     cmd = [
         sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
@@ -62,7 +62,8 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, client):
         "--max-examples", "40", "--workers", "1", "--phases", "examples,coverage,fuzzing",
         "--max-time", seconds, "--continue-on-failure",
     ]  # fmt: skip
-    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+    # run in tmp_path: schemathesis writes its .schemathesis/ folder where it runs
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=tmp_path)
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     generated = re.search(r"(\d+) generated", run.stdout)
