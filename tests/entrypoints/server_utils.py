@@ -104,3 +104,28 @@ def check_chunk_shape(events: list[Any], n: int = 1, chat: bool = True) -> dict[
                 finished.add(i)
     assert finished == set(range(n)), (finished, n)
     return texts
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "__any__", code=None):
+    """The response is ``status`` with exactly the OpenAI error envelope; returns its error."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "__any__":
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def healthy(server, client) -> None:
+    """After an error case: a normal request succeeds, /health is 200, every block is free."""
+    r = client.post(
+        "/v1/completions", json={"prompt": "hello world", "max_tokens": 2, "temperature": 0}
+    )
+    assert r.status_code == 200, r.text
+    assert client.get("/health").status_code == 200
+    wait_idle(server.engine)

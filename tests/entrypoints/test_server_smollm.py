@@ -22,7 +22,13 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.openai.app import build_app
-from tests.entrypoints.server_utils import ServerThread, check_chunk_shape, sse_events, wait_idle
+from tests.entrypoints.server_utils import (
+    ServerThread,
+    assert_error,
+    check_chunk_shape,
+    sse_events,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +51,6 @@ def server(smollm):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -60,28 +60,10 @@ def tok(smollm):
     return smollm.tokenizer
 
 
-@pytest.fixture(autouse=True)
-def _idle_after(request):
-    yield
-    if "server" in request.fixturenames:
-        wait_idle(request.getfixturevalue("server").engine)
-
-
 def post(client, path, body, status=200):
     r = client.post(path, json=body)
     assert r.status_code == status, r.text
     return r.json()
-
-
-def assert_error(r, status, param="__any__", code=None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    if param != "__any__":
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
 
 
 def healthy(server, client):

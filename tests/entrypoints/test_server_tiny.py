@@ -17,7 +17,9 @@ import pytest
 from pagedllm.entrypoints.openai.app import build_app
 from tests.entrypoints.server_utils import (
     ServerThread,
+    assert_error,
     check_chunk_shape,
+    healthy,
     sse_events,
     wait_idle,
 )
@@ -46,44 +48,8 @@ def server(tiny_loaded):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(autouse=True)
-def _idle_after(request):
-    yield
-    if "server" in request.fixturenames:
-        wait_idle(request.getfixturevalue("server").engine)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "__any__", code=None):
-    assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    if param != "__any__":
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
-def healthy(server, client):
-    r = client.post(
-        "/v1/completions", json={"prompt": "hello world", "max_tokens": 2, "temperature": 0}
-    )
-    assert r.status_code == 200, r.text
-    assert client.get("/health").status_code == 200
-    wait_idle(server.engine)
 
 
 # ---- plain endpoints --------------------------------------------------------------------------

@@ -22,7 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from pagedllm.entrypoints.openai.middleware import (
+    DEFAULT_MAX_BODY_BYTES,
+    OPEN_PATHS,
+    GuardMiddleware,
+)
+from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.openai.routes import make_router, server_version
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
 
@@ -70,6 +75,42 @@ def _add_exception_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
+def _envelope_response(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI schema, corrected to what the server answers: validation errors are
+    400 with the OpenAI envelope (never FastAPI's 422), and every path outside ``OPEN_PATHS``
+    may answer 401 (API key) with the envelope. Cached on ``app.openapi_schema``."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    if "ErrorResponse" not in schemas:
+        js = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(js.pop("$defs", {}))
+        schemas["ErrorResponse"] = js
+    for path, ops in spec.get("paths", {}).items():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            if responses.pop("422", None) is not None and "400" not in responses:
+                responses["400"] = _envelope_response("invalid request")
+            if path not in OPEN_PATHS and "401" not in responses:
+                responses["401"] = _envelope_response("missing or wrong API key")
+    text = str(spec["paths"])
+    for name in ("HTTPValidationError", "ValidationError"):
+        if f"/{name}'" not in text:
+            schemas.pop(name, None)
+    app.openapi_schema = spec
+    return spec
+
+
 def create_app(
     async_engine: AsyncLLMEngine,
     served_model_name: str | list[str],
@@ -111,6 +152,7 @@ def create_app(
         from pagedllm.entrypoints.openai.debug_routes import mount_debug_routes
 
         mount_debug_routes(app, async_engine)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
 

@@ -243,7 +243,16 @@ def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
     async def debug_kv_history() -> dict[str, Any]:
         return {"period_s": HISTORY_PERIOD, "samples": list(history.samples)}
 
-    @router.get("/debug/kv/stream")
+    @router.get(
+        "/debug/kv/stream",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "SSE events: `snapshot` (JSON), `error` when the engine stops",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def debug_kv_stream(
         request: Request,
         interval: float = Query(0.25, ge=MIN_CAPTURE_INTERVAL, le=60.0),

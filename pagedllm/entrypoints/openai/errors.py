@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 #: OpenAPI ``responses=`` entry documenting the error envelope of a route.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
 }
 
 #: Names a ValueError message may start with that are request fields (so ``param`` is set).

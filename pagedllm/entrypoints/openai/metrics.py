@@ -2,7 +2,12 @@
 
 Gauges and token counters are read at scrape time (a custom collector) from the counters the engine
 thread publishes after every step (``AsyncLLMEngine.counters``): a scrape never touches the live
-engine. The latency histograms are observed when a request finishes. Every app gets
+engine. The prompt-token counters are the server's own, counted when a request's first output
+comes (its prompt then done): ``vllm:prompt_tokens_total`` counts every prompt token, prefix-cache
+hits included (as vLLM counts them), ``vllm:prompt_tokens_cached_total`` the hits among them;
+``vllm:prompt_tokens_computed_total`` (the engine's) the prompt tokens it ran through the model
+(recomputation after preemption included). The latency histograms are observed when a request
+finishes. Every app gets
 its own ``CollectorRegistry`` so several servers can live in one process (tests).
 """
 
@@ -11,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,7 +76,12 @@ class _EngineCollector(Collector):
             c.kv_usage,
         )
         yield gauge("vllm:num_kv_blocks", "KV-cache blocks in the pool.", c.num_blocks)
-        yield counter("vllm:prompt_tokens", "Prompt tokens computed.", st.prompt_tokens)
+        yield counter(
+            "vllm:prompt_tokens_computed",
+            "Prompt tokens run through the model (not prefix-cache hits; again after a "
+            "recompute preemption).",
+            st.prompt_tokens,
+        )
         yield counter("vllm:generation_tokens", "Tokens generated.", st.generation_tokens)
         yield counter(
             "vllm:num_preemptions", "Preemptions of running requests.", st.num_preemptions
@@ -122,6 +138,16 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry.register(_EngineCollector(async_engine, model_name))
         kw: dict[str, Any] = dict(labelnames=["model_name"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Prompt tokens of the requests, prefix-cache hits included.",
+            **kw,
+        ).labels(model_name)
+        self.prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens whose KV came from the prefix cache.",
+            **kw,
+        ).labels(model_name)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -140,6 +166,11 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             **kw,
         ).labels(model_name)
+
+    def observe_prefilled(self, out: RequestOutput) -> None:
+        """Count the prompt tokens of a request whose prompt is done (its first output)."""
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.prompt_tokens_cached.inc(out.num_cached_tokens)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record the latencies of a finished request."""

@@ -1,8 +1,9 @@
 """Pydantic models of the OpenAI-compatible API: the request bodies, ``/v1/models``' answer and
 the error envelope (the generation answers are built as plain dicts in the serving modules).
 
-Request models accept (and ignore) unknown fields, as OpenAI clients add new ones over time; value
-ranges are checked by ``SamplingParams`` and the engine, whose messages name the field, so that a
+Request models accept (and ignore) unknown fields, as OpenAI clients add new ones over time (they
+are logged once per name); known fields this server does not implement are refused in
+``validation.py``. Value ranges are checked by ``SamplingParams`` and the engine, whose messages name the field, so that a
 400 names the same ``param`` whichever layer caught it.
 """
 
@@ -41,6 +42,8 @@ class StreamOptions(OpenAIBaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk carrying the usage."""
 
     include_usage: bool | None = False
+    #: vLLM's per-chunk usage: refused (400) when true.
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingExtensions(OpenAIBaseModel):
@@ -149,6 +152,12 @@ class ChatCompletionRequest(SamplingExtensions):
     # vLLM extensions for the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    #: vLLM's chat echo: the reply starts with the last message's content when that message is
+    #: the assistant's (with ``continue_final_message``, the text being continued).
+    echo: bool = False
+    #: Let special-token strings written in message contents (``<|im_end|>``) act as control
+    #: tokens; by default they are tokenized as plain text, as OpenAI does.
+    allow_special_tokens_in_content: bool = False
 
 
 # ---- models, tokenizer, version --------------------------------------------------------------
@@ -179,6 +188,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    allow_special_tokens_in_content: bool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):

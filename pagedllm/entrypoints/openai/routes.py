@@ -10,20 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.openai import serving_chat, serving_completion
+from pagedllm.entrypoints.openai.chat_render import render_messages
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving_chat import render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+from pagedllm.entrypoints.openai.validation import check_generation_prompt, check_messages
 
 
 def server_version() -> str:
@@ -36,6 +38,17 @@ def server_version() -> str:
         return "0.1.0"
 
 
+def _json_or_sse(description: str) -> dict[str, Any]:
+    """OpenAPI entry of a 200 that is a JSON body, or an SSE stream with ``stream: true``."""
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+
+
 def make_router(serving: OpenAIServing) -> APIRouter:
     """The routes of the API, serving through ``serving``."""
     router = APIRouter()
@@ -43,14 +56,14 @@ def make_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post(
         "/v1/completions",
-        responses={200: {"description": "a completion or an SSE stream"}, **ERROR_RESPONSES},
+        responses={200: _json_or_sse("a completion or an SSE stream"), **ERROR_RESPONSES},
     )
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         return await serving_completion.create_completion(serving, req, raw)
 
     @router.post(
         "/v1/chat/completions",
-        responses={200: {"description": "a chat completion or an SSE stream"}, **ERROR_RESPONSES},
+        responses={200: _json_or_sse("a chat completion or an SSE stream"), **ERROR_RESPONSES},
     )
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving_chat.create_chat_completion(serving, req, raw)
@@ -66,16 +79,25 @@ def make_router(serving: OpenAIServing) -> APIRouter:
             ]
         )
 
-    @router.get("/health")
+    @router.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "the engine runs (an empty body)", "content": None},
+            500: {"model": ErrorResponse, "description": "the engine is dead"},
+        },
+    )
     async def health() -> Response:
-        """200 while the engine runs; 500 ``engine_dead`` with the reason otherwise."""
+        """200 with an empty body while the engine runs; 500 ``engine_dead`` with the reason
+        otherwise."""
         if engine.is_dead or not engine.is_running:
             reason = engine.dead_reason or "the engine is not running"
             return APIError(500, reason, "server_error", code="engine_dead").response()
         return Response(status_code=200)
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """The Prometheus text exposition."""
         data, ctype = serving.metrics.render()
         return Response(content=data, media_type=ctype)
 
@@ -87,8 +109,16 @@ def make_router(serving: OpenAIServing) -> APIRouter:
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(req.model)
         if req.messages is not None:
+            check_messages(req.messages, "tokenize")
+            add_gp = check_generation_prompt(
+                req.add_generation_prompt, req.continue_final_message, req.model_fields_set
+            )
             ids = render_messages(
-                serving, req.messages, req.add_generation_prompt, req.continue_final_message
+                serving.tokenizer,
+                req.messages,
+                add_gp,
+                req.continue_final_message,
+                req.allow_special_tokens_in_content,
             )
         elif req.prompt is not None:
             ids = serving.tokenize(req.prompt, req.add_special_tokens)

@@ -1,9 +1,10 @@
-"""``POST /v1/chat/completions``: messages rendered with the model's chat template, text-only
-content, chat logprobs and SSE streaming.
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template
+(``chat_render.py``), text-only content, chat logprobs, ``echo`` and SSE streaming.
 
 Refused with 400 (no support in the engine): non-text content parts, ``response_format`` other
 than ``text``, ``tools`` unless ``tool_choice="none"``, ``tool_choice`` ``required`` or a
-function.
+function, and the fields and messages ``validation.py`` refuses (unknown roles, null contents,
+legacy ``functions``, ``stream_options`` without ``stream``, ...).
 """
 
 from __future__ import annotations
@@ -15,67 +16,20 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.llm import apply_chat_template
+from pagedllm.entrypoints.openai.chat_render import message_text, render_messages
 from pagedllm.entrypoints.openai.errors import APIError, value_error
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (
     ChoiceState,
     OpenAIServing,
     RequestContext,
 )
+from pagedllm.entrypoints.openai.validation import (
+    check_common,
+    check_generation_prompt,
+    check_messages,
+)
 from pagedllm.outputs import CompletionOutput, RequestOutput
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The ``{"role", "content"[, "name"]}`` dicts the chat template takes (text parts of a
-    content list joined with newlines).
-
-    Raises:
-        APIError: 400 (``param="messages"``) for a content part that is not text.
-    """
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                        param="messages",
-                    )
-                texts.append(part.text)
-            content = "\n".join(texts)
-        d: dict[str, Any] = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            d["name"] = m.name
-        out.append(d)
-    return out
-
-
-def render_messages(
-    serving: OpenAIServing,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template.
-
-    Raises:
-        APIError: 400 for an empty list, a non-text part, or what the template refuses.
-    """
-    if not messages:
-        raise APIError(400, "messages must not be empty", param="messages")
-    try:
-        return apply_chat_template(
-            serving.tokenizer,
-            message_dicts(messages),
-            add_generation_prompt,
-            continue_final_message,
-        )
-    except ValueError as e:
-        raise value_error(e) from None
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -109,11 +63,18 @@ async def create_chat_completion(
     """
     arrival = time.monotonic()
     serving.check_model(req.model)
-    if not req.messages:
-        raise APIError(400, "messages must not be empty", param="messages")
+    check_messages(req.messages, "chat")
+    check_common(req, "chat")
     _check_unsupported(req)
+    add_gp = check_generation_prompt(
+        req.add_generation_prompt, req.continue_final_message, req.model_fields_set
+    )
     ids = render_messages(
-        serving, req.messages, req.add_generation_prompt, req.continue_final_message
+        serving.tokenizer,
+        req.messages,
+        add_gp,
+        req.continue_final_message,
+        req.allow_special_tokens_in_content,
     )
     max_tokens: int | None
     if req.max_completion_tokens is not None:
@@ -145,6 +106,11 @@ class ChatContext(RequestContext):
         super().__init__(serving, req, rid, len(prompt_ids))
         self.prompt_ids = prompt_ids
         self.k = (req.top_logprobs or 0) if req.logprobs else None
+        #: ``echo``: the last message's content when it is the assistant's (as vLLM does).
+        self.echo = ""
+        last = req.messages[-1]
+        if req.echo and last.role == "assistant":
+            self.echo = message_text(last, len(req.messages) - 1)
 
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -155,7 +121,7 @@ class ChatContext(RequestContext):
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": {"role": "assistant", "content": self.echo + c.text},
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -172,7 +138,7 @@ class ChatContext(RequestContext):
         return [
             {
                 "index": j,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": "assistant", "content": self.echo},
                 "logprobs": None,
                 "finish_reason": None,
             }

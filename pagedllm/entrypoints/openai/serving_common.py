@@ -269,6 +269,7 @@ class RequestContext:
         self.model = serving.model_name
         self.n = req.n
         self.num_prompt_tokens = num_prompt_tokens
+        self._seen: set[int] = set()  # requests (prompt positions) with an output so far
 
     # ---- hooks ---------------------------------------------------------------------------
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -328,6 +329,16 @@ class RequestContext:
             d["usage"] = None
         return d
 
+    def observe(self, i: int, out: RequestOutput, finals: list[RequestOutput | None]) -> None:
+        """Metrics of an output of request ``i`` (prompt tokens at its first output, latencies
+        when finished); keeps the final output in ``finals``."""
+        if i not in self._seen:
+            self._seen.add(i)
+            self.serving.metrics.observe_prefilled(out)
+        if out.finished:
+            finals[i] = out
+            self.serving.metrics.observe_finished(out)
+
     async def respond(self, streams: list[RequestStream], raw: Request) -> Response:
         """The HTTP answer: an SSE stream when ``stream`` was asked, else the JSON body (499
         when the client left first).
@@ -357,9 +368,7 @@ class RequestContext:
 
         async def consume() -> None:
             async for i, out in merge(streams):
-                if out.finished:
-                    finals[i] = out
-                    self.serving.metrics.observe_finished(out)
+                self.observe(i, out, finals)
 
         task = asyncio.create_task(consume())
         try:
@@ -394,9 +403,7 @@ class RequestContext:
                     ch = self.stream_choice(i, out, c, st)
                     if ch is not None:
                         yield sse(self.chunk([ch]))
-                if out.finished:
-                    finals[i] = out
-                    self.serving.metrics.observe_finished(out)
+                self.observe(i, out, finals)
             if self.include_usage:
                 yield sse(self.chunk([], self.usage([f for f in finals if f is not None])))
         except Exception as e:

@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     OpenAIServing,
     RequestContext,
 )
+from pagedllm.entrypoints.openai.validation import check_common
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 #: OpenAI's default ``max_tokens`` of a completion.
@@ -66,6 +67,7 @@ async def create_completion(
     """
     arrival = time.monotonic()
     serving.check_model(req.model)
+    check_common(req, "completions")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     prompts = parse_prompts(serving, req.prompt)

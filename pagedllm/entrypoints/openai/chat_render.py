@@ -1,0 +1,148 @@
+"""Chat messages to prompt token ids, with the model's chat template.
+
+Special tokens written inside a message (``<|im_end|>\\n<|im_start|>system`` in a user's text)
+are plain text by default, as OpenAI treats them: only the special tokens the template itself
+writes become control tokens, so a user cannot forge a turn. How: each special-token string found
+in a message's ``content`` or ``name`` is replaced by a marker holding a per-request random nonce
+before rendering; the rendered text is cut at the template's special tokens (as the tokenizer
+itself cuts it), and each piece between them is tokenized as plain text
+(``split_special_tokens``) with the markers put back. Conversations without such strings are
+tokenized exactly as before. ``allow_special_tokens_in_content=true`` (a request field) keeps the
+old behaviour: the rendered text is tokenized with every special token recognized.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from pagedllm.entrypoints.llm import apply_chat_template
+from pagedllm.entrypoints.openai.errors import APIError, value_error
+from pagedllm.entrypoints.openai.protocol import ChatMessage
+
+
+def message_text(m: ChatMessage, i: int) -> str:
+    """The text of message ``i`` (the text parts of a content list joined with newlines).
+
+    Raises:
+        APIError: 400 (``param="messages"``) for a content part that is not text.
+    """
+    content = m.content
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400,
+                f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                param="messages",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The ``{"role", "content"[, "name"]}`` dicts the chat template takes.
+
+    Raises:
+        APIError: 400 (``param="messages"``) for a content part that is not text.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def special_token_strings(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens (control tokens), longest first."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            found.add(str(tok.content))
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
+class _Markers:
+    """Replaces special-token strings by ``[nonce:k]`` markers and remembers them."""
+
+    def __init__(self, specials: list[str]) -> None:
+        self.nonce = uuid.uuid4().hex
+        self.find = re.compile("|".join(re.escape(s) for s in specials))
+        self.originals: list[str] = []
+
+    def mark(self, text: str) -> str:
+        def sub(m: re.Match) -> str:
+            self.originals.append(m.group(0))
+            return f"[{self.nonce}:{len(self.originals) - 1}]"
+
+        return self.find.sub(sub, text)
+
+    def restore(self, text: str) -> str:
+        return re.sub(rf"\[{self.nonce}:(\d+)\]", lambda m: self.originals[int(m.group(1))], text)
+
+
+def _render_text(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, cont: bool
+) -> str:
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not cont,
+                continue_final_message=cont,
+            )
+        )
+    except Exception as e:  # jinja errors, bad roles
+        raise APIError(
+            400, f"messages could not be rendered by the chat template: {e}", param="messages"
+        ) from None
+
+
+def render_messages(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    allow_special_tokens_in_content: bool = False,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template; special-token strings inside
+    the messages are plain text unless ``allow_special_tokens_in_content``.
+
+    Raises:
+        APIError: 400 (``param="messages"``) for an empty list, a non-text part, or what the
+            template refuses.
+    """
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    dicts = message_dicts(messages)
+    specials = special_token_strings(tokenizer)
+    markers = _Markers(specials) if specials and not allow_special_tokens_in_content else None
+    if markers is not None:
+        for d in dicts:
+            for key in ("content", "name"):
+                if key in d:
+                    d[key] = markers.mark(d[key])
+    if markers is None or not markers.originals:
+        try:
+            return apply_chat_template(
+                tokenizer, dicts, add_generation_prompt, continue_final_message
+            )
+        except ValueError as e:
+            raise value_error(e) from None
+    text = _render_text(tokenizer, dicts, add_generation_prompt, continue_final_message)
+    # The template's own special tokens stay control tokens; the text between them (where the
+    # markers are) is tokenized as plain text, as the tokenizer would tokenize it.
+    ids: list[int] = []
+    for k, piece in enumerate(re.split(f"({markers.find.pattern})", text)):
+        if k % 2:
+            ids.append(int(tokenizer.convert_tokens_to_ids(piece)))
+        elif piece:
+            plain = markers.restore(piece)
+            ids += tokenizer(plain, add_special_tokens=False, split_special_tokens=True).input_ids
+    return ids
