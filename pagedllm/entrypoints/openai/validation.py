@@ -96,7 +96,9 @@ def log_unknown_fields(model: BaseModel, where: str) -> None:
             logger.warning("ignoring the unknown request field %r (in %s)", shown, where)
 
 
-def _check_table(extra: dict[str, Any], table: dict[str, tuple[Callable[[Any], bool], str]]):
+def _check_table(
+    extra: dict[str, Any], table: dict[str, tuple[Callable[[Any], bool], str]]
+) -> None:
     for name, (asks, why) in table.items():
         if name in extra and asks(extra[name]):
             raise APIError(400, f"{name}: {why}", param=name)
