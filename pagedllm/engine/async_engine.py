@@ -237,6 +237,15 @@ class AsyncLLMEngine:
         """Whether the engine can serve no more requests (``dead_reason`` says why)."""
         return self.dead_reason is not None
 
+    def enable_kv_stats(self) -> None:
+        """Turn on the engine's per-step paper-figure KV accounting (``LLMEngine.enable_kv_stats``;
+        the dashboard's history and ``/debug/engine_stats`` read it). Before ``start()`` the
+        engine thread steps nothing, so it is switched here; afterwards on the engine thread."""
+        if self.is_running:
+            self.call_in_engine_thread(lambda engine: engine.enable_kv_stats()).result()
+        else:
+            self.engine.enable_kv_stats()
+
     def start(self) -> None:
         """Start the engine thread; outputs are delivered to the running event loop."""
         if self.is_running:

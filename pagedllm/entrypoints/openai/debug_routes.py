@@ -287,7 +287,7 @@ def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
 
 def mount_debug_routes(app: FastAPI, async_engine: AsyncLLMEngine) -> None:
     """Add the dashboard's endpoints and page to ``app`` (before it starts)."""
-    async_engine.engine.enable_kv_stats()  # the history and /debug/engine_stats read it
+    async_engine.enable_kv_stats()  # the history and /debug/engine_stats read it
     source = KVSnapshotSource(async_engine)
     history = KVHistory(async_engine)
     app.include_router(make_router(source, history))
