@@ -157,7 +157,8 @@ class LLM:
         conversation or a list of them, then generate.
 
         Raises:
-            ValueError: naming ``messages`` when a conversation is empty.
+            ValueError: naming ``messages`` when a conversation is empty, or when the model has
+                no chat template and none was given (``chat_template``).
         """
         conversations = cast(
             list[list[dict[str, str]]],
@@ -203,8 +204,15 @@ def apply_chat_template(
     """Token ids of a conversation rendered with the tokenizer's chat template.
 
     Raises:
-        ValueError: naming ``messages`` if the template cannot render them.
+        ValueError: naming ``messages`` if the template cannot render them, or if the model has
+            no chat template (a base model such as gemma-3-270m): the message says to pass
+            ``--chat-template`` (the server answers 400 with it).
     """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "messages cannot be rendered: this model has no chat template (a base model); pass "
+            "one with --chat-template FILE (LLM(chat_template=...)) or use completions instead"
+        )
     try:
         text = tokenizer.apply_chat_template(
             messages,
