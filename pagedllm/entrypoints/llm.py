@@ -21,7 +21,8 @@ class LLM:
     """Generate completions for many prompts with continuous batching over a paged KV cache.
 
     Args:
-        model: GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
+        model: GGUF file, Hugging Face folder or bundled model's short name (``"smollm2-135m"``,
+            ``"gemma-3-270m"``); None = the bundled SmolLM2-135M-Instruct.
         loaded: an already loaded model to reuse (tests share one); None = load ``model``.
         **engine_kwargs: any ``EngineConfig`` field, with the same defaults and meaning as the
             ``--<field>`` flags of ``pagedllm generate`` / ``serve``: ``dtype``, ``block_size``,
