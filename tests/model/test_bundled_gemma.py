@@ -131,7 +131,7 @@ def reference(gemma_path, prompt_ids):
     transformers loads the same GGUF file (dequantized to fp32, eager attention). Measured on 2
     cores shared with other jobs (load average 6): about 4 min in all, of which ~2 min is the load
     (it parses the 262k-token vocabulary metadata twice) and ~10 s per prompt; this greedy loop gave
-    the same tokens and gaps as ``generate`` there. On an idle machine expect about a third."""
+    the same tokens and gaps as ``generate`` there. An idle machine is faster (not measured)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
