@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from importlib import metadata
@@ -150,12 +151,14 @@ def reference(gemma_path, prompt_ids):
 def _greedy_with_gaps(model, ids: list[int]) -> tuple[list[int], list[float]]:
     """``NUM_TOKENS`` greedy steps of a transformers model after prompt ``ids`` (its own KV cache,
     sliding layers included), with each step's top-2 logit gap."""
+    # transformers 5 names the KV cache argument and output ``cache``, 4.x ``past_key_values``.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens: list[int] = []
     gaps: list[float] = []
     step, past = torch.tensor([ids]), None
     for _ in range(NUM_TOKENS):
-        out = model(input_ids=step, past_key_values=past, use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
+        out = model(input_ids=step, use_cache=True, logits_to_keep=1, **{name: past})
+        past = getattr(out, name)
         top2 = out.logits[0, -1].float().topk(2)
         tokens.append(int(top2.indices[0]))
         gaps.append(float(top2.values[0] - top2.values[1]))
