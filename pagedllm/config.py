@@ -175,8 +175,8 @@ class EngineConfig:
 
     model: str | None = _option(
         None,
-        "GGUF file, a folder holding one GGUF file, or a Hugging Face folder (config.json + "
-        "*.safetensors); "
+        "GGUF file, a folder holding one GGUF file, a Hugging Face folder (config.json + "
+        "*.safetensors), or a bundled model's short name (smollm2-135m, gemma-3-270m); "
         "default: the bundled SmolLM2-135M-Instruct",
         positional=True,
     )

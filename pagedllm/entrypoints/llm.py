@@ -21,7 +21,8 @@ class LLM:
     """Generate completions for many prompts with continuous batching over a paged KV cache.
 
     Args:
-        model: GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
+        model: GGUF file, Hugging Face folder or bundled model's short name (``"smollm2-135m"``,
+            ``"gemma-3-270m"``); None = the bundled SmolLM2-135M-Instruct.
         loaded: an already loaded model to reuse (tests share one); None = load ``model``.
         kv_stats: give ``engine.stats`` the paper-figure KV accounting (waste, batch size,
             sharing; see ``LLMEngine.enable_kv_stats``); default True.
@@ -165,7 +166,8 @@ class LLM:
         conversation or a list of them, then generate.
 
         Raises:
-            ValueError: naming ``messages`` when a conversation is empty.
+            ValueError: naming ``messages`` when a conversation is empty, or when the model has
+                no chat template and none was given (``chat_template``).
         """
         conversations = cast(
             list[list[dict[str, str]]],
@@ -211,8 +213,15 @@ def apply_chat_template(
     """Token ids of a conversation rendered with the tokenizer's chat template.
 
     Raises:
-        ValueError: naming ``messages`` if the template cannot render them.
+        ValueError: naming ``messages`` if the template cannot render them, or if the model has
+            no chat template (a base model such as gemma-3-270m): the message says to pass
+            ``--chat-template`` (the server answers 400 with it).
     """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "messages cannot be rendered: this model has no chat template (a base model); pass "
+            "one with --chat-template FILE (LLM(chat_template=...)) or use completions instead"
+        )
     try:
         text = tokenizer.apply_chat_template(
             messages,

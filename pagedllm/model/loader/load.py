@@ -61,18 +61,22 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[Path, str]
 
     Returns:
         ``(path, kind)`` with kind ``"gguf"`` (path is the file) or ``"hf"`` (path is the folder).
-        ``None`` -> the bundled GGUF; a ``.gguf`` file -> it; a folder with ``config.json`` -> HF;
-        a folder with exactly one ``.gguf`` file -> that file.
+        ``None`` -> the bundled SmolLM2 GGUF; a ``.gguf`` file -> it; a folder with
+        ``config.json`` -> HF; a folder with exactly one ``.gguf`` file -> that file; a name that is
+        no existing path but a bundled model's short name (``"gemma-3-270m"``) -> its GGUF
+        (assembled into the cache on first use, see :func:`bundled_model_path`).
 
     Raises:
-        FileNotFoundError: the path does not exist, or ``None`` and the bundled model is missing.
-        ValueError: a folder with neither config.json nor exactly one ``.gguf`` file.
+        FileNotFoundError: no such path nor bundled name (the message lists the bundled names), or
+            the bundled model's package is missing (the message says how to install it).
+        ValueError: a folder with neither config.json nor exactly one ``.gguf`` file; a bundled
+            file whose hash does not match its package's (``BundleError``).
     """
     if model is None:
         return bundled_model_path(), "gguf"
     p = Path(model).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"model path not found: {p}")
+        return bundled_model_path(str(model)), "gguf"
     p = p.resolve()
     if p.is_dir():
         if (p / "config.json").is_file():
@@ -95,9 +99,9 @@ def load_model(
     """Load config, weights and tokenizer of a Llama-family model.
 
     Args:
-        model: ``None`` for the bundled SmolLM2-135M-Instruct GGUF, a ``.gguf`` file, a folder
-            holding exactly one ``.gguf`` file, or a Hugging Face folder (``config.json`` +
-            ``*.safetensors``).
+        model: ``None`` for the bundled SmolLM2-135M-Instruct GGUF, a bundled model's short name
+            (``"smollm2-135m"``, ``"gemma-3-270m"``), a ``.gguf`` file, a folder holding exactly
+            one ``.gguf`` file, or a Hugging Face folder (``config.json`` + ``*.safetensors``).
         dtype: torch.float32 (default), torch.bfloat16 or torch.float16. GGUF tensors are
             dequantized to float32 first, then cast.
 

@@ -67,10 +67,16 @@ def tokenizer_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:
     f = Path(gguf_path).resolve()
     st = f.stat()
     ident = f"{f}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}|v1"
+    return pagedllm_cache_dir() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+def pagedllm_cache_dir() -> Path:
+    """pagedllm's cache folder: ``$PAGEDLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm``, else
+    ``~/.cache/pagedllm`` (not created here)."""
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or str(
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
     )
-    return Path(root) / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+    return Path(root)
 
 
 def _load_gguf_tokenizer_cached(gguf_path: Path) -> PreTrainedTokenizerBase:
