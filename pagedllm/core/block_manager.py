@@ -141,8 +141,9 @@ class BlockManager:
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """Physical blocks holding the longest cached prefix of ``seq`` (a sequence with no
         blocks yet). At most ``(num_tokens - 1) // block_size`` blocks, so that at least the last
-        token is computed (its logits are needed) and never into a shared block."""
-        if self.prefix_cache is None:
+        token is computed (its logits are needed) and never into a shared block; none when
+        ``seq.use_cached_prefix`` is False (its prompt logprobs need every position computed)."""
+        if self.prefix_cache is None or not seq.use_cached_prefix:
             return []
         self._extend_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hits: list[int] = []
@@ -193,7 +194,7 @@ class BlockManager:
         """Give a waiting sequence its cached prefix blocks; returns the cached tokens (its new
         ``num_computed_tokens``)."""
         hits = self.cached_prefix_blocks(seq)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and seq.use_cached_prefix:
             self.prefix_cache.queries += max(1, (seq.num_tokens - 1) // self.block_size)
             self.prefix_cache.hits += len(hits)
         for b in hits:

@@ -135,7 +135,8 @@ class InputProcessor:
             A group of one waiting sequence: seed ``params.seed`` or one drawn from the engine's
             seeded generator, ``max_num_tokens`` = prompt + effective max_tokens, a detokenizer
             when ``params.detokenize``, a ``BeamSearch`` of width ``max(n, best_of)`` for beam
-            search, and an empty prompt-logprobs list (first position None) when asked.
+            search, and an empty prompt-logprobs list (first position None) when asked (then
+            the sequence takes no prefix-cache hits: ``Sequence.use_cached_prefix``).
 
         Raises:
             ValueError: see ``validate``.
@@ -151,6 +152,8 @@ class InputProcessor:
         salt = cache_salt.encode() if cache_salt else None
         seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
         seq.max_num_tokens = len(token_ids) + max_tokens
+        # Prompt logprobs need the logits of every prompt position: no prefix-cache hits.
+        seq.use_cached_prefix = params.prompt_logprobs is None
         if params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
