@@ -66,3 +66,57 @@ def test_prompt_logprobs_after_a_prefix_cache_hit(tiny_loaded):
     assert third.num_cached_tokens == 32
     assert third.outputs[0].token_ids == first.outputs[0].token_ids
     assert_pool_free(eng)
+
+
+# ---- item 2: held-back text is released after a bounded number of tokens ------------------------
+def byte_token_ids(tok, *byte_values: int) -> list[int]:
+    """The ids of the single-byte tokens of a byte-level BPE tokenizer (GPT-2's byte alphabet)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return [tok.convert_tokens_to_ids(char[b]) for b in byte_values]
+
+
+def stream_deltas(tok, ids: list[int]) -> tuple[list[str], str]:
+    from pagedllm.engine.detokenizer import IncrementalDetokenizer
+
+    d = IncrementalDetokenizer(tok, byte_token_ids(tok, *b"hi "))
+    deltas = [d.append(t) for t in ids]
+    return deltas, "".join(deltas) + d.flush()
+
+
+def test_invalid_utf8_is_released_after_four_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    (cont,) = byte_token_ids(tok, 0x80)
+    deltas, text = stream_deltas(tok, [cont] * 7)
+    # Each lone continuation byte is U+FFFD; at most 4 tokens are ever held back.
+    assert deltas == ["", "", "", "\ufffd", "\ufffd", "\ufffd", "\ufffd"]
+    assert text == tok.decode([cont] * 7) == "\ufffd" * 7
+    # A valid character completed after invalid bytes is never split: E2 82 AC is the euro sign,
+    # F0 9F 98 80 an emoji spread over four byte tokens.
+    ids = byte_token_ids(tok, 0x80, 0x80, 0x80, 0xE2, 0x82, 0xAC, 0x80, 0xF0, 0x9F, 0x98, 0x80)
+    deltas, text = stream_deltas(tok, ids)
+    assert text == tok.decode(ids) == "\ufffd\ufffd\ufffd\u20ac\ufffd\U0001f600"
+    assert deltas == ["", "", "", "\ufffd", "\ufffd", "\ufffd\u20ac", "", "", "", "\ufffd", "\U0001f600"]
+    # An emoji begun right after 3 held-back tokens: the cut leaves its bytes together.
+    ids = byte_token_ids(tok, 0x80, 0xF0, 0x9F, 0x98, 0x80, 0x80)
+    deltas, text = stream_deltas(tok, ids)
+    assert deltas == ["", "", "", "\ufffd", "\U0001f600", ""]
+    assert text == tok.decode(ids) == "\ufffd\U0001f600\ufffd"
+
+
+def test_streamed_text_of_forced_invalid_bytes(tiny_loaded):
+    """A lone continuation byte forced with logit_bias: the text grows while the request runs
+    (one U+FFFD per token once 4 are held) and ends equal to the non-streamed text."""
+    eng = make_engine(tiny_loaded)
+    (cont,) = byte_token_ids(eng.tokenizer, 0x80)
+    params = SamplingParams(temperature=0, max_tokens=8, logit_bias={cont: 100.0}, ignore_eos=True)
+    eng.add_request("bytes", "hello world", params)
+    texts = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            texts.append(out.outputs[0].text)
+    assert out.finished and out.outputs[0].token_ids == [cont] * 8
+    assert texts == ["", "", "", "\ufffd", "\ufffd" * 2, "\ufffd" * 3, "\ufffd" * 4, "\ufffd" * 8]
+    assert texts[-1] == eng.tokenizer.decode([cont] * 8)
+    assert_pool_free(eng)
