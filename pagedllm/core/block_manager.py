@@ -103,15 +103,19 @@ class BlockManager:
         return self.block_tables.get(seq.seq_id, [])
 
     def check_request_fits(
-        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool,
+        samples_field: str = "n",
     ) -> None:
-        """Refuse a request whose samples (sharing their prompt's full blocks) could never fit
-        in the whole pool; beams count as samples.
+        """Refuse a request that could never make progress in the whole pool
+        (``core.kv_manager.check_pool_fits``); beams count as samples.
 
         Raises:
-            ContextLengthExceededError: (param "max_tokens") naming the pool size.
+            ContextLengthExceededError: (param "max_tokens" or ``samples_field``) naming the
+                pool size.
         """
-        check_pool_fits(self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples)
+        check_pool_fits(
+            self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples, samples_field
+        )
 
     def waste(self, holders: list[Sequence], waiting_head: Sequence | None) -> KVWaste:
         """The figure 2 breakdown (``core.kv_waste.paged_waste``); no external fragmentation,

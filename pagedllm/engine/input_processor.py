@@ -68,9 +68,11 @@ class InputProcessor:
 
         Raises:
             ValueError: naming the field: ``prompt`` (empty, ids outside the vocabulary, too
-                long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or more blocks
-                than the whole pool), ``n`` (several sequences on a KV manager that cannot share
-                blocks), ``logprobs`` / ``prompt_logprobs`` (over ``max_logprobs``),
+                long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or one
+                sequence needing more blocks than the whole pool), ``n`` / ``best_of`` (whichever
+                asks for more sequences: more than ``max_num_seqs``, prompts that together with
+                a first token each do not fit in the pool, or several sequences on a KV manager
+                that cannot share blocks), ``logprobs`` / ``prompt_logprobs`` (over ``max_logprobs``),
                 ``stop_token_ids`` / ``logit_bias`` (ids outside the vocabulary), beam search
                 with stop strings or non-default temperature / top_p / top_k.
                 ``ContextLengthExceededError`` (a ``ValueError``) for the length and pool limits.
@@ -109,9 +111,14 @@ class InputProcessor:
                 f"max_model_len ({self.max_model_len})",
                 "max_tokens",
             )
-        self.kv.check_request_fits(
-            n_prompt, max_tokens, num_samples(params), params.use_beam_search
-        )
+        samples = num_samples(params)
+        field = "best_of" if samples > params.n else "n"
+        if samples > self.config.max_num_seqs:
+            # The group's sequences run together: more than one step's batch would never run.
+            raise ValueError(
+                f"{field} must be <= max_num_seqs ({self.config.max_num_seqs}), got {samples}"
+            )
+        self.kv.check_request_fits(n_prompt, max_tokens, samples, params.use_beam_search, field)
         return max_tokens
 
     def process(

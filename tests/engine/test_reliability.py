@@ -120,3 +120,85 @@ def test_streamed_text_of_forced_invalid_bytes(tiny_loaded):
     assert texts == ["", "", "", "\ufffd", "\ufffd" * 2, "\ufffd" * 3, "\ufffd" * 4, "\ufffd" * 8]
     assert texts[-1] == eng.tokenizer.decode([cont] * 8)
     assert_pool_free(eng)
+
+
+# ---- item 5: no request waits forever ------------------------------------------------------------
+SMALL_POOL = dict(block_size=16, num_gpu_blocks_override=16, max_num_seqs=4, max_model_len=256)
+
+
+def test_more_samples_than_max_num_seqs_are_refused(tiny_loaded):
+    eng = make_engine(tiny_loaded, **SMALL_POOL)
+    with pytest.raises(ValueError) as e:
+        eng.validate_request([5] * 10, SamplingParams(n=5, max_tokens=4))
+    assert str(e.value) == "n must be <= max_num_seqs (4), got 5"
+    with pytest.raises(ValueError) as e:
+        eng.validate_request([5] * 10, SamplingParams(n=2, best_of=6, max_tokens=4))
+    assert str(e.value) == "best_of must be <= max_num_seqs (4), got 6"
+    assert eng.validate_request([5] * 10, SamplingParams(n=4, max_tokens=4)) == 4
+    assert not eng.has_unfinished_requests()
+
+
+def test_swapped_group_comes_back_and_later_requests_finish(tiny_loaded):
+    """Issue 24's hang: a long greedy request fills the pool, a 3-sample group is swapped out
+    (5 samples are refused), a small request arrives; all finish within a few hundred steps."""
+    eng = make_engine(tiny_loaded, **SMALL_POOL)
+    long_prompt = [(11 * i + 5) % 350 + 2 for i in range(150)]
+    eng.add_request("long", long_prompt, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    with pytest.raises(ValueError, match="^n must be"):
+        eng.add_request("n5", [7] * 20, SamplingParams(n=5, max_tokens=40, ignore_eos=True))
+    eng.add_request("n3", [7] * 20, SamplingParams(n=3, max_tokens=40, seed=3, ignore_eos=True))
+    eng.add_request("small", [9, 10, 11], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    final = run_all(eng, max_steps=400)
+    assert set(final) == {"long", "n3", "small"}
+    assert [len(c.token_ids) for c in final["long"].outputs] == [70]
+    assert [len(c.token_ids) for c in final["n3"].outputs] == [40] * 3
+    assert [len(c.token_ids) for c in final["small"].outputs] == [5]
+    assert eng.scheduler.preemptions_by_mode["swap"] >= 1
+    assert_pool_free(eng)
+
+
+# ---- item 6: a default max_tokens times n may exceed the pool ------------------------------------
+def test_samples_outgrowing_the_pool_finish_by_length(tiny_loaded, caplog):
+    eng = make_engine(tiny_loaded, **SMALL_POOL)
+    prompt = [(3 * i + 1) % 350 + 2 for i in range(40)]  # 2 full blocks + 8 tokens
+    params = SamplingParams(n=3, max_tokens=None, seed=5, ignore_eos=True)
+    assert eng.validate_request(prompt, params) == 216  # all the room left in max_model_len
+    with caplog.at_level("WARNING", logger="pagedllm.core.scheduler"):
+        eng.add_request("n3", prompt, params)
+        out = run_all(eng, max_steps=400)["n3"]
+    # 16 blocks: 2 shared prompt blocks, then 4 of its own for each sample (tokens 32..95); a
+    # 97th token needs 3 more blocks and only 2 are left: each sample ends with 57 tokens.
+    assert [c.finish_reason for c in out.outputs] == ["length"] * 3
+    assert [len(c.token_ids) for c in out.outputs] == [57] * 3
+    assert len(set(c.text for c in out.outputs)) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "request n3 finished by length: its 3 sequence(s) need 3 more KV blocks, more than the "
+        "pool (16 blocks of 16 tokens) would have free with every other request preempted"
+    ]
+    assert_pool_free(eng)
+    # Afterwards a normal request runs and the pool is free again.
+    eng.add_request("after", [4, 5, 6], SamplingParams(temperature=0, max_tokens=3))
+    assert len(run_all(eng)["after"].outputs[0].token_ids) == 3
+    assert_pool_free(eng)
+
+
+def test_too_many_samples_blame_n_or_best_of(tiny_loaded):
+    eng = make_engine(tiny_loaded, block_size=16, num_gpu_blocks_override=16, max_model_len=256)
+    prompt = [5] * 200  # 13 blocks with a first output token, 12 of them full and shared
+    with pytest.raises(ValueError) as e:
+        eng.validate_request(prompt, SamplingParams(n=5, max_tokens=8))
+    assert (e.value.param, str(e.value)) == (  # type: ignore[attr-defined]
+        "n",
+        "n: the request's 5 samples need at least 17 KV blocks (a prompt of 200 tokens shared, "
+        "one output token each), more than the whole pool (16 blocks of 16 tokens)",
+    )
+    with pytest.raises(ValueError) as e:
+        eng.validate_request(prompt, SamplingParams(n=1, best_of=5, max_tokens=8))
+    assert e.value.param == "best_of"  # type: ignore[attr-defined]
+    assert str(e.value).startswith("best_of: the request's 5 samples")
+    assert eng.validate_request(prompt, SamplingParams(n=4, max_tokens=8)) == 8
+    with pytest.raises(ValueError) as e:
+        eng.validate_request([5] * 10, SamplingParams(max_tokens=250))
+    assert e.value.param == "max_tokens"  # type: ignore[attr-defined]
