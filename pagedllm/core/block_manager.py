@@ -107,14 +107,17 @@ class BlockManager:
         samples_field: str = "n",
     ) -> None:
         """Refuse a request that could never make progress in the whole pool
-        (``core.kv_manager.check_pool_fits``); beams count as samples.
+        (``core.kv_manager.check_pool_fits``); beams count as samples and must all fit at
+        their longest (a beam search is never finished by length for lack of blocks).
 
         Raises:
             ContextLengthExceededError: (param "max_tokens" or ``samples_field``) naming the
                 pool size.
         """
+        min_output = max_tokens if use_beam_search else 1
         check_pool_fits(
-            self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples, samples_field
+            self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples, samples_field,
+            min_output,
         )
 
     def waste(self, holders: list[Sequence], waiting_head: Sequence | None) -> KVWaste:

@@ -49,16 +49,19 @@ def check_pool_fits(
     max_tokens: int,
     num_samples: int,
     samples_field: str = "n",
+    min_output_tokens: int = 1,
 ) -> None:
     """Refuse a request that could never make progress in the whole pool.
 
     One sample must fit at its longest: ``cdiv(prompt_len + max_tokens, block_size)`` blocks.
-    Several samples are admitted when each can hold its prompt and a first output token,
+    Several samples are admitted when each can hold its prompt and ``min_output_tokens``,
     sharing the prompt's full blocks (paper figure 8): more does not have to fit at once, since a
     group that later cannot grow even alone in the pool is finished by length (the scheduler).
 
     Args:
         samples_field: the request field to blame for too many samples ("n" or "best_of").
+        min_output_tokens: output tokens every sample must have room for at once (beams pass
+            ``max_tokens``: a beam search is never cut short by the pool).
 
     Raises:
         ContextLengthExceededError: (param "max_tokens") when one sample does not fit;
@@ -71,13 +74,14 @@ def check_pool_fits(
             f"pool ({num_blocks} blocks of {block_size} tokens)",
             "max_tokens",
         )
-    per_seq = cdiv(prompt_len + 1, block_size)
+    per_seq = cdiv(prompt_len + min_output_tokens, block_size)
     need = per_seq + (num_samples - 1) * (per_seq - prompt_len // block_size)
     if need > num_blocks:
         raise ContextLengthExceededError(
             f"{samples_field}: the request's {num_samples} samples need at least {need} KV "
-            f"blocks (a prompt of {prompt_len} tokens shared, one output token each), more than "
-            f"the whole pool ({num_blocks} blocks of {block_size} tokens)",
+            f"blocks (a prompt of {prompt_len} tokens shared, {min_output_tokens} output "
+            f"token(s) each), more than the whole pool ({num_blocks} blocks of {block_size} "
+            "tokens)",
             samples_field,
         )
 

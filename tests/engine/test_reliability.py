@@ -192,7 +192,7 @@ def test_too_many_samples_blame_n_or_best_of(tiny_loaded):
     assert (e.value.param, str(e.value)) == (  # type: ignore[attr-defined]
         "n",
         "n: the request's 5 samples need at least 17 KV blocks (a prompt of 200 tokens shared, "
-        "one output token each), more than the whole pool (16 blocks of 16 tokens)",
+        "1 output token(s) each), more than the whole pool (16 blocks of 16 tokens)",
     )
     with pytest.raises(ValueError) as e:
         eng.validate_request(prompt, SamplingParams(n=1, best_of=5, max_tokens=8))
@@ -202,3 +202,7 @@ def test_too_many_samples_blame_n_or_best_of(tiny_loaded):
     with pytest.raises(ValueError) as e:
         eng.validate_request([5] * 10, SamplingParams(max_tokens=250))
     assert e.value.param == "max_tokens"  # type: ignore[attr-defined]
+    # Beams must all fit at their longest: 4 beams of 40 + 60 tokens need 1 + 4 * 5 blocks.
+    with pytest.raises(ValueError) as e:
+        eng.validate_request([5] * 40, SamplingParams(n=4, use_beam_search=True, max_tokens=60, temperature=0))
+    assert str(e.value).startswith("n: the request's 4 samples need at least 22 KV blocks")
