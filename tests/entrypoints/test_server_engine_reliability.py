@@ -91,8 +91,9 @@ def test_more_samples_than_max_num_seqs_is_a_400(client, server):
 
 
 def test_no_hang_after_a_swap_out(client, server):
-    """The issue's scenario: a 150-word greedy request, 0.5 s later n=5 (refused) and n=3
-    (swapped out while the long one runs), then a small request: all answered within seconds."""
+    """The issue's scenario: a 150-word greedy request (cut to fit max_model_len), 0.5 s later
+    n=5 (refused, naming ``n``) and n=3 (which the growing long request may preempt), then a
+    small request: all answered within seconds."""
     words = " ".join(["paged attention stores keys and values in blocks"] * 19).split()[:150]
     # the tiny tokenizer makes ~2 tokens of a word: keep prompt + 70 within max_model_len (256)
     while len(server.engine.tokenize(" ".join(words))) > 180:
