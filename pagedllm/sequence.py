@@ -56,6 +56,9 @@ class Sequence:
             that reaches the end of ``token_ids``.
         seed: seed of this sequence's counter-based random stream (see ``sampling.sampler``).
         cache_salt: extra prefix-cache key material (requests with different salts never share).
+        use_cached_prefix: whether admission may take prefix-cache hits for this sequence
+            (False for a request asking for ``prompt_logprobs``: every prompt position must be
+            computed for its logits, vLLM's rule). Its own full blocks are still registered.
         cumulative_logprob: sum of raw-model logprobs of the generated tokens.
         max_num_tokens: the most tokens the sequence can reach (prompt + the request's
             max_tokens), set by the engine; with ``ignore_eos`` it is the true final length.
@@ -81,6 +84,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        self.use_cached_prefix = True
         self.max_num_tokens: int | None = None
 
     @property

@@ -103,15 +103,22 @@ class BlockManager:
         return self.block_tables.get(seq.seq_id, [])
 
     def check_request_fits(
-        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool,
+        samples_field: str = "n",
     ) -> None:
-        """Refuse a request whose samples (sharing their prompt's full blocks) could never fit
-        in the whole pool; beams count as samples.
+        """Refuse a request that could never make progress in the whole pool
+        (``core.kv_manager.check_pool_fits``); beams count as samples and must all fit at
+        their longest (a beam search is never finished by length for lack of blocks).
 
         Raises:
-            ContextLengthExceededError: (param "max_tokens") naming the pool size.
+            ContextLengthExceededError: (param "max_tokens" or ``samples_field``) naming the
+                pool size.
         """
-        check_pool_fits(self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples)
+        min_output = max_tokens if use_beam_search else 1
+        check_pool_fits(
+            self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples, samples_field,
+            min_output,
+        )
 
     def waste(self, holders: list[Sequence], waiting_head: Sequence | None) -> KVWaste:
         """The figure 2 breakdown (``core.kv_waste.paged_waste``); no external fragmentation,
@@ -141,8 +148,9 @@ class BlockManager:
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """Physical blocks holding the longest cached prefix of ``seq`` (a sequence with no
         blocks yet). At most ``(num_tokens - 1) // block_size`` blocks, so that at least the last
-        token is computed (its logits are needed) and never into a shared block."""
-        if self.prefix_cache is None:
+        token is computed (its logits are needed) and never into a shared block; none when
+        ``seq.use_cached_prefix`` is False (its prompt logprobs need every position computed)."""
+        if self.prefix_cache is None or not seq.use_cached_prefix:
             return []
         self._extend_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hits: list[int] = []
@@ -193,7 +201,7 @@ class BlockManager:
         """Give a waiting sequence its cached prefix blocks; returns the cached tokens (its new
         ``num_computed_tokens``)."""
         hits = self.cached_prefix_blocks(seq)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and seq.use_cached_prefix:
             self.prefix_cache.queries += max(1, (seq.num_tokens - 1) // self.block_size)
             self.prefix_cache.hits += len(hits)
         for b in hits:

@@ -138,18 +138,20 @@ class ContiguousKVManager:
         return None
 
     def check_request_fits(
-        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool,
+        samples_field: str = "n",
     ) -> None:
         """Refuse requests of several sequences, and requests whose reservation needs a chunk
         larger than the whole pool could give.
 
         Raises:
-            ValueError: (message starting "n:") for parallel sampling or beam search.
+            ValueError: (message starting with ``samples_field``) for parallel sampling or beam
+                search.
             ContextLengthExceededError: (param "max_tokens") naming the reservation and chunk.
         """
         if num_samples > 1 or use_beam_search:
             raise ValueError(
-                f"n: kv_manager={self.policy!r} reserves one contiguous run per "
+                f"{samples_field}: kv_manager={self.policy!r} reserves one contiguous run per "
                 "request and cannot share it; parallel sampling and beam search need 'paged'"
             )
         final_len = prompt_len + max_tokens

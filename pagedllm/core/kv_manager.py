@@ -43,25 +43,46 @@ def cdiv(a: int, b: int) -> int:
 
 
 def check_pool_fits(
-    num_blocks: int, block_size: int, prompt_len: int, max_tokens: int, num_samples: int
+    num_blocks: int,
+    block_size: int,
+    prompt_len: int,
+    max_tokens: int,
+    num_samples: int,
+    samples_field: str = "n",
+    min_output_tokens: int = 1,
 ) -> None:
-    """Refuse a request whose samples could never fit in the whole pool at once.
+    """Refuse a request that could never make progress in the whole pool.
 
-    Every sample needs ``cdiv(prompt_len + max_tokens, block_size)`` blocks at its longest; the
-    samples share the prompt's full blocks (paper figure 8), so each extra sample adds its
-    blocks minus those.
+    One sample must fit at its longest: ``cdiv(prompt_len + max_tokens, block_size)`` blocks.
+    Several samples are admitted when each can hold its prompt and ``min_output_tokens``,
+    sharing the prompt's full blocks (paper figure 8): more does not have to fit at once, since a
+    group that later cannot grow even alone in the pool is finished by length (the scheduler).
+
+    Args:
+        samples_field: the request field to blame for too many samples ("n" or "best_of").
+        min_output_tokens: output tokens every sample must have room for at once (beams pass
+            ``max_tokens``: a beam search is never cut short by the pool).
 
     Raises:
-        ContextLengthExceededError: (param "max_tokens") when that exceeds ``num_blocks``.
+        ContextLengthExceededError: (param "max_tokens") when one sample does not fit;
+            (param ``samples_field``) when the samples' prompts and first tokens do not.
     """
     total = prompt_len + max_tokens
-    per_seq = cdiv(total, block_size)
-    if per_seq + (num_samples - 1) * (per_seq - prompt_len // block_size) > num_blocks:
+    if cdiv(total, block_size) > num_blocks:
         raise ContextLengthExceededError(
-            f"max_tokens: the request's {num_samples} sample(s) of up to {total} "
-            f"tokens need more KV blocks than the whole pool ({num_blocks} blocks of "
-            f"{block_size} tokens)",
+            f"max_tokens: a sample of up to {total} tokens needs more KV blocks than the whole "
+            f"pool ({num_blocks} blocks of {block_size} tokens)",
             "max_tokens",
+        )
+    per_seq = cdiv(prompt_len + min_output_tokens, block_size)
+    need = per_seq + (num_samples - 1) * (per_seq - prompt_len // block_size)
+    if need > num_blocks:
+        raise ContextLengthExceededError(
+            f"{samples_field}: the request's {num_samples} samples need at least {need} KV "
+            f"blocks (a prompt of {prompt_len} tokens shared, {min_output_tokens} output "
+            f"token(s) each), more than the whole pool ({num_blocks} blocks of {block_size} "
+            "tokens)",
+            samples_field,
         )
 
 
@@ -114,7 +135,8 @@ class KVManager(Protocol):
         ...
 
     def check_request_fits(
-        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool
+        self, prompt_len: int, max_tokens: int, num_samples: int, use_beam_search: bool,
+        samples_field: str = "n",
     ) -> None:
         """Admission check of a new request against what this manager can ever hold.
 
@@ -123,11 +145,13 @@ class KVManager(Protocol):
             max_tokens: the request's effective output-token limit.
             num_samples: ``max(n, best_of)`` sequences the request will run.
             use_beam_search: whether its sequences are beams (they share blocks).
+            samples_field: the field that asked for ``num_samples`` ("n" or "best_of").
 
         Raises:
-            ContextLengthExceededError: (param "max_tokens") when it could never fit.
-            ValueError: (message starting "n:") when the manager cannot share blocks and the
-                request needs several sequences.
+            ContextLengthExceededError: (param "max_tokens") when one sequence could never fit;
+                (param ``samples_field``) when its sequences' prompts could never fit together.
+            ValueError: (message starting with ``samples_field``) when the manager cannot
+                share blocks and the request needs several sequences.
         """
         ...
 

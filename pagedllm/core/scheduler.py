@@ -11,16 +11,26 @@ Policy:
 - When a running sequence needs a block and none is free, the most recently arrived running group
   is preempted whole (all-or-nothing) by recompute: its blocks are freed and it goes back to the
   head of the waiting queue, keeping its generated tokens and sampling state.
+- A group admitted on its prompt may later need more blocks than the whole pool holds (its
+  samples grown apart). When the oldest running group cannot get its blocks even with every
+  other group preempted, it cannot make progress at all: its unfinished sequences are finished
+  by length (``SchedulerOutput.length_capped``) instead of preempting it again and again.
+- A group counts its eventual sequences (``n`` / ``best_of`` samples or beams) against
+  ``max_num_seqs`` when admitted; validation refuses a group wider than ``max_num_seqs``, so a
+  swapped-out group always comes back once the running ones drain.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+import logging
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_manager import KVManager
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +65,9 @@ class SchedulerOutput:
         blocks_to_copy: (src, dst) copy-on-write pairs to apply before the forward pass.
         blocks_to_swap_in / blocks_to_swap_out: (src, dst) block moves between pools.
         preempted: request ids preempted (by recompute) during this step's scheduling.
+        length_capped: request ids whose unfinished sequences were finished by length because
+            they could not grow even alone in the pool (their blocks are freed with the
+            finished groups after the step).
     """
 
     scheduled: list[tuple[str, ScheduledSequence]] = field(default_factory=list)
@@ -63,6 +76,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    length_capped: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -178,6 +192,10 @@ class Scheduler:
             if not plan:
                 idx += 1
                 continue
+            if idx == 0 and self._need(plan) > self._free_when_alone(group):
+                self._cap_length(group, out)  # it could not grow even with the pool to itself
+                idx += 1
+                continue
             while not self._fits(plan):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -189,9 +207,10 @@ class Scheduler:
                 continue
             break  # the group preempted itself: it was the newest, nothing after it remains
 
-        # 2. Swapped groups come back first, oldest first, unless memory was short this step.
-        if not out.preempted:
-            num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
+        # 2. Swapped groups come back first, oldest first, unless memory was short this step
+        #    (a group finished by length gives its blocks back only after the step).
+        if not out.preempted and not out.length_capped:
+            num_seqs = sum(self._width(g) for g in self.running)
             while self.swapped:
                 group = self.swapped[0]
                 seqs = group.unfinished_seqs()
@@ -212,12 +231,13 @@ class Scheduler:
                 num_seqs += len(seqs)
 
         # 3. Waiting groups in FCFS order, only when nothing is swapped out or preempted.
-        if not out.preempted and not self.swapped:
-            num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
+        if not out.preempted and not out.length_capped and not self.swapped:
+            num_seqs = sum(self._width(g) for g in self.running)
             while self.waiting and budget > 0:
                 group = self.waiting[0]
                 seqs = group.unfinished_seqs()
-                if num_seqs + len(seqs) > self.config.max_num_seqs:
+                width = self._width(group)
+                if num_seqs + width > self.config.max_num_seqs:
                     break
                 if not self.config.enable_chunked_prefill and self._prefill_tokens(seqs) > budget:
                     break
@@ -225,10 +245,52 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 budget -= self._admit(group, seqs, budget, out)
-                num_seqs += len(seqs)
+                num_seqs += width
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _width(group: SequenceGroup) -> int:
+        """Sequences the group runs: its unfinished ones, or all its samples / beams while it
+        is one sequence that has not sampled yet (it forks at its first sample)."""
+        seqs = group.unfinished_seqs()
+        if len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
+            params = group.sampling_params
+            return max(len(seqs), params.n, params.best_of or 1)
+        return len(seqs)
+
+    def _free_when_alone(self, group: SequenceGroup) -> int:
+        """Free blocks there would be with every other running group preempted: the free ones
+        and those only other running groups' unfinished sequences hold."""
+        bm = self.block_manager
+        refs: Counter[int] = Counter(
+            b
+            for g in self.running
+            if g is not group
+            for s in g.unfinished_seqs()
+            for b in bm.get_block_table(s)
+        )
+        counts = bm.ref_counts()
+        return bm.num_free_blocks + sum(1 for b, n in refs.items() if counts[b] == n)
+
+    def _cap_length(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Finish a running group that cannot get its next blocks even alone in the pool: its
+        unfinished sequences end by length (logged); it stays in ``running`` until
+        ``free_finished``."""
+        seqs = group.unfinished_seqs()
+        logger.warning(
+            "request %s finished by length: its %d sequence(s) need %d more KV blocks, more than "
+            "the pool (%d blocks of %d tokens) would have free with every other request preempted",
+            group.request_id,
+            len(seqs),
+            self._need([(s, s.num_uncomputed_tokens) for s in seqs]),
+            self.block_manager.num_blocks,
+            self.block_manager.block_size,
+        )
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        out.length_capped.append(group.request_id)
 
     def _prefill_tokens(self, seqs: list[Sequence]) -> int:
         """Tokens a waiting group computes when admitted (after cache hits and group sharing)."""
@@ -293,9 +355,12 @@ class Scheduler:
                 budget -= n
         return plan
 
+    def _need(self, plan: list[tuple[Sequence, int]]) -> int:
+        """New blocks ``plan`` takes (copy-on-writes included)."""
+        return sum(self.block_manager.num_new_blocks_needed(s, n) for s, n in plan)
+
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
-        need = sum(self.block_manager.num_new_blocks_needed(s, n) for s, n in plan)
-        return need <= self.block_manager.num_free_blocks
+        return self._need(plan) <= self.block_manager.num_free_blocks
 
     def _commit(
         self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: Consecutive failed steps after which the engine is declared dead.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+#: Seconds the engine thread sleeps after a step that made no progress while requests are live
+#: (cut short by any new command), so an engine with nothing schedulable does not spin.
+NO_PROGRESS_BACKOFF_S = 0.02
 
 
 class EngineDeadError(RuntimeError):
@@ -492,6 +495,11 @@ class AsyncLLMEngine:
                 self._on_step_error(e)
                 continue
             self._step_failures = 0
+            if not outputs:
+                # Nothing could be scheduled (e.g. waiting for blocks): sleep until a command
+                # (add, abort) arrives or a short backoff passes instead of spinning a core.
+                self._wake.wait(NO_PROGRESS_BACKOFF_S)
+                self._wake.clear()
             self._publish_counters()  # before the outputs: a client that got its answer sees them
             for out in outputs:
                 # Snapshot what the engine may still mutate (the lists are fresh copies already).

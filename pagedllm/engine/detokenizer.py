@@ -9,6 +9,9 @@ from typing import Any
 #: space (SentencePiece "▁", byte-level "Ġ") is rendered as it is in context.
 INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+#: Most output tokens held back waiting for a character to complete (a UTF-8 character is at most
+#: 4 bytes, so a byte sequence still invalid after 4 byte tokens is never completed).
+MAX_HELD_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -22,6 +25,12 @@ class IncrementalDetokenizer:
     offsets only move to a point where the decoded text ends with a whole character, so the
     window always starts on a character boundary and decoding it is context-free for byte-level
     BPE (GPT-2 / SmolLM2) tokenizers.
+
+    Liveness: bytes that never form valid UTF-8 (e.g. a lone continuation byte) are not held
+    forever. Once ``MAX_HELD_TOKENS`` tokens are held, the oldest ones are released as the
+    tokenizer decodes them (U+FFFD), at the latest cut ``k <= len - 3`` tokens where decoding
+    both sides apart gives the same text as decoding them together (no character spans the cut);
+    a character still incomplete at the end starts in the last 3 tokens, so it is never split.
 
     For a byte-level BPE tokenizer, the concatenation of every :meth:`append` result and
     :meth:`flush` equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` (provided the
@@ -67,14 +76,32 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._tokens[self._prefix_offset :])
         if len(new_text) <= len(prefix_text):
             return ""
+        end = len(self._tokens)
         if not final and new_text.endswith(_REPLACEMENT_CHAR):
-            return ""  # incomplete multi-byte character: hold back
+            # Incomplete multi-byte character: hold back, up to MAX_HELD_TOKENS tokens.
+            cut = self._release_cut(new_text)
+            if cut is None:
+                return ""
+            end = cut
+            new_text = self._decode(self._tokens[self._prefix_offset : cut])
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
+        self._read_offset = end
         self._chunks.append(delta)
         self._text_cache = None
         return delta
+
+    def _release_cut(self, new_text: str) -> int | None:
+        """Where to release held tokens that still end in U+FFFD (see the class docstring), or
+        None while fewer than ``MAX_HELD_TOKENS`` are held or no cut keeps the text unchanged."""
+        n = len(self._tokens)
+        if n - self._read_offset < MAX_HELD_TOKENS:
+            return None
+        for cut in range(n - 3, self._read_offset, -1):
+            head = self._decode(self._tokens[self._prefix_offset : cut])
+            if head + self._decode(self._tokens[cut:]) == new_text:
+                return cut
+        return None
 
     def clone(self) -> IncrementalDetokenizer:
         """An independent copy at the same position (a forked sample continues from here)."""
@@ -87,7 +114,8 @@ class IncrementalDetokenizer:
         """Add one generated token id.
 
         Returns:
-            The newly stable text (may be ``""``): never ends with a partial UTF-8 character.
+            The newly stable text (may be ``""``): never ends with a partial UTF-8 character;
+            bytes still invalid after ``MAX_HELD_TOKENS`` tokens come out as U+FFFD.
         """
         self._tokens.append(int(token_id))
         return self._delta(final=False)

@@ -105,14 +105,22 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[SequenceGroup]:
-        """Run one iteration; returns every request that made progress, in batch order (the
-        finished ones are already freed and forgotten)."""
+        """Run one iteration; returns every request that made progress, in batch order, after
+        those the scheduler finished by length (the finished ones are already freed and
+        forgotten). An empty list: nothing could be scheduled."""
         sched = self.scheduler.schedule()
+        touched: dict[str, SequenceGroup] = {}
+        for request_id in sched.length_capped:
+            # Finished by length by the scheduler (no room to grow even alone in the pool).
+            group = self.requests[request_id]
+            self.output_processor.release_text(group)
+            touched[request_id] = group
         if sched.is_empty:
-            return []
+            if touched:
+                self._free_finished()
+            return list(touched.values())
         now = time.monotonic()
         result = self.executor.execute_model(sched)
-        touched: dict[str, SequenceGroup] = {}
         self.scheduler.on_step_done(sched)
         for request_id, work in sched.scheduled:
             seq, group = self._seqs[work.seq_id]
@@ -134,12 +142,16 @@ class EngineCore:
         if self.stats_observer is not None:
             # Finished sequences still hold their blocks until free_finished() right after this.
             self.stats_observer.after_step(self.kv, self.scheduler, sched)
+        self._free_finished()
+        return list(touched.values())
+
+    def _free_finished(self) -> None:
+        """Free and forget the finished requests, then check the pool (``check_invariants``)."""
         for group in self.scheduler.free_finished():
             group.metrics.finished_time = time.monotonic()
             self.forget(group)
         if self._check_invariants:
             self.kv.check_invariants()
-        return list(touched.values())
 
     def _process_samples(self, seq_ids: list[int], logits: torch.Tensor) -> None:
         """Sample a token for every sequence in ``seq_ids`` (row ``i`` of ``logits``, ``[len(

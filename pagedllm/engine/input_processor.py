@@ -68,9 +68,11 @@ class InputProcessor:
 
         Raises:
             ValueError: naming the field: ``prompt`` (empty, ids outside the vocabulary, too
-                long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or more blocks
-                than the whole pool), ``n`` (several sequences on a KV manager that cannot share
-                blocks), ``logprobs`` / ``prompt_logprobs`` (over ``max_logprobs``),
+                long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or one
+                sequence needing more blocks than the whole pool), ``n`` / ``best_of`` (whichever
+                asks for more sequences: more than ``max_num_seqs``, prompts that together with
+                a first token each do not fit in the pool, or several sequences on a KV manager
+                that cannot share blocks), ``logprobs`` / ``prompt_logprobs`` (over ``max_logprobs``),
                 ``stop_token_ids`` / ``logit_bias`` (ids outside the vocabulary), beam search
                 with stop strings or non-default temperature / top_p / top_k.
                 ``ContextLengthExceededError`` (a ``ValueError``) for the length and pool limits.
@@ -109,9 +111,14 @@ class InputProcessor:
                 f"max_model_len ({self.max_model_len})",
                 "max_tokens",
             )
-        self.kv.check_request_fits(
-            n_prompt, max_tokens, num_samples(params), params.use_beam_search
-        )
+        samples = num_samples(params)
+        field = "best_of" if samples > params.n else "n"
+        if samples > self.config.max_num_seqs:
+            # The group's sequences run together: more than one step's batch would never run.
+            raise ValueError(
+                f"{field} must be <= max_num_seqs ({self.config.max_num_seqs}), got {samples}"
+            )
+        self.kv.check_request_fits(n_prompt, max_tokens, samples, params.use_beam_search, field)
         return max_tokens
 
     def process(
@@ -135,7 +142,8 @@ class InputProcessor:
             A group of one waiting sequence: seed ``params.seed`` or one drawn from the engine's
             seeded generator, ``max_num_tokens`` = prompt + effective max_tokens, a detokenizer
             when ``params.detokenize``, a ``BeamSearch`` of width ``max(n, best_of)`` for beam
-            search, and an empty prompt-logprobs list (first position None) when asked.
+            search, and an empty prompt-logprobs list (first position None) when asked (then
+            the sequence takes no prefix-cache hits: ``Sequence.use_cached_prefix``).
 
         Raises:
             ValueError: see ``validate``.
@@ -151,6 +159,8 @@ class InputProcessor:
         salt = cache_salt.encode() if cache_salt else None
         seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
         seq.max_num_tokens = len(token_ids) + max_tokens
+        # Prompt logprobs need the logits of every prompt position: no prefix-cache hits.
+        seq.use_cached_prefix = params.prompt_logprobs is None
         if params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,

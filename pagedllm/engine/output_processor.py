@@ -139,6 +139,13 @@ class OutputProcessor:
                 entry.setdefault(alt, Logprob(lp, rank, self.token_text(alt)))
             plp.append(entry)
 
+    def release_text(self, group: SequenceGroup) -> None:
+        """After the scheduler finished a group by length (``SchedulerOutput.length_capped``):
+        append the text its sequences' detokenizers still hold back."""
+        for seq in group.seqs:
+            if seq.status == SequenceStatus.FINISHED_LENGTH and seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
+
     def token_text(self, token_id: int) -> str:
         """One token's text as the tokenizer decodes it alone (for ``Logprob.decoded_token``)."""
         return str(self.tokenizer.decode([token_id]))

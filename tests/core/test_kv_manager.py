@@ -70,13 +70,16 @@ def test_paged_pool_limit_message():
         bm.check_request_fits(10, 30, 1, False)
     assert e.value.param == "max_tokens"
     assert str(e.value) == (
-        "max_tokens: the request's 1 sample(s) of up to 40 tokens need more KV blocks than the "
-        "whole pool (8 blocks of 4 tokens)"
+        "max_tokens: a sample of up to 40 tokens needs more KV blocks than the whole pool "
+        "(8 blocks of 4 tokens)"
     )
-    # Samples share the prompt's 2 full blocks: 3 + 2 * (3 - 2) = 5 blocks for 3 samples.
+    # Samples share the prompt's 2 full blocks; each needs room for one output token:
+    # 3 + 2 * (3 - 2) = 5 blocks for 3 samples (more output may not fit at once: admitted).
     bm.check_request_fits(8, 4, 3, False)
-    with pytest.raises(ContextLengthExceededError, match="3 sample"):
-        BlockManager(4, 4).check_request_fits(8, 4, 3, False)
+    bm.check_request_fits(8, 20, 3, False)
+    with pytest.raises(ContextLengthExceededError, match="3 samples") as e:
+        BlockManager(4, 4).check_request_fits(8, 4, 3, False, "best_of")
+    assert e.value.param == "best_of"
 
 
 def test_orca_admission_errors_unchanged():

@@ -100,6 +100,6 @@ def test_paged_pool_limit_through_the_engine(tiny_loaded):
     with pytest.raises(ContextLengthExceededError) as e:
         eng.validate_request([1] * 10, SamplingParams(max_tokens=30))
     assert str(e.value) == (
-        "max_tokens: the request's 1 sample(s) of up to 40 tokens need more KV blocks than the "
-        "whole pool (8 blocks of 4 tokens)"
+        "max_tokens: a sample of up to 40 tokens needs more KV blocks than the whole pool "
+        "(8 blocks of 4 tokens)"
     )
