@@ -198,8 +198,7 @@ def test_installed_wheel_serves_with_cpp_kernels(wheel: Path, tmp_path: Path) ->
             time.sleep(1.0)
 
         body = json.dumps(
-            {"model": str(model), "prompt": "The capital of France is", "max_tokens": 4,
-             "temperature": 0}
+            {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         ).encode()  # fmt: skip
         req = urllib.request.Request(
             base + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
