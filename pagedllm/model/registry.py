@@ -45,6 +45,14 @@ class ModelEntry:
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", "LlamaForCausalLM", ("llama",), ("llama",),
                "Llama 1-3, SmolLM, TinyLlama"),
+    ModelEntry("MistralForCausalLM", "mistral", "MistralForCausalLM", ("mistral",), (),
+               "Mistral (sliding window)"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", "Qwen2ForCausalLM", ("qwen2",), ("qwen2",),
+               "Qwen2, Qwen2.5"),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", "Qwen3ForCausalLM", ("qwen3",), ("qwen3",),
+               "Qwen3 (dense)"),
+    ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
+               ("gemma3",), "Gemma 3 (text)"),
 )  # fmt: skip
 
 

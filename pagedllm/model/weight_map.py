@@ -47,8 +47,9 @@ def load_named_weights(
     """Copy ``state_dict`` (Hugging Face names) into every parameter of ``model``.
 
     A module with a ``load_weight(value) -> value`` method (``layers.norm.RMSNorm``: Gemma's
-    ``1 + w``) transforms its checkpoint tensor first. Tied parameters are loaded once. Extra
-    tensors in ``state_dict`` are ignored.
+    ``1 + w``) transforms its checkpoint tensor first. Tied parameters are loaded once (from
+    ``model.embed_tokens.weight`` when the state dict has no ``lm_head.weight``). Extra tensors
+    in ``state_dict`` are ignored.
 
     Args:
         model: the pagedllm model (parameters named as described in the module docstring).
@@ -64,6 +65,8 @@ def load_named_weights(
     with torch.no_grad():
         for pname, param in model.named_parameters():  # tied parameters come once
             names = checkpoint_names(pname)
+            if names == ["lm_head.weight"] and names[0] not in state_dict:
+                names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
             missing = [n for n in names if n not in state_dict]
             if missing:
                 raise ValueError(f"weight {missing[0]!r} is missing from the checkpoint")
