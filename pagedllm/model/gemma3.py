@@ -161,9 +161,15 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def gguf_config_fields(cls, meta: Callable[[str], Any]) -> dict[str, Any]:
         """llama.cpp's gemma3 keys: ``attention.sliding_window``, ``attention.key_length``
-        (the query scale's base, as llama.cpp uses it), ``final_logit_softcapping``; the local
-        RoPE base (10k) and the 5:1 local/global pattern are fixed, as in llama.cpp."""
+        (the query scale's base, as llama.cpp uses it), ``final_logit_softcapping``,
+        ``attention.sliding_window_pattern`` (an int period or one flag per layer; default 6);
+        the local RoPE base (10k) is fixed, as in llama.cpp."""
         n = int(meta("block_count"))
+        pattern = meta("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # one flag per layer, True = sliding
+            types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            types = sliding_layer_types(n, int(pattern or DEFAULT_SLIDING_WINDOW_PATTERN))
         window = meta("attention.sliding_window")
         key_length = meta("attention.key_length")
         cap = meta("final_logit_softcapping")
@@ -172,7 +178,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
             "hidden_act": "gelu_pytorch_tanh",
             "rope_local_theta": 10000.0,
             "sliding_window": int(window) if window else None,
-            "layer_types": sliding_layer_types(n, DEFAULT_SLIDING_WINDOW_PATTERN),
+            "layer_types": types,
             "query_pre_attn_scalar": float(key_length) if key_length else None,
             "final_logit_softcapping": float(cap) if cap else None,
         }

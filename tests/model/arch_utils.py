@@ -136,3 +136,66 @@ def compare_to_reference(
         assert abs(lp - ref.logprobs[step]) < tol, f"step {step}: {lp} vs {ref.logprobs[step]}"
         counted += 1
     return counted
+
+
+def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
+    """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a float32 GGUF file
+    the way llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head,
+    Gemma's norms stored as ``1 + w``; no tokenizer."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+
+    gguf_arch = {"mistral": "llama"}.get(arch, arch)
+    c = hf_model.config
+    names = dict(GGUF_LAYER_NAMES)
+    if arch == "gemma3":
+        names.update(
+            post_attention_norm="post_attention_layernorm",
+            ffn_norm="pre_feedforward_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+        )
+    to_gguf = {hf: g for g, hf in names.items()}
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "gemma3":
+        w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    else:
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    for name, t in hf_model.state_dict().items():
+        t = t.float().clone()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue
+            g = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n = heads if ".q_proj." in name else kv_heads
+            rows = t.shape[0]
+            t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0
+        w.add_tensor(g, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

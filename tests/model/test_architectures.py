@@ -84,3 +84,52 @@ def test_torch_native_backend_equals_transformers(arch_case):
     _, folder, prompts, refs = arch_case
     _, results = _run(folder, prompts, 16, attention_backend="torch_native")
     _check(results, refs)
+
+
+def test_cpu_fast_path_is_used(arch_case):
+    """On the CPU in fp32 every architecture runs the packed linears (bias included) and the
+    fused C++ RMSNorm / rotary kernels (SiLU models also the fused SwiGLU), not the fallback."""
+    from pagedllm.attention.cpu import load_cpu_ops
+    from pagedllm.model.layers.norm import RMSNorm
+    from pagedllm.model.layers.rotary import RotaryEmbedding
+    from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU
+
+    if load_cpu_ops() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    arch, folder, prompts, refs = arch_case
+    llm, results = _run(folder, prompts[:2], 16)
+    model = llm.engine.executor.worker.model
+    assert model.backend.name == "cpu"
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
+    assert (attn.qkv_proj.bias is not None) == (arch == "qwen2")
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
+    assert isinstance(mlp.down_proj, PackedLinear)
+    assert model.lm_head_packed is not None
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    assert norms and all(m.cpu_ops is not None for m in norms)
+    _check(results, refs[:2])
+
+
+def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
+    """A llama.cpp-style GGUF of the tiny model (its names, Llama's q/k permutation, Gemma's
+    ``1 + w`` norms) loads to the same config and Hugging Face state dict as the folder."""
+    from pagedllm.model.loader import load_gguf_weights, load_hf_weights
+    from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
+
+    arch, folder, _, _ = arch_case
+    hf = build_tiny_hf_model(arch, tmp_path / "again")  # same seed: the same weights
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf_like_llama_cpp(hf, path, arch)
+    cfg_g, sd_g = load_gguf_weights(path)
+    cfg_h, sd_h = load_hf_weights(folder)
+    assert sd_g.keys() == sd_h.keys()
+    for name, t in sd_h.items():
+        torch.testing.assert_close(sd_g[name], t, atol=1e-6, rtol=0, msg=name)
+    same = ["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window"]
+    same += ["layer_types", "qk_norm", "attention_bias", "norm_weight_offset", "rope_theta"]
+    if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
+        assert cfg_g.architecture == cfg_h.architecture
+        for f in same:
+            assert getattr(cfg_g, f) == getattr(cfg_h, f), f
