@@ -133,3 +133,25 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         assert cfg_g.architecture == cfg_h.architecture
         for f in same:
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_tensor_parallel_2_equals_1(arch, tmp_path):
+    """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
+    with their heads, q/k norms and Gemma's four norms stay whole, each rank loads only its
+    slices from the folder."""
+    from pagedllm.entrypoints.llm import LLM
+    from tests.distributed.tp_utils import greedy_tokens
+    from tests.model.arch_utils import build_tiny_hf_model
+
+    build_tiny_hf_model(arch, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 20)]
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory=1 << 22)
+    ref = greedy_tokens(LLM(str(tmp_path), **kw), prompts)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **kw)
+    try:
+        assert llm.engine.executor.world_size == 2
+        assert greedy_tokens(llm, prompts) == ref
+    finally:
+        llm.engine.shutdown()
