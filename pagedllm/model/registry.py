@@ -83,10 +83,7 @@ def entry_for_hf_config(cfg: dict[str, Any], source: str = "<hf>") -> ModelEntry
         if model_type in e.model_types:
             return e
     archs = cfg.get("architectures")
-    return_error = _unsupported(
-        f"model in {source}: architectures={archs!r}, model_type={model_type!r}"
-    )
-    raise return_error
+    raise _unsupported(f"model in {source}: architectures={archs!r}, model_type={model_type!r}")
 
 
 def entry_for_gguf(arch: str | None, source: str = "<gguf>") -> ModelEntry:
