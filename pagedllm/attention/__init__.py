@@ -1,7 +1,9 @@
 """Attention backends behind one interface, chosen per device from a small registry.
 
-A backend has ``forward(query, key, value, key_cache, value_cache, meta, scale) -> out``: it writes
-the new tokens' K/V into their slots, then attends over each sequence's paged context. Every
+A backend has ``forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window=None)
+-> out``: it writes the new tokens' K/V into their slots, then attends over each sequence's paged
+context (only its last ``sliding_window`` positions when set: every backend honours it; the C++
+and Triton kernels hand windowed calls whose context exceeds the window to ``torch_native``). Every
 tensor it gets (activations, KV cache, ``AttentionMetadata`` index tensors) is on the engine's
 device.
 
@@ -47,6 +49,7 @@ class AttentionBackend(Protocol):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -72,17 +72,22 @@ class CpuPagedAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens into their slots, then attend (see
-        ``reference.paged_attention_reference`` for the contract)."""
+        ``reference.paged_attention_reference`` for the contract). The kernels have no window:
+        a windowed call whose longest context exceeds ``sliding_window`` runs on the fallback."""
         ops = self.ops
         if (
-            ops is None
+            (sliding_window is not None and max(meta.seq_lens_list) > sliding_window)
+            or ops is None
             or query.device.type != "cpu"
             or query.dtype not in (torch.float32, torch.bfloat16)
             or key_cache.dtype != query.dtype
         ):
-            return self._fallback.forward(query, key, value, key_cache, value_cache, meta, scale)
+            return self._fallback.forward(
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window
+            )
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()

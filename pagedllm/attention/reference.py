@@ -50,6 +50,7 @@ def paged_attention_reference(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
@@ -62,6 +63,8 @@ def paged_attention_reference(
             the new tokens' K/V (call ``write_kv`` first).
         meta: batch layout.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: when set, the token at position p sees only keys p - window + 1 .. p
+            (Mistral / Gemma local layers; Beltagy et al. 2020, Longformer); None = all.
 
     Returns:
         [T, num_heads, head_dim], dtype of ``query``.
@@ -80,9 +83,10 @@ def paged_attention_reference(
         for t in range(q_lo, q_hi):
             pos = first_pos + (t - q_lo)
             q = query[t].float()  # [H, D]
-            scores = torch.einsum("hd,lhd->hl", q, k[: pos + 1]) * scale
+            lo = 0 if sliding_window is None else max(0, pos + 1 - sliding_window)
+            scores = torch.einsum("hd,lhd->hl", q, k[lo : pos + 1]) * scale
             probs = torch.softmax(scores, dim=-1)
-            out[t] = torch.einsum("hl,lhd->hd", probs, v[: pos + 1]).to(query.dtype)
+            out[t] = torch.einsum("hl,lhd->hd", probs, v[lo : pos + 1]).to(query.dtype)
     return out
 
 
@@ -100,6 +104,7 @@ class ReferenceAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        return paged_attention_reference(query, key_cache, value_cache, meta, scale)
+        return paged_attention_reference(query, key_cache, value_cache, meta, scale, sliding_window)

@@ -35,6 +35,7 @@ class TorchNativeAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens, then attend.
 
@@ -42,29 +43,36 @@ class TorchNativeAttention:
             query: [T, H, D]; key, value: [T, KVH, D].
             key_cache, value_cache: [KVH, num_blocks, block_size, D], same dtype and device.
             meta: batch layout; its index tensors (int64) on the same device.
+            scale: softmax scale.
+            sliding_window: when set, position p attends to keys p - window + 1 .. p only.
 
         Returns:
             [T, H, D], dtype and device of ``query``.
         """
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        if sliding_window is not None and max(meta.seq_lens_list) <= sliding_window:
+            sliding_window = None  # every key is inside the window: plain causal attention
         nd = meta.num_decodes
+        w = sliding_window
         if nd == meta.num_seqs:
-            return self._decode(query, key_cache, value_cache, meta, scale)
+            return self._decode(query, key_cache, value_cache, meta, scale, w)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale)
+            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale, w)
         starts = meta.query_start_loc_list
         for i in range(nd, meta.num_seqs):
             lo, hi = starts[i], starts[i + 1]
-            out[lo:hi] = self._prefill(query[lo:hi], key_cache, value_cache, meta, i, scale)
+            out[lo:hi] = self._prefill(query[lo:hi], key_cache, value_cache, meta, i, scale, w)
         return out
 
     @staticmethod
     def _decode_plan(
-        meta: AttentionMetadata, dtype: torch.dtype
+        meta: AttentionMetadata, dtype: torch.dtype, window: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Once per step: flat block ids to gather and the additive padding mask [1, S, 1, L]."""
-        plan = meta.backend_cache.get("decode")
+        """Once per step (and window): flat block ids to gather and the additive mask
+        [1, S, 1, L] hiding padding and, with ``window``, keys before the window."""
+        key = "decode" if window is None else f"decode/{window}"
+        plan = meta.backend_cache.get(key)
         if plan is None:
             nd = meta.num_decodes
             bs = meta.block_size
@@ -72,10 +80,13 @@ class TorchNativeAttention:
             index = meta.block_tables[:nd, :nb].reshape(-1)
             length = nb * bs
             dev = meta.seq_lens.device
-            pad = torch.arange(length, device=dev) >= meta.seq_lens[:nd, None]  # [S, L]
+            pos = torch.arange(length, device=dev)
+            pad = pos >= meta.seq_lens[:nd, None]  # [S, L]
+            if window is not None:
+                pad |= pos <= meta.seq_lens[:nd, None] - 1 - window
             bias = torch.zeros(nd, length, dtype=dtype, device=dev).masked_fill_(pad, float("-inf"))
             plan = (index, bias.view(1, nd, 1, length), length)
-            meta.backend_cache["decode"] = plan
+            meta.backend_cache[key] = plan
         return plan
 
     def _decode(
@@ -85,11 +96,12 @@ class TorchNativeAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         nd, h, d = q.shape
         kvh = key_cache.shape[0]
         g = h // kvh
-        index, bias, length = self._decode_plan(meta, q.dtype)
+        index, bias, length = self._decode_plan(meta, q.dtype, window)
         # [KVH, NB, BS, D] -> [KVH, S * nb, BS, D] -> [KVH * S, L, D], contiguous, one copy.
         k = key_cache.index_select(1, index).view(kvh * nd, length, d)
         v = value_cache.index_select(1, index).view(kvh * nd, length, d)
@@ -108,6 +120,7 @@ class TorchNativeAttention:
         meta: AttentionMetadata,
         i: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         ctx = meta.seq_lens_list[i]
         ql = q.shape[0]
@@ -117,14 +130,18 @@ class TorchNativeAttention:
         k = key_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
         v = value_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if ql == ctx:
+        if ql == ctx and window is None:
             o = F.scaled_dot_product_attention(
                 qh, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            # Query t sits at position ctx - ql + t and sees keys 0 .. that position.
+            # Query t sits at position ctx - ql + t and sees keys 0 .. that position (only the
+            # last ``window`` of them with a sliding window).
             q_pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
             o = F.scaled_dot_product_attention(
                 qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )

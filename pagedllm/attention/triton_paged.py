@@ -246,6 +246,7 @@ class TritonPagedAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens, then attend.
 
@@ -254,6 +255,8 @@ class TritonPagedAttention:
             key_cache, value_cache: [KVH, num_blocks, block_size, D], contiguous.
             meta: batch layout, index tensors on the same device.
             scale: softmax scale.
+            sliding_window: attend to the last ``sliding_window`` positions only; the kernels
+                have no window, so such a call whose context exceeds it runs on torch_native.
 
         Returns:
             [T, H, D], dtype and device of ``query``.
@@ -265,6 +268,12 @@ class TritonPagedAttention:
             raise ValueError(
                 f"triton attention backend needs CUDA tensors, got {query.device} "
                 "(device must be 'cuda' for attention_backend 'triton')"
+            )
+        if sliding_window is not None and max(meta.seq_lens_list) > sliding_window:
+            from pagedllm.attention.torch_native import TorchNativeAttention
+
+            return TorchNativeAttention().forward(
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window
             )
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:

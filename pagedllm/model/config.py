@@ -1,4 +1,9 @@
-"""Architecture hyper-parameters of a Llama-family decoder, independent of the file format."""
+"""Architecture hyper-parameters of a decoder-only model, independent of the file format.
+
+One dataclass describes every supported architecture: the Llama fields every decoder has, plus
+switches for what other families add (QKV bias, q/k norms, sliding windows, Gemma's norm and
+embedding conventions). ``architecture`` names the model class (``pagedllm.model.registry``).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,43 @@ from typing import Any
 
 
 @dataclass
-class LlamaArchConfig:
-    """Shape of a Llama-family model (Llama 1-3, SmolLM, Mistral without sliding window).
+class ModelArchConfig:
+    """Shape of a decoder-only transformer.
 
     Attributes:
         vocab_size: number of token ids (rows of the embedding).
         hidden_size: model width d (elements).
-        intermediate_size: SwiGLU inner width (elements).
+        intermediate_size: gated-MLP inner width (elements).
         num_hidden_layers: decoder layers.
         num_attention_heads: query heads.
         num_key_value_heads: key/value heads (grouped-query attention when < query heads).
         head_dim: elements per head (usually hidden_size // num_attention_heads).
         rms_norm_eps: epsilon inside RMSNorm.
-        rope_theta: RoPE base frequency.
+        rope_theta: RoPE base frequency (of the global layers when ``rope_local_theta`` is set).
         rope_scaling: Hugging Face style scaling dict (``{"rope_type": "llama3" | "linear" |
-            "default", "factor": ..., ...}``) or None.
+            "default", "factor": ..., ...}``) or None; global layers only.
         max_position_embeddings: the model's trained context length (tokens).
         tie_word_embeddings: the LM head reuses the embedding matrix.
         bos_token_id: beginning-of-sequence id or None.
         eos_token_ids: every id that ends generation (model EOS, generation-config EOS, the chat
             template's end-of-turn token).
+        architecture: the Hugging Face class name (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+            ...); the registry key of the pagedllm model class.
+        hidden_act: the gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU).
+        attention_bias: q, k and v projections have a bias (Qwen2; Llama's ``attention_bias``).
+        o_proj_bias: the output projection has a bias (Llama's ``attention_bias``).
+        qk_norm: RMSNorm over each query / key head before RoPE (Qwen3, Gemma 3).
+        sliding_window: tokens a windowed layer sees (its own included), or None.
+        layer_types: per layer "full_attention" or "sliding_attention"; None = every layer is
+            windowed when ``sliding_window`` is set (Mistral), else full.
+        rope_local_theta: RoPE base of the sliding layers (Gemma 3), or None = ``rope_theta``.
+        partial_rotary_factor: fraction of each head's dimensions that RoPE rotates.
+        norm_weight_offset: checkpoints store RMSNorm weights as ``w - offset`` (Gemma: 1.0,
+            the norm multiplies by ``1 + w``); folded into the weight at load time.
+        sandwich_norm: extra RMSNorms after attention and around the MLP (Gemma 2 / 3).
+        embedding_scale: multiplier of the embedding output (Gemma: sqrt(hidden_size)), or None.
+        query_pre_attn_scalar: attention scale is its -1/2 power (Gemma); None = head_dim.
+        final_logit_softcapping: logits = cap * tanh(logits / cap) when set (Gemma 2).
     """
 
     vocab_size: int
@@ -43,6 +65,20 @@ class LlamaArchConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = "LlamaForCausalLM"
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0
+    norm_weight_offset: float = 0.0
+    sandwich_norm: bool = False
+    embedding_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -50,6 +86,19 @@ class LlamaArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer ``layer`` (tokens), or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of KV cache one token occupies: 2 (K and V) x layers x kv_heads x head_dim x bytes.
@@ -58,3 +107,27 @@ class LlamaArchConfig:
         where only ``num_key_value_heads * head_dim`` of the hidden width is cached.
         """
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def hf_rope_parameters(
+    cfg: dict[str, Any], rope_params: dict[str, Any] | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from a ``config.json`` dict: the transformers 4 keys
+    ``rope_theta`` / ``rope_scaling``, else ``rope_params`` (default: the transformers 5
+    ``rope_parameters`` dict). A "default" scaling is None; ``type`` is renamed ``rope_type``."""
+    params = rope_params if rope_params is not None else (cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") if rope_params is None else None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type") == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+# The name every caller used before the model registry; the same class.
+LlamaArchConfig = ModelArchConfig

@@ -71,20 +71,27 @@ def packed_linear_available(
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (no bias) from a weight prepacked once.
+    """y = x W^T (+ b) from a weight prepacked once.
 
     Args:
         weight: [out_features, in_features] float32 CPU tensor (copied into the packed layout;
             the caller may drop it afterwards).
         cpu_ops: the C++ CPU kernels (:class:`pagedllm.ops.CpuOps`); when ``cpu_gemm_ops`` accepts it the weight is packed into
             16-column panels for its GEMM, otherwise into oneDNN's layout.
+        bias: [out_features] float32 or None; added after the GEMM (oneDNN adds it itself).
 
     Forward: x [T, in_features] float32 -> [T, out_features] float32.
     """
 
-    def __init__(self, weight: torch.Tensor, cpu_ops: CpuOps | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        cpu_ops: CpuOps | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().contiguous()
         self.gemm_ops = cpu_gemm_ops(cpu_ops, weight.dtype)
         with torch.no_grad():
             w = weight.detach().contiguous()
@@ -100,15 +107,16 @@ class PackedLinear(nn.Module):
         return "onednn" if self.gemm_ops is None else "pagedllm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm_ops is not None:
-            if x.dim() != 2 or x.stride(-1) != 1:
-                lead = x.shape[:-1]
-                flat = x.reshape(-1, self.in_features).contiguous()
-                return self.gemm_ops.gemm_linear(flat, self.packed, self.out_features).view(
-                    *lead, self.out_features
-                )
-            return self.gemm_ops.gemm_linear(x, self.packed, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.gemm_ops is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.dim() != 2 or x.stride(-1) != 1:
+            lead = x.shape[:-1]
+            flat = x.reshape(-1, self.in_features).contiguous()
+            y = self.gemm_ops.gemm_linear(flat, self.packed, self.out_features)
+            y = y.view(*lead, self.out_features)
+        else:
+            y = self.gemm_ops.gemm_linear(x, self.packed, self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
 
     def forward_add_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out += x W^T in place and return ``out`` ([T, out_features] float32, unit inner
@@ -116,11 +124,14 @@ class PackedLinear(nn.Module):
         temporary, no separate add), oneDNN adds afterwards."""
         if self.gemm_ops is not None and x.dim() == 2 and x.stride(-1) == 1:
             self.gemm_ops.gemm_linear_add_(out, x, self.packed)
-            return out
+            return out if self.bias is None else out.add_(self.bias)
         return out.add_(self(x))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
+        bias = ", bias" if self.bias is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}{bias}, {self.kernel}"
+        )
 
 
 class PackedSwiGLU(nn.Module):
@@ -159,8 +170,9 @@ class PackedSwiGLU(nn.Module):
 
 def pack_swiglu_layers(model: nn.Module, cpu_ops: CpuOps | None) -> int:
     """Replace the ``gate_up_proj`` (a bias-free ``nn.Linear`` of 2I rows, I % 8 == 0) of every
-    module that has one by a :class:`PackedSwiGLU` when the own GEMM runs (``cpu_gemm_ops``).
-    Returns the count (0 when it does not run)."""
+    module that has one and whose ``act`` is "silu" (the default when it has no ``act``) by a
+    :class:`PackedSwiGLU` when the own GEMM runs (``cpu_gemm_ops``). Returns the count (0 when it
+    does not run)."""
     gemm = cpu_gemm_ops(cpu_ops, torch.float32)
     if gemm is None:  # PAGEDLLM_DISABLE_PACKED_LINEAR is the caller's gate, as for the others
         return 0
@@ -168,7 +180,8 @@ def pack_swiglu_layers(model: nn.Module, cpu_ops: CpuOps | None) -> int:
     for m in model.modules():
         proj = getattr(m, "gate_up_proj", None)
         if (
-            type(proj) is nn.Linear
+            getattr(m, "act", "silu") == "silu"
+            and type(proj) is nn.Linear
             and proj.bias is None
             and proj.weight.dtype == torch.float32
             and proj.out_features % 16 == 0
@@ -179,13 +192,13 @@ def pack_swiglu_layers(model: nn.Module, cpu_ops: CpuOps | None) -> int:
 
 
 def pack_linear_layers(model: nn.Module, cpu_ops: CpuOps | None = None) -> int:
-    """Replace every bias-free ``nn.Linear`` in ``model`` (exact type, not subclasses, which may
-    add communication) by a :class:`PackedLinear` holding the same weight (own GEMM when
+    """Replace every ``nn.Linear`` in ``model`` (exact type, not subclasses, which may add
+    communication) by a :class:`PackedLinear` holding the same weight and bias (own GEMM when
     ``cpu_ops`` qualifies, see :func:`cpu_gemm_ops`). Returns the count."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.bias is None:
-                setattr(parent, name, PackedLinear(child.weight, cpu_ops))
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child.weight, cpu_ops, child.bias))
                 count += 1
     return count

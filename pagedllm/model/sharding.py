@@ -1,4 +1,4 @@
-"""Which slice of each Llama weight a tensor-parallel rank holds (Megatron-LM sharding).
+"""Which slice of each decoder weight a tensor-parallel rank holds (Megatron-LM sharding).
 
 Shoeybi et al. 2019 (Megatron-LM, section 3): in each block the first linear layer is split by
 output columns (column-parallel: fused QKV, fused gate/up) and the second by input rows
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.config import ModelArchConfig
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class TensorParallelShard:
         return self.intermediate[1] - self.intermediate[0]
 
     @classmethod
-    def for_rank(cls, config: LlamaArchConfig, rank: int, world_size: int) -> TensorParallelShard:
+    def for_rank(cls, config: ModelArchConfig, rank: int, world_size: int) -> TensorParallelShard:
         """The shard of ``rank`` in a group of ``world_size``.
 
         Raises:
@@ -107,21 +107,24 @@ class TensorParallelShard:
     def weight_slice(self, name: str, head_dim: int) -> tuple[int, int, int] | None:
         """How to cut the Hugging Face-named weight ``name``: (dim, lo, hi), or None = whole.
 
-        Linear weights are [out, in]: column-parallel layers are cut along dim 0, row-parallel
-        ones along dim 1; the embedding and LM head along the vocabulary (dim 0).
+        Linear weights are [out, in]: column-parallel layers (and their biases) are cut along
+        dim 0, row-parallel ones along dim 1 (their biases stay whole); the embedding and LM head
+        along the vocabulary (dim 0); norms (q/k norms included, they act per head) stay whole.
         """
         d = head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (0, *self.vocab)
-        if name.endswith("self_attn.q_proj.weight"):
+        stem, _, kind = name.rpartition(".")  # kind: "weight" or "bias"
+        row_parallel = kind == "weight"  # a row-parallel bias is whole (added after the reduce)
+        if stem.endswith("self_attn.q_proj"):
             return (0, self.q_heads[0] * d, self.q_heads[1] * d)
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        if stem.endswith(("self_attn.k_proj", "self_attn.v_proj")):
             return (0, self.kv_heads[0] * d, self.kv_heads[1] * d)
-        if name.endswith("self_attn.o_proj.weight"):
+        if stem.endswith("self_attn.o_proj") and row_parallel:
             return (1, self.q_heads[0] * d, self.q_heads[1] * d)
-        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        if stem.endswith(("mlp.gate_proj", "mlp.up_proj")):
             return (0, *self.intermediate)
-        if name.endswith("mlp.down_proj.weight"):
+        if stem.endswith("mlp.down_proj") and row_parallel:
             return (1, *self.intermediate)
         return None
 

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.decoder import DecoderForCausalLM
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device | str = "cpu",

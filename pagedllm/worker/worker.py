@@ -12,8 +12,8 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.device import activate_device, device_for_rank, resolve_device, uses_cpu_ops
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import LlamaArchConfig
-from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.packed_linear import packed_linear_available
+from pagedllm.model.registry import model_class
 from pagedllm.model.sharding import shard_state_dict
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -86,7 +86,7 @@ class Worker:
         self.backend = backend
         # Every tensor the model allocates (weights, RoPE table) goes straight to the device.
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(
+            self.model = model_class(config.architecture)(
                 config, dtype, backend, max_positions=max_model_len, group=group
             )
         shard = self.model.shard

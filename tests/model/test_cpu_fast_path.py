@@ -34,17 +34,30 @@ def test_packed_linear_matches_f_linear(rows, shape):
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-def test_pack_linear_layers_replaces_only_plain_bias_free_linears():
+def test_pack_linear_layers_replaces_plain_linears_with_their_bias():
     class Sub(nn.Linear):
         pass
 
     m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8), Sub(8, 8, bias=False))
-    ref = m[0].weight.clone()
-    assert pack_linear_layers(m) == 1
-    assert isinstance(m[0], PackedLinear)
-    assert type(m[1]) is nn.Linear and type(m[2]) is Sub
+    ref_w, ref_b = m[1].weight.clone(), m[1].bias.clone()
+    assert pack_linear_layers(m) == 2
+    assert isinstance(m[0], PackedLinear) and isinstance(m[1], PackedLinear)
+    assert type(m[2]) is Sub  # subclasses may communicate (row-parallel): left alone
     x = torch.randn(3, 8)
-    torch.testing.assert_close(m[0](x), F.linear(x, ref), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m[1](x), F.linear(x, ref_w, ref_b), atol=1e-5, rtol=1e-5)
+    out = torch.randn(3, 8)
+    want = out + F.linear(x, ref_w, ref_b)
+    torch.testing.assert_close(m[1].forward_add_(out, x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_bias_on_own_gemm(cpu_ops_or_skip):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(5, 32)
+    lin = PackedLinear(w, cpu_ops_or_skip, b)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    out = torch.randn(5, 48)
+    want = out + F.linear(x, w, b)
+    torch.testing.assert_close(lin.forward_add_(out, x), want, atol=1e-4, rtol=1e-5)
 
 
 def test_worker_model_is_packed_and_matches_unpacked(tiny_loaded):

@@ -5,7 +5,6 @@ import torch
 
 from pagedllm.attention import get_attention_backend
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.llama import LlamaForCausalLM, rope_inv_freq
 from pagedllm.worker.cache_engine import CacheEngine, num_blocks_for_memory
 from pagedllm.worker.model_runner import ModelRunner
@@ -44,38 +43,25 @@ def test_prefill_logits_match_transformers(tiny_loaded, hf_tiny_model, backend):
 
 
 def test_rope_scaling_variants():
-    base = dict(
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        rope_theta=10000.0,
-    )
-    plain = rope_inv_freq(LlamaArchConfig(**base))
+    plain = rope_inv_freq(16, 10000.0)
     assert torch.allclose(plain, 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
-    lin = rope_inv_freq(
-        LlamaArchConfig(**base, rope_scaling={"rope_type": "linear", "factor": 4.0})
-    )
+    lin = rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0})
     assert torch.allclose(lin, plain / 4)
     l3 = rope_inv_freq(
-        LlamaArchConfig(
-            **base,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
+        16,
+        10000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     assert l3[0] == plain[0]  # highest frequency untouched
     assert torch.isclose(l3[-1], plain[-1] / 8)  # lowest frequency divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
-        rope_inv_freq(LlamaArchConfig(**base, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
 
 
 def test_load_weights_reports_missing_and_misshapen(tiny_loaded):

@@ -1,12 +1,17 @@
-"""Read a llama.cpp GGUF file into a :class:`LlamaArchConfig` and Hugging Face named weights.
+"""Read a llama.cpp GGUF file into a :class:`ModelArchConfig` and Hugging Face named weights.
 
 GGUF facts this module relies on:
 
 * tensor dimensions are stored in ggml ``ne`` order (fastest-varying first), i.e. reversed with
   respect to PyTorch; a linear layer stored as ``[in, out]`` is a PyTorch ``[out, in]`` matrix.
-* llama.cpp's HF->GGUF converter permutes the rows of ``q_proj`` and ``k_proj`` per head, from the
-  Hugging Face "rotate half" rotary layout (first half / second half of the head) to interleaved
-  pairs (GPT-J style). :func:`unpermute_qk` undoes it, so the weights are exactly Hugging Face's.
+* llama.cpp's HF->GGUF converter permutes the rows of ``q_proj`` and ``k_proj`` per head for Llama
+  (not for Qwen or Gemma), from the Hugging Face "rotate half" rotary layout (first half / second
+  half of the head) to interleaved pairs (GPT-J style). :func:`unpermute_qk` undoes it, so the
+  weights are exactly Hugging Face's.
+* for Gemma the converter stores RMSNorm weights as ``1 + w``; the loader subtracts the model's
+  ``norm_weight_offset`` so the state dict holds Hugging Face's ``w`` in every format.
+* tensor names map to Hugging Face names through ``GGUF_LAYER_NAMES`` plus the model class's
+  ``gguf_tensor_names`` (``pagedllm.model.registry``).
 """
 
 from __future__ import annotations
@@ -21,14 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-_LAYER_SUFFIXES: dict[str, str] = {
+GGUF_LAYER_NAMES: dict[str, str] = {
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -53,22 +58,63 @@ _ROPE_FREQS = "rope_freqs.weight"
 # --------------------------------------------------------------------------------------------
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to its Hugging Face Llama name.
+def gguf_to_hf_name(name: str, extra: dict[str, str] | None = None) -> str:
+    """Map a llama.cpp tensor name to its Hugging Face name.
 
     ``token_embd.weight`` -> ``model.embed_tokens.weight``, ``blk.N.attn_q.weight`` ->
-    ``model.layers.N.self_attn.q_proj.weight``, ``output.weight`` -> ``lm_head.weight``, etc.
+    ``model.layers.N.self_attn.q_proj.weight``, ``output.weight`` -> ``lm_head.weight``, etc.;
+    ``extra`` (the model class's ``gguf_tensor_names``) overrides or adds per-layer names.
 
     Raises:
-        ValueError: the name is not part of a Llama model.
+        ValueError: the name has no Hugging Face equivalent in this architecture.
     """
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = GGUF_LAYER_NAMES if not extra else {**GGUF_LAYER_NAMES, **extra}
     m = _LAYER_RE.match(name)
-    if m is not None and m.group(2) in _LAYER_SUFFIXES:
+    if m is not None and m.group(2) in names:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_SUFFIXES[part]}.{kind}"
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama equivalent")
+        return f"model.layers.{layer}.{names[part]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent")
+
+
+def gguf_tensor_to_hf(
+    gguf_name: str,
+    weight: torch.Tensor,
+    config: ModelArchConfig,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> tuple[str, torch.Tensor]:
+    """One dequantized GGUF tensor as (Hugging Face name, tensor in Hugging Face convention):
+    renamed for ``config.architecture``, q/k rows un-permuted where llama.cpp permuted them, and
+    the norm offset removed (Gemma).
+
+    Args:
+        gguf_name: the llama.cpp tensor name.
+        weight: the tensor in PyTorch axis order (float32).
+        config: the model's config.
+        num_heads / num_kv_heads: heads in ``weight`` (this rank's under tensor parallelism);
+            default: the config's.
+
+    Raises:
+        ValueError: unknown name, or a q/k tensor whose rows do not fit the heads.
+    """
+    from pagedllm.model.registry import model_class
+
+    cls = model_class(config.architecture)
+    hf_name = gguf_to_hf_name(gguf_name, cls.gguf_tensor_names)
+    if cls.gguf_permute_qk:
+        if ".self_attn.q_proj." in hf_name:
+            heads = num_heads or config.num_attention_heads
+            _check_rows(gguf_name, weight, heads * config.head_dim)
+            weight = unpermute_qk(weight, heads)
+        elif ".self_attn.k_proj." in hf_name:
+            heads = num_kv_heads or config.num_key_value_heads
+            _check_rows(gguf_name, weight, heads * config.head_dim)
+            weight = unpermute_qk(weight, heads)
+    if config.norm_weight_offset and hf_name.endswith("norm.weight"):
+        weight = weight - config.norm_weight_offset
+    return hf_name, weight
 
 
 def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -187,26 +233,26 @@ def _llama3_rope_scaling(
     return None
 
 
-def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> LlamaArchConfig:
-    """Build a :class:`LlamaArchConfig` from GGUF ``llama.*`` metadata.
+def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> ModelArchConfig:
+    """Build a :class:`ModelArchConfig` from GGUF ``<arch>.*`` metadata (``general.architecture``
+    picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` adds the
+    architecture's own fields).
 
-    ``head_dim`` comes from ``llama.attention.key_length``, else ``llama.rope.dimension_count``,
+    ``head_dim`` comes from ``<arch>.attention.key_length``, else ``<arch>.rope.dimension_count``,
     else ``hidden / heads``; ``vocab_size`` from the length of ``tokenizer.ggml.tokens``, else
-    ``llama.vocab_size``, else the embedding rows. ``tie_word_embeddings`` is True when the file
+    ``<arch>.vocab_size``, else the embedding rows. ``tie_word_embeddings`` is True when the file
     has no ``output.weight``. ``bos_token_id`` is ``tokenizer.ggml.bos_token_id`` and
     ``eos_token_ids`` holds ``tokenizer.ggml.eos_token_id`` (the tokenizer/chat-template ids are
     added by :func:`pagedllm.model.loader.load_model`).
 
     Raises:
-        ValueError: ``general.architecture`` is not ``llama``, a required key is missing, or
-            the rope scaling cannot be represented.
+        ValueError: ``general.architecture`` is not supported (the message lists what is), a
+            required key is missing, or the rope scaling cannot be represented.
     """
+    from pagedllm.model.registry import entry_for_gguf
+
     arch = gguf_metadata(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: unsupported model architecture general.architecture={arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    entry = entry_for_gguf(arch, str(path))
 
     def req(key: str) -> Any:
         value = gguf_metadata(reader, f"{arch}.{key}")
@@ -257,7 +303,7 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Ll
 
     bos = gguf_metadata(reader, "tokenizer.ggml.bos_token_id")
     eos = gguf_metadata(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaArchConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -272,7 +318,11 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Ll
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[] if eos is None else [int(eos)],
+        architecture=entry.architecture,
     )
+    cls = entry.load()
+    fields.update(cls.gguf_config_fields(lambda key: gguf_metadata(reader, f"{arch}.{key}")))
+    return ModelArchConfig(**fields)
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -300,12 +350,13 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 def load_gguf_weights(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
-    """Load the architecture and all weights of a Llama GGUF file, with Hugging Face names.
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Load the architecture and all weights of a GGUF file, with Hugging Face names.
 
     Every tensor is dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, K-quants...:
     whatever ``gguf.quants`` implements), reshaped to PyTorch order (linears ``[out, in]``,
-    embedding ``[vocab, hidden]``, norms ``[hidden]``), q/k rows un-permuted, then cast to
+    embedding ``[vocab, hidden]``, norms ``[hidden]``), q/k rows un-permuted (Llama), Gemma's
+    norm offset removed (``gguf_tensor_to_hf``), then cast to
     ``dtype``. No ``lm_head.weight`` is returned when the embedding is tied.
 
     Args:
@@ -325,12 +376,10 @@ def load_gguf_weights(
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     reader = open_gguf(path)
     config = gguf_arch_config(reader, path)
-    head_dim = config.head_dim
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
-        hf_name = gguf_to_hf_name(tensor.name)
         try:
             array = _dequantize(tensor)
         except ValueError:
@@ -340,13 +389,7 @@ def load_gguf_weights(
                 f"{path} is not a valid GGUF file: tensor {tensor.name!r} "
                 f"({tensor.tensor_type.name}) could not be decoded: {exc}"
             ) from exc
-        weight = torch.from_numpy(array)
-        if ".self_attn.q_proj." in hf_name:
-            _check_rows(tensor.name, weight, config.num_attention_heads * head_dim)
-            weight = unpermute_qk(weight, config.num_attention_heads)
-        elif ".self_attn.k_proj." in hf_name:
-            _check_rows(tensor.name, weight, config.num_key_value_heads * head_dim)
-            weight = unpermute_qk(weight, config.num_key_value_heads)
+        hf_name, weight = gguf_tensor_to_hf(tensor.name, torch.from_numpy(array), config)
         state[hf_name] = weight.to(dtype).contiguous()
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")

@@ -11,12 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.config import ModelArchConfig, hf_rope_parameters
 
 if TYPE_CHECKING:
     from pagedllm.model.loader.load import LoadedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -36,24 +35,24 @@ def read_hf_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{f} is not valid JSON: {exc}") from exc
 
 
-def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>") -> LlamaArchConfig:
-    """Convert a Hugging Face Llama ``config.json`` dict to :class:`LlamaArchConfig`.
+def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>") -> ModelArchConfig:
+    """Convert a Hugging Face ``config.json`` dict to :class:`ModelArchConfig`.
 
-    Reads both the transformers 4 keys (``rope_theta``, ``rope_scaling``) and the transformers 5
-    ``rope_parameters`` dict. ``eos_token_ids`` holds ``config.json``'s ``eos_token_id`` (int or
-    list); the tokenizer / generation-config ids are added by ``load_model``.
+    The architecture is looked up in ``pagedllm.model.registry`` (``architectures``, then
+    ``model_type``); the fields every decoder has are read here, the architecture's own ones by
+    its class (``hf_config_fields``). Reads both the transformers 4 keys (``rope_theta``,
+    ``rope_scaling``) and the transformers 5 ``rope_parameters`` dict. A sliding window is kept
+    unless ``use_sliding_window`` is false; ``layer_types`` says which layers it applies to.
+    ``eos_token_ids`` holds ``config.json``'s ``eos_token_id`` (int or list); the tokenizer /
+    generation-config ids are added by ``load_model``.
 
     Raises:
-        ValueError: ``model_type`` is not llama (or mistral without sliding window), or a
+        ValueError: the architecture is not supported (the message lists what is), or a
             required field is missing.
     """
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{folder}: unsupported model_type {model_type!r} in config.json; supported: llama"
-        )
-    if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
-        raise ValueError(f"{folder}: mistral with sliding_window attention is not supported")
+    from pagedllm.model.registry import entry_for_hf_config
+
+    entry = entry_for_hf_config(cfg, str(folder))
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -65,24 +64,16 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
 
-    rope_params = cfg.get("rope_parameters") or {}
-    rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    rope_scaling = cfg.get("rope_scaling")
-    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    if rope_scaling is not None:
-        rope_scaling = dict(rope_scaling)
-        if "type" in rope_scaling and "rope_type" not in rope_scaling:
-            rope_scaling["rope_type"] = rope_scaling.pop("type")
-        if rope_scaling.get("rope_type") == "default":
-            rope_scaling = None
+    rope_theta, rope_scaling = hf_rope_parameters(cfg)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    layer_types = cfg.get("layer_types") if window else None
 
     eos = cfg.get("eos_token_id")
     eos_ids = (
         [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
     )
     bos = cfg.get("bos_token_id")
-    return LlamaArchConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -91,13 +82,20 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
         num_key_value_heads=n_kv,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        architecture=entry.architecture,
+        hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
+        sliding_window=int(window) if window else None,
+        layer_types=list(layer_types) if layer_types else None,
+        partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
     )
+    fields.update(entry.load().hf_config_fields(cfg))
+    return ModelArchConfig(**fields)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -123,8 +121,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def load_hf_weights(
     folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
-    """Load ``config.json`` and every ``*.safetensors`` shard of a Hugging Face Llama folder.
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Load ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder.
 
     Floating tensors are cast to ``dtype``; names are kept as in the files (``model.layers.N...``,
     shape ``[out, in]`` for linears). When the embedding is tied (``tie_word_embeddings`` or no
@@ -167,8 +165,14 @@ def load_hf_weights(
     return config, state
 
 
-def hf_config_dict(config: LlamaArchConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A ``config.json`` dict (``LlamaForCausalLM``) describing ``config``."""
+def hf_config_dict(config: ModelArchConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A ``config.json`` dict (``LlamaForCausalLM``) describing ``config``.
+
+    Raises:
+        ValueError: ``config`` is not a Llama (only Llama models are exported).
+    """
+    if config.architecture != "LlamaForCausalLM":
+        raise ValueError(f"export supports LlamaForCausalLM only, not {config.architecture}")
     eos: Any = list(config.eos_token_ids)
     if len(eos) == 1:
         eos = eos[0]

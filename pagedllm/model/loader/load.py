@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.model.config import LlamaArchConfig
+from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.loader.bundled import bundled_model_path
 from pagedllm.model.loader.gguf_loader import load_gguf_weights
 from pagedllm.model.loader.hf_loader import load_hf_weights
@@ -38,7 +38,7 @@ class LoadedModel:
         weight_bytes: bytes of ``state_dict`` (sum of ``numel * element_size``).
     """
 
-    config: LlamaArchConfig
+    config: ModelArchConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
     source: Path
@@ -96,7 +96,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[Path, str]
 def load_model(
     model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load config, weights and tokenizer of a Llama-family model.
+    """Load config, weights and tokenizer of a supported model (``pagedllm.model.registry``).
 
     Args:
         model: ``None`` for the bundled SmolLM2-135M-Instruct GGUF, a bundled model's short name

@@ -16,8 +16,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pagedllm.model.config import LlamaArchConfig
-from pagedllm.model.loader.gguf_loader import _ROPE_FREQS, gguf_to_hf_name, open_gguf, unpermute_qk
+from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.loader.gguf_loader import (
+    _ROPE_FREQS,
+    gguf_tensor_to_hf,
+    gguf_to_hf_name,
+    open_gguf,
+)
 from pagedllm.model.loader.hf_loader import _safetensors_files
 from pagedllm.model.sharding import TensorParallelShard
 
@@ -25,7 +30,7 @@ from pagedllm.model.sharding import TensorParallelShard
 def load_weight_shard(
     source: str | os.PathLike[str],
     kind: str,
-    config: LlamaArchConfig,
+    config: ModelArchConfig,
     shard: TensorParallelShard,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
@@ -57,18 +62,21 @@ def load_weight_shard(
 
 
 def _gguf_shard(
-    path: Path, config: LlamaArchConfig, shard: TensorParallelShard
+    path: Path, config: ModelArchConfig, shard: TensorParallelShard
 ) -> dict[str, torch.Tensor]:
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
+    from pagedllm.model.registry import model_class
+
+    names = model_class(config.architecture).gguf_tensor_names
     reader = open_gguf(path)
     d = config.head_dim
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, names)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # PyTorch order
         raw = np.asarray(t.data)
         cut = shard.weight_slice(name, d)
@@ -86,16 +94,13 @@ def _gguf_shard(
         else:
             arr = dequantize(raw, t.tensor_type).reshape(shape)[:, cut[1] : cut[2]]
         w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-        if name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_qk(w, shard.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_qk(w, shard.num_kv_heads)
+        name, w = gguf_tensor_to_hf(t.name, w, config, shard.num_heads, shard.num_kv_heads)
         out[name] = w
     return out
 
 
 def _hf_shard(
-    folder: Path, config: LlamaArchConfig, shard: TensorParallelShard
+    folder: Path, config: ModelArchConfig, shard: TensorParallelShard
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(folder):

@@ -1,0 +1,244 @@
+"""The skeleton every decoder-only model shares: embedding, a stack of layers, the final norm and
+an LM head that only computes the logits it is asked for, over a flat token batch with a paged KV
+cache.
+
+Shapes: T = new tokens in the step (all sequences concatenated), S = sampled positions,
+d = hidden size, V = vocabulary.
+
+A model file subclasses :class:`DecoderForCausalLM` and implements ``make_layer`` (one decoder
+layer); the layers receive a :class:`StepContext` holding the step's rotary functions (computed
+once per step, one per RoPE table), the attention metadata and the backend.
+
+Tensor parallelism (paper section 4.6; Megatron-LM sharding, see ``model.sharding``): with a
+``TensorParallelGroup`` each rank holds H / tp query heads and the KV heads they read, a 1 / tp
+slice of the MLP width and of the vocabulary; o_proj, down_proj and the embedding end in an
+all-reduce and the logits are gathered to rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.layers.embedding import scale_embedding, token_embedding
+from pagedllm.model.layers.logits import lm_head_logits
+from pagedllm.model.layers.mlp import GatedMLP
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding, Rotate
+from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, pack_swiglu_layers
+from pagedllm.model.sharding import TensorParallelShard
+from pagedllm.model.weight_map import load_named_weights
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
+
+
+@dataclass
+class StepContext:
+    """What every layer of one step shares.
+
+    Attributes:
+        rotations: rotary function per RoPE table name ("global", "local"), see
+            ``RotaryEmbedding.for_step``.
+        meta: the step's attention metadata.
+        backend: the attention backend.
+    """
+
+    rotations: dict[str, Rotate]
+    meta: AttentionMetadata
+    backend: AttentionBackend
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base class of the model files: the whole decoder with its LM head.
+
+    Args:
+        config: architecture.
+        dtype: parameter and activation dtype (float32 or bfloat16).
+        backend: paged-attention implementation.
+        max_positions: size of the RoPE tables (the engine's max_model_len).
+        group: the tensor-parallel group; None = the whole model in this process (tp = 1).
+
+    Class attributes a model file sets:
+        gguf_architectures: GGUF ``general.architecture`` values it reads.
+        gguf_tensor_names: llama.cpp per-layer tensor name -> Hugging Face suffix, on top of
+            ``loader.gguf_names.GGUF_LAYER_NAMES``.
+        gguf_permute_qk: llama.cpp permuted the q/k rows of this architecture (Llama only).
+
+    Raises:
+        ValueError: naming ``tensor_parallel_size`` when the model cannot be split that way.
+    """
+
+    gguf_tensor_names: ClassVar[dict[str, str]] = {}
+    gguf_permute_qk: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.backend = backend
+        self.group = group
+        self.shard = (
+            TensorParallelShard.for_rank(config, group.rank, group.world_size) if group else None
+        )
+        shard = self.shard
+        self.embed_tokens = token_embedding(
+            config.vocab_size, config.hidden_size, dtype, shard, group
+        )
+        self.layers = nn.ModuleList(
+            self.make_layer(config, i, dtype, shard, group) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, config.norm_weight_offset
+        )
+        self.rotary = nn.ModuleDict(self.make_rotary(config, max_positions))
+        vocab_rows = shard.vocab_shard_size if shard else config.vocab_size
+        self.lm_head_weight: Any
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(
+                torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False
+            )
+        self.lm_head_packed: PackedLinear | None = None
+        self.requires_grad_(False)
+
+    # -- what a model file provides ----------------------------------------------------------
+
+    def make_layer(
+        self,
+        config: ModelArchConfig,
+        index: int,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None,
+        group: TensorParallelGroup | None,
+    ) -> nn.Module:
+        """Decoder layer ``index``: a module called as ``layer(h, kv_cache, ctx) -> h``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def make_rotary(
+        config: ModelArchConfig, max_positions: int | None
+    ) -> dict[str, RotaryEmbedding]:
+        """The RoPE tables by name: "global" (``rope_theta`` with ``rope_scaling``, partial
+        rotary applied), plus "local" (``rope_local_theta``, unscaled) when the config has it."""
+        n = max_positions or config.max_position_embeddings
+        rot = int(config.head_dim * config.partial_rotary_factor)
+        tables = {"global": RotaryEmbedding(rot, config.rope_theta, config.rope_scaling, n)}
+        if config.rope_local_theta is not None:
+            tables["local"] = RotaryEmbedding(rot, config.rope_local_theta, None, n)
+        return tables
+
+    @classmethod
+    def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``ModelArchConfig`` fields this architecture reads from a Hugging Face
+        ``config.json`` dict beyond the common ones (``loader.hf_loader.hf_arch_config``)."""
+        return {}
+
+    @classmethod
+    def gguf_config_fields(cls, meta: Callable[[str], Any]) -> dict[str, Any]:
+        """``ModelArchConfig`` fields this architecture reads from GGUF metadata beyond the
+        common ones; ``meta(key)`` returns ``<arch>.<key>`` or None."""
+        return {}
+
+    # -- shared machinery --------------------------------------------------------------------
+
+    def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:
+        """Run RMSNorm, the SiLU gate and the rotary embedding with the fused C++ kernels of
+        ``ops`` (``pagedllm.ops.load_cpu_ops()``); fp32 only, so other dtypes are ignored."""
+        if self.dtype != torch.float32:
+            return
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)):
+                m.cpu_ops = ops
+
+    def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
+        """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
+        when ``cpu_ops``, the C++ CPU kernels, run the avx2 variant, oneDNN otherwise); call after
+        ``load_weights``. Returns the number of packed matrices."""
+        # Gate/up with the SwiGLU epilogue first (own GEMM only), then every other projection;
+        # row-parallel layers (all-reduce) stay as they are.
+        count = pack_swiglu_layers(self.layers, cpu_ops)
+        count += pack_linear_layers(self.layers, cpu_ops)
+        if self.group is not None:
+            return count  # the LM head is a vocabulary shard gathered to rank 0
+        self.lm_head_packed = PackedLinear(self.lm_head_weight, cpu_ops)
+        return count + 1
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids: [T] int64 new tokens; positions: [T] int64 their positions (both on
+                the weights' device, as every tensor here).
+            kv_caches: per layer (key_cache, value_cache), each
+                [KVH, num_blocks, block_size, D], on the weights' device.
+            meta: batch layout and slots.
+            logits_indices: [S] int64 rows of the batch whose next-token logits are wanted.
+
+        Returns:
+            logits [S, V] float32; under tensor parallelism only on rank 0, the other ranks
+            return an empty [S, 0] tensor.
+        """
+        h = scale_embedding(self.embed_tokens(input_ids), self.config.embedding_scale)
+        rotations = {
+            name: cast(RotaryEmbedding, r).for_step(positions, h.dtype)
+            for name, r in self.rotary.items()
+        }
+        ctx = StepContext(rotations, meta, self.backend)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, kv, ctx)
+        h = self.norm(h[logits_indices])
+        return lm_head_logits(
+            h,
+            self.lm_head_weight,
+            self.lm_head_packed,
+            self.group,
+            self.config.vocab_size,
+            self.config.final_logit_softcapping,
+        )
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, stacking q/k/v and gate/up
+        (``model.weight_map``).
+
+        Under tensor parallelism ``state_dict`` holds this rank's slices
+        (``model.sharding.shard_state_dict`` or a sharded loader); a short last vocabulary shard
+        is padded with zero rows.
+
+        Raises:
+            ValueError: naming a missing tensor or one with the wrong shape.
+        """
+        load_named_weights(self, state_dict, pad_vocab=self.shard is not None)
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters (tied embeddings counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total

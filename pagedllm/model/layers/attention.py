@@ -1,0 +1,87 @@
+"""Self-attention of a decoder layer over the paged KV cache (vLLM paper section 4).
+
+One fused QKV projection (optionally with bias: Qwen2), optional per-head RMSNorms of queries and
+keys before RoPE (Qwen3, Gemma 3), the rotary embedding, the attention backend (with the layer's
+sliding window when it has one: Mistral, Gemma local layers) and the output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.layers.linear import column_linear, row_linear
+from pagedllm.model.layers.norm import RMSNorm, norm_heads
+from pagedllm.model.layers.rotary import Rotate
+from pagedllm.model.sharding import TensorParallelShard
+
+
+class PagedSelfAttention(nn.Module):
+    """Multi-head (grouped-query) attention of one layer.
+
+    Args:
+        config: architecture (heads, head_dim, biases, q/k norm, window, query scale).
+        layer: the layer index (picks the sliding window from ``config.layer_window``).
+        dtype: parameter dtype.
+        shard: this rank's heads under tensor parallelism, or None.
+        group: the tensor-parallel group, or None.
+
+    Forward: x [T, d] -> [T, d] (same dtype), writing the step's K/V into ``kv_cache``.
+    """
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer: int,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = shard.num_heads if shard else config.num_attention_heads
+        self.num_kv_heads = shard.num_kv_heads if shard else config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = float(config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = config.layer_window(layer)
+        hidden = config.hidden_size
+        self.qkv_proj = column_linear(
+            hidden, self.q_size + 2 * self.kv_size, dtype, bias=config.attention_bias
+        )
+        self.o_proj = row_linear(self.q_size, hidden, group, dtype, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            eps, off = config.rms_norm_eps, config.norm_weight_offset
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype, off)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype, off)
+
+    def forward(
+        self,
+        rotate: Rotate,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        qs, kvs, d = self.q_size, self.kv_size, self.head_dim
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rotate(norm_heads(self.q_norm, qkv[:, :qs].view(t, self.num_heads, d)))
+            k = rotate(norm_heads(self.k_norm, qkv[:, qs : qs + kvs].view(t, -1, d)))
+        else:
+            # Q and K heads are rotated together: one rotary op per layer.
+            qk = rotate(qkv[:, : qs + kvs].view(t, -1, d))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qs + kvs :].reshape(t, self.num_kv_heads, d)
+        kc, vc = kv_cache
+        if self.sliding_window is None:
+            o = backend.forward(q, k, v, kc, vc, meta, self.scale)  # [T, H, D]
+        else:
+            o = backend.forward(q, k, v, kc, vc, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, qs))

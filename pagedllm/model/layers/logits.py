@@ -1,0 +1,49 @@
+"""The LM head: hidden states of the sampled positions -> vocabulary logits (float32), with an
+optional final soft cap (Gemma 2: ``cap * tanh(logits / cap)``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.layers.parallel import vocab_parallel_logits
+from pagedllm.model.packed_linear import PackedLinear
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in place (Gemma 2's logit soft-capping); ``x`` when None."""
+    if cap is None:
+        return x
+    return x.div_(cap).tanh_().mul_(cap)
+
+
+def lm_head_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    packed: PackedLinear | None,
+    group: TensorParallelGroup | None,
+    vocab_size: int,
+    final_logit_softcapping: float | None = None,
+) -> torch.Tensor:
+    """Logits of the final hidden states.
+
+    Args:
+        h: [S, d] normalized hidden states of the sampled positions.
+        weight: [V, d] LM-head rows (this rank's [ceil(V / tp), d] shard under a group).
+        packed: the prepacked head (``PackedLinear``) or None.
+        group: tensor-parallel group or None.
+        vocab_size: V, to drop padding rows of the last shard.
+        final_logit_softcapping: the soft cap, or None.
+
+    Returns:
+        [S, V] float32; under tensor parallelism only on rank 0, the other ranks return an empty
+        [S, 0] tensor.
+    """
+    if group is None:
+        logits = packed(h) if packed is not None else F.linear(h, weight)
+        return soft_cap(logits.float(), final_logit_softcapping)
+    full = vocab_parallel_logits(h, weight, group, vocab_size)
+    if full is None:
+        return h.new_empty(h.shape[0], 0)
+    return soft_cap(full.float(), final_logit_softcapping)

@@ -1,0 +1,110 @@
+"""Architecture name -> model class, with lazy imports (a model file is imported only when used).
+
+Keys: the ``architectures`` entry (or ``model_type``) of a Hugging Face ``config.json``, and the
+``general.architecture`` of a GGUF file. Adding an architecture = one model file under
+``pagedllm/model/`` + one :class:`ModelEntry` line in ``MODELS`` (see docs/models.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.model.decoder import DecoderForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One supported architecture.
+
+    Attributes:
+        architecture: the Hugging Face class name (``config.json`` ``architectures[0]``).
+        module: the pagedllm module holding the model class (``pagedllm.model.<module>``).
+        class_name: the model class in that module.
+        model_types: Hugging Face ``model_type`` values it serves.
+        gguf_architectures: GGUF ``general.architecture`` values it serves.
+        family: human-readable model family, for docs/models.md.
+    """
+
+    architecture: str
+    module: str
+    class_name: str
+    model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    family: str
+
+    def load(self) -> type[DecoderForCausalLM]:
+        """Import the module and return the class."""
+        mod = importlib.import_module(f"pagedllm.model.{self.module}")
+        cls: type[DecoderForCausalLM] = getattr(mod, self.class_name)
+        return cls
+
+
+MODELS: tuple[ModelEntry, ...] = (
+    ModelEntry("LlamaForCausalLM", "llama", "LlamaForCausalLM", ("llama",), ("llama",),
+               "Llama 1-3, SmolLM, TinyLlama"),
+    ModelEntry("MistralForCausalLM", "mistral", "MistralForCausalLM", ("mistral",), (),
+               "Mistral (sliding window)"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", "Qwen2ForCausalLM", ("qwen2",), ("qwen2",),
+               "Qwen2, Qwen2.5"),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", "Qwen3ForCausalLM", ("qwen3",), ("qwen3",),
+               "Qwen3 (dense)"),
+    ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
+               ("gemma3",), "Gemma 3 (text)"),
+)  # fmt: skip
+
+
+def supported_architectures() -> list[str]:
+    """Every supported Hugging Face architecture name, in registry order."""
+    return [e.architecture for e in MODELS]
+
+
+def _unsupported(what: str) -> ValueError:
+    names = ", ".join(supported_architectures())
+    gguf = ", ".join(a for e in MODELS for a in e.gguf_architectures)
+    return ValueError(f"unsupported {what}; supported architectures: {names} (GGUF: {gguf})")
+
+
+def entry_for_hf_config(cfg: dict[str, Any], source: str = "<hf>") -> ModelEntry:
+    """The entry for a Hugging Face ``config.json`` dict: by its ``architectures`` entries
+    first, then by ``model_type``.
+
+    Raises:
+        ValueError: neither is supported; the message names both and lists what is.
+    """
+    for arch in cfg.get("architectures") or []:
+        for e in MODELS:
+            if e.architecture == arch:
+                return e
+    model_type = cfg.get("model_type")
+    for e in MODELS:
+        if model_type in e.model_types:
+            return e
+    archs = cfg.get("architectures")
+    raise _unsupported(f"model in {source}: architectures={archs!r}, model_type={model_type!r}")
+
+
+def entry_for_gguf(arch: str | None, source: str = "<gguf>") -> ModelEntry:
+    """The entry for a GGUF file's ``general.architecture``.
+
+    Raises:
+        ValueError: it is not supported; the message names it and lists what is.
+    """
+    for e in MODELS:
+        if arch in e.gguf_architectures:
+            return e
+    raise _unsupported(f"model architecture in {source}: general.architecture={arch!r}")
+
+
+def model_class(architecture: str) -> type[DecoderForCausalLM]:
+    """The model class for ``ModelArchConfig.architecture`` (a Hugging Face class name).
+
+    Raises:
+        ValueError: unknown name; the message lists the supported ones.
+    """
+    for e in MODELS:
+        if e.architecture == architecture:
+            return e.load()
+    raise _unsupported(f"architecture {architecture!r}")

@@ -1,0 +1,93 @@
+"""Weight loading by name mapping: checkpoint tensors (Hugging Face names) -> model parameters.
+
+pagedllm's model modules are named like Hugging Face's, without the ``model.`` prefix, except
+that some parameters stack several checkpoint tensors along dim 0 (vLLM's "stacked params"):
+``qkv_proj`` = ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` = ``gate_proj``, ``up_proj``
+(weights and biases alike); the untied LM head is the parameter ``lm_head_weight``. Under tensor
+parallelism the state dict already holds this rank's slices (``model.sharding``), so a stacked
+parameter is the concatenation of the rank's slices. GGUF files are first renamed to Hugging Face
+names (``gguf_loader``), so this one mapping serves both formats.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Stacked parameter name -> its checkpoint parts, in row order.
+STACKED_PARAMS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Parameters whose rows are the vocabulary (a short last tensor-parallel shard is zero-padded).
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head_weight")
+
+
+def checkpoint_names(param_name: str, prefix: str = "model.") -> list[str]:
+    """The Hugging Face tensors that make up parameter ``param_name``, in stacking order.
+
+    ``layers.0.self_attn.qkv_proj.bias`` -> ``[model.layers.0.self_attn.q_proj.bias, ...k_proj...,
+    ...v_proj...]``; ``lm_head_weight`` -> ``[lm_head.weight]``; anything else gets ``prefix``.
+    """
+    if param_name == "lm_head_weight":
+        return ["lm_head.weight"]
+    parts = param_name.split(".")
+    for i, part in enumerate(parts):
+        if part in STACKED_PARAMS:
+            return [
+                prefix + ".".join([*parts[:i], sub, *parts[i + 1 :]])
+                for sub in STACKED_PARAMS[part]
+            ]
+    return [prefix + param_name]
+
+
+def load_named_weights(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], pad_vocab: bool = False
+) -> None:
+    """Copy ``state_dict`` (Hugging Face names) into every parameter of ``model``.
+
+    A module with a ``load_weight(value) -> value`` method (``layers.norm.RMSNorm``: Gemma's
+    ``1 + w``) transforms its checkpoint tensor first. Tied parameters are loaded once (from
+    ``model.embed_tokens.weight`` when the state dict has no ``lm_head.weight``). Extra tensors
+    in ``state_dict`` are ignored.
+
+    Args:
+        model: the pagedllm model (parameters named as described in the module docstring).
+        state_dict: name -> tensor (any float dtype; cast to the parameter's).
+        pad_vocab: zero-pad a vocabulary parameter whose tensor has fewer rows (the short last
+            tensor-parallel shard).
+
+    Raises:
+        ValueError: naming the missing checkpoint tensor, or the parameter and both shapes when a
+            tensor does not fit.
+    """
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for pname, param in model.named_parameters():  # tied parameters come once
+            names = checkpoint_names(pname)
+            if names == ["lm_head.weight"] and names[0] not in state_dict:
+                names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
+            missing = [n for n in names if n not in state_dict]
+            if missing:
+                raise ValueError(f"weight {missing[0]!r} is missing from the checkpoint")
+            parts = [state_dict[n] for n in names]
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            owner = modules.get(pname.rpartition(".")[0])
+            loader = getattr(owner, "load_weight", None)
+            if callable(loader):
+                value = loader(value)
+            target: torch.Tensor = param
+            if (
+                pad_vocab
+                and pname in VOCAB_PARAMS
+                and value.shape[0] < param.shape[0]
+                and value.shape[1:] == param.shape[1:]
+            ):
+                param.zero_()
+                target = param[: value.shape[0]]
+            if target.shape != value.shape:
+                shown = names[0] if len(names) == 1 else pname
+                raise ValueError(
+                    f"weight {shown!r}: expected {tuple(target.shape)}, got {tuple(value.shape)}"
+                )
+            target.copy_(value.to(param.dtype))

@@ -1,0 +1,201 @@
+"""Tiny random transformers models per architecture, and the greedy-reference comparison rule.
+
+Every model is built in-process from its transformers config class (fp32, eager attention,
+seeded), its norm weights perturbed so that they matter, and saved with ``save_pretrained`` next
+to the tiny test tokenizer, so pagedllm loads it as any Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.conftest import make_tiny_tokenizer
+
+# Small but not degenerate: 2 layers, GQA 4/2 heads of 16, a window shorter than the prompts.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+WINDOW = 8
+
+
+def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
+    """(transformers model class, extra config kwargs) for ``arch``."""
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaForCausalLM, {"config": tf.LlamaConfig}
+    if arch == "qwen2":
+        return tf.Qwen2ForCausalLM, {"config": tf.Qwen2Config}
+    if arch == "qwen3":
+        return tf.Qwen3ForCausalLM, {"config": tf.Qwen3Config}
+    if arch == "mistral":
+        return tf.MistralForCausalLM, {"config": tf.MistralConfig, "sliding_window": WINDOW}
+    if arch == "gemma3":
+        return tf.Gemma3ForCausalLM, {
+            "config": tf.Gemma3TextConfig,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,  # as every Gemma
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        }
+    raise ValueError(arch)
+
+
+def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
+    """A seeded tiny random ``arch`` model (fp32, eager attention) saved in ``folder`` with the
+    tiny tokenizer; returns the transformers model (eval mode)."""
+    model_cls, extra = _arch_kwargs(arch)
+    config_cls = extra.pop("config")
+    tok = make_tiny_tokenizer()
+    cfg = config_cls(
+        vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.eos_token_id,
+        **{**TINY, **extra},
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # ones / zeros at init: make the norm weights matter
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model
+
+
+@dataclass
+class Reference:
+    """transformers' greedy continuation of one prompt.
+
+    Attributes:
+        tokens: the greedy tokens.
+        gaps: top-1 minus top-2 logit at each step.
+        logprobs: log-softmax of the chosen token at each step.
+    """
+
+    tokens: list[int]
+    gaps: list[float]
+    logprobs: list[float]
+
+
+@torch.no_grad()
+def greedy_reference(model: Any, prompt: list[int], n: int) -> Reference:
+    """Greedy decoding by recomputing the whole sequence each step (no KV cache involved)."""
+    ids = list(prompt)
+    ref = Reference([], [], [])
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        tok = int(logits.argmax())
+        ref.tokens.append(tok)
+        ref.gaps.append(float(top[0] - top[1]))
+        ref.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        ids.append(tok)
+    return ref
+
+
+def compare_to_reference(
+    tokens: list[int], logprobs: list[float], ref: Reference, gap: float = 1e-3, tol: float = 1e-4
+) -> int:
+    """Check pagedllm's greedy tokens / logprobs against ``ref`` step by step.
+
+    A step counts when the reference top-2 gap exceeds ``gap``: the tokens must then be equal
+    and the logprobs within ``tol``. At a near-tie the two may pick different tokens; the rest of
+    the sequence is then no longer comparable and the walk stops. Returns the number of steps
+    that counted.
+    """
+    counted = 0
+    for step, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        if ref.gaps[step] <= gap:
+            if tok != ref.tokens[step]:
+                return counted
+            continue
+        assert tok == ref.tokens[step], f"step {step}: {tok} != {ref.tokens[step]}"
+        assert abs(lp - ref.logprobs[step]) < tol, f"step {step}: {lp} vs {ref.logprobs[step]}"
+        counted += 1
+    return counted
+
+
+def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
+    """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a float32 GGUF file
+    the way llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head,
+    Gemma's norms stored as ``1 + w``; no tokenizer."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+
+    gguf_arch = {"mistral": "llama"}.get(arch, arch)
+    c = hf_model.config
+    names = dict(GGUF_LAYER_NAMES)
+    if arch == "gemma3":
+        names.update(
+            post_attention_norm="post_attention_layernorm",
+            ffn_norm="pre_feedforward_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+        )
+    to_gguf = {hf: g for g, hf in names.items()}
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "gemma3":
+        w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    else:
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    for name, t in hf_model.state_dict().items():
+        t = t.float().clone()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue
+            g = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n = heads if ".q_proj." in name else kv_heads
+            rows = t.shape[0]
+            t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0
+        w.add_tensor(g, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,157 @@
+"""Every registered architecture equals transformers on a tiny random model: greedy tokens over
+prefill + decode, alone and batched with mixed prompt lengths, at several block sizes, with
+logprobs within 1e-4 (only steps whose reference top-2 gap exceeds 1e-3 count; most must).
+
+Windowed models (Mistral; Gemma 3's local layers) get prompts longer than their 8-token window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+PROMPT_LENS = [3, 11, 20, 37]
+STEPS = 16
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request, tmp_path_factory):
+    arch = request.param
+    folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+    hf = build_tiny_hf_model(arch, folder)
+    g = torch.Generator().manual_seed(7)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    refs = [greedy_reference(hf, p, STEPS) for p in prompts]
+    return arch, folder, prompts, refs
+
+
+def _run(folder, prompts, block_size, **kw):
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        block_size=block_size,
+        max_model_len=128,
+        kv_cache_memory=1 << 22,
+        check_invariants=True,
+        **kw,
+    )
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids, strict=True)]
+        result.append((c.token_ids, lps))
+    return llm, result
+
+
+def _check(results, refs):
+    counted = sum(
+        compare_to_reference(toks, lps, ref) for (toks, lps), ref in zip(results, refs, strict=True)
+    )
+    assert counted >= 0.75 * STEPS * len(refs), f"only {counted} steps had a clear top-2 gap"
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+def test_batched_greedy_equals_transformers(arch_case, block_size):
+    arch, folder, prompts, refs = arch_case
+    llm, results = _run(folder, prompts, block_size)
+    assert llm.engine.model_config.architecture.lower().startswith(arch[:5])
+    _check(results, refs)
+
+
+def test_alone_equals_transformers(arch_case):
+    _, folder, prompts, refs = arch_case
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=1 << 22)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+    for p, ref in zip(prompts, refs, strict=True):
+        c = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        lps = [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert compare_to_reference(c.token_ids, lps, ref) >= 0.75 * STEPS
+
+
+def test_torch_native_backend_equals_transformers(arch_case):
+    """The portable backend (which honours the window in its own code, not by delegation)."""
+    _, folder, prompts, refs = arch_case
+    _, results = _run(folder, prompts, 16, attention_backend="torch_native")
+    _check(results, refs)
+
+
+def test_cpu_fast_path_is_used(arch_case):
+    """On the CPU in fp32 every architecture runs the packed linears (bias included) and the
+    fused C++ RMSNorm / rotary kernels (SiLU models also the fused SwiGLU), not the fallback."""
+    from pagedllm.attention.cpu import load_cpu_ops
+    from pagedllm.model.layers.norm import RMSNorm
+    from pagedllm.model.layers.rotary import RotaryEmbedding
+    from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU
+
+    if load_cpu_ops() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    arch, folder, prompts, refs = arch_case
+    llm, results = _run(folder, prompts[:2], 16)
+    model = llm.engine.executor.worker.model
+    assert model.backend.name == "cpu"
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
+    assert (attn.qkv_proj.bias is not None) == (arch == "qwen2")
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
+    assert isinstance(mlp.down_proj, PackedLinear)
+    assert model.lm_head_packed is not None
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    assert norms and all(m.cpu_ops is not None for m in norms)
+    _check(results, refs[:2])
+
+
+def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
+    """A llama.cpp-style GGUF of the tiny model (its names, Llama's q/k permutation, Gemma's
+    ``1 + w`` norms) loads to the same config and Hugging Face state dict as the folder."""
+    from pagedllm.model.loader import load_gguf_weights, load_hf_weights
+    from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
+
+    arch, folder, _, _ = arch_case
+    hf = build_tiny_hf_model(arch, tmp_path / "again")  # same seed: the same weights
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf_like_llama_cpp(hf, path, arch)
+    cfg_g, sd_g = load_gguf_weights(path)
+    cfg_h, sd_h = load_hf_weights(folder)
+    assert sd_g.keys() == sd_h.keys()
+    for name, t in sd_h.items():
+        torch.testing.assert_close(sd_g[name], t, atol=1e-6, rtol=0, msg=name)
+    same = ["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window"]
+    same += ["layer_types", "qk_norm", "attention_bias", "norm_weight_offset", "rope_theta"]
+    if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
+        assert cfg_g.architecture == cfg_h.architecture
+        for f in same:
+            assert getattr(cfg_g, f) == getattr(cfg_h, f), f
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_tensor_parallel_2_equals_1(arch, tmp_path):
+    """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
+    with their heads, q/k norms and Gemma's four norms stay whole, each rank loads only its
+    slices from the folder."""
+    from pagedllm.entrypoints.llm import LLM
+    from tests.distributed.tp_utils import greedy_tokens
+    from tests.model.arch_utils import build_tiny_hf_model
+
+    build_tiny_hf_model(arch, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 20)]
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory=1 << 22)
+    ref = greedy_tokens(LLM(str(tmp_path), **kw), prompts)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **kw)
+    try:
+        assert llm.engine.executor.world_size == 2
+        assert greedy_tokens(llm, prompts) == ref
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,67 @@
+"""The model registry: lookups, the error for unknown architectures, and docs/models.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pagedllm.model.decoder import DecoderForCausalLM
+from pagedllm.model.registry import (
+    MODELS,
+    entry_for_gguf,
+    entry_for_hf_config,
+    model_class,
+    supported_architectures,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+def test_every_entry_imports_its_class():
+    for e in MODELS:
+        cls = model_class(e.architecture)
+        assert issubclass(cls, DecoderForCausalLM) and cls.__name__ == e.class_name
+
+
+def test_lookup_by_architecture_then_model_type():
+    assert entry_for_hf_config({"architectures": ["Qwen2ForCausalLM"]}).module == "qwen2"
+    assert entry_for_hf_config({"model_type": "gemma3_text"}).module == "gemma3"
+    assert entry_for_gguf("qwen3").architecture == "Qwen3ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "lookup",
+    [
+        lambda: entry_for_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}),
+        lambda: entry_for_gguf("gpt2"),
+        lambda: model_class("GPT2LMHeadModel"),
+    ],
+)
+def test_unknown_architecture_lists_supported(lookup):
+    with pytest.raises(ValueError, match="gpt2|GPT2") as info:
+        lookup()
+    for name in supported_architectures():
+        assert name in str(info.value)
+
+
+def test_docs_table_matches_registry():
+    rows = []
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        m = re.match(
+            r"^\| (\w+ForCausalLM) \| (.*?) \| (.*?) \| (.*?) \| `pagedllm/model/(\w+)\.py`", line
+        )
+        if m:
+            rows.append(m.groups())
+    want = [
+        (
+            e.architecture,
+            ", ".join(e.model_types),
+            ", ".join(e.gguf_architectures) or "-",
+            e.family,
+            e.module,
+        )
+        for e in MODELS
+    ]
+    assert rows == want
