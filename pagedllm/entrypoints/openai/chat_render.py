@@ -20,6 +20,7 @@ from typing import Any
 from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.errors import APIError, value_error
 from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.validation import check_generation_prompt
 
 
 def message_text(m: ChatMessage, i: int) -> str:
@@ -146,3 +147,25 @@ def render_messages(
             plain = markers.restore(piece)
             ids += tokenizer(plain, add_special_tokens=False, split_special_tokens=True).input_ids
     return ids
+
+
+def render_request_messages(tokenizer: Any, req: Any) -> list[int]:
+    """Prompt token ids of a chat or tokenize request's ``messages``: its generation-prompt
+    flags checked (``check_generation_prompt``), then ``render_messages``.
+
+    Args:
+        req: a ``ChatCompletionRequest`` or ``TokenizeRequest`` with ``messages`` set.
+
+    Raises:
+        APIError: 400 naming ``continue_final_message`` or the faulty message field.
+    """
+    add_gp = check_generation_prompt(
+        req.add_generation_prompt, req.continue_final_message, req.model_fields_set
+    )
+    return render_messages(
+        tokenizer,
+        req.messages,
+        add_gp,
+        req.continue_final_message,
+        req.allow_special_tokens_in_content,
+    )

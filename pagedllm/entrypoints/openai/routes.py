@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.openai import serving_chat, serving_completion
-from pagedllm.entrypoints.openai.chat_render import render_messages
+from pagedllm.entrypoints.openai.chat_render import render_request_messages
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
-from pagedllm.entrypoints.openai.validation import check_generation_prompt, check_messages
+from pagedllm.entrypoints.openai.validation import check_messages
 
 
 def server_version() -> str:
@@ -110,16 +110,7 @@ def make_router(serving: OpenAIServing) -> APIRouter:
         serving.check_model(req.model)
         if req.messages is not None:
             check_messages(req.messages, "tokenize")
-            add_gp = check_generation_prompt(
-                req.add_generation_prompt, req.continue_final_message, req.model_fields_set
-            )
-            ids = render_messages(
-                serving.tokenizer,
-                req.messages,
-                add_gp,
-                req.continue_final_message,
-                req.allow_special_tokens_in_content,
-            )
+            ids = render_request_messages(serving.tokenizer, req)
         elif req.prompt is not None:
             ids = serving.tokenize(req.prompt, req.add_special_tokens)
         else:

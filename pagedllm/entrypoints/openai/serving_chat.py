@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.chat_render import message_text, render_messages
+from pagedllm.entrypoints.openai.chat_render import message_text, render_request_messages
 from pagedllm.entrypoints.openai.errors import APIError, value_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (
@@ -26,7 +26,6 @@ from pagedllm.entrypoints.openai.serving_common import (
 )
 from pagedllm.entrypoints.openai.validation import (
     check_common,
-    check_generation_prompt,
     check_messages,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -66,16 +65,7 @@ async def create_chat_completion(
     check_messages(req.messages, "chat")
     check_common(req, "chat")
     _check_unsupported(req)
-    add_gp = check_generation_prompt(
-        req.add_generation_prompt, req.continue_final_message, req.model_fields_set
-    )
-    ids = render_messages(
-        serving.tokenizer,
-        req.messages,
-        add_gp,
-        req.continue_final_message,
-        req.allow_special_tokens_in_content,
-    )
+    ids = render_request_messages(serving.tokenizer, req)
     max_tokens: int | None
     if req.max_completion_tokens is not None:
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
