@@ -104,9 +104,10 @@ def format_size(num_bytes: int) -> str:
     return str(num_bytes)
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map "float32" / "bfloat16" / "float16" (or "auto" = float32, the short forms "fp32",
-    "bf16", "fp16", or a torch dtype) to a torch dtype.
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """Map "float32" / "bfloat16" / "float16" (the short forms "fp32", "bf16", "fp16", or a
+    torch dtype) to a torch dtype; "auto" becomes what :func:`pagedllm.platform.auto_dtype_name`
+    picks for ``device`` and this CPU (bfloat16 on CUDA and on CPUs with AMX, else float32).
 
     Raises:
         ValueError: naming ``dtype`` when it is not one of the supported types.
@@ -117,7 +118,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     key = str(dtype).lower().replace("torch.", "")
     if key == "auto":
-        return torch.float32
+        from pagedllm.platform import auto_dtype_name
+
+        key = auto_dtype_name(device)
     if key not in _DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[key]
@@ -162,8 +165,9 @@ def _option(default: Any, help: str, **meta: Any) -> Any:
 class EngineConfig:
     """Every option of the engine, in the units the user gives them (see each field's help).
 
-    ``dtype`` defaults to float32 because on AVX2 / AVX-512 CPUs without AMX fp32 matmuls are
-    faster than bf16 ones, and batched decode is matmul-bound (measured in docs/benchmarks.md).
+    ``dtype`` defaults to ``"auto"``: bfloat16 on CUDA and on CPUs with AMX-BF16, else float32
+    (on CPUs without bf16 matrix hardware bf16 matmuls are several times slower; the rule and the
+    figures behind it are in docs/dtype.md). ``torch_dtype`` holds the resolved torch dtype.
     ``kv_cache_memory`` and ``swap_space`` take bytes or a size string (``"2GiB"``, see
     :func:`parse_size`); they hold bytes after validation. Under tensor parallelism
     ``kv_cache_memory`` is per rank: each rank caches only its KV heads.
@@ -186,9 +190,9 @@ class EngineConfig:
         "/v1/chat/completions of serve); default: the model's template",
     )
     dtype: str | torch.dtype = _option(
-        "float32",
-        "weight, activation and KV-cache dtype (auto = float32: faster than bf16 on CPUs without "
-        "AMX)",
+        "auto",
+        "weight, activation and KV-cache dtype; auto = bfloat16 on CUDA and on CPUs with AMX-BF16, "
+        "else float32 (see docs/dtype.md)",
         choices=DTYPES,
     )
     device: str = _option("cpu", "device the model, KV cache and attention run on (cpu, cuda)")
@@ -268,7 +272,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        self.torch_dtype = parse_dtype(self.dtype)
+        self.torch_dtype = parse_dtype(self.dtype, str(self.device))
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
         for f in fields(self):

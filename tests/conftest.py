@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 
 # isort: off
@@ -12,6 +13,15 @@ import pytest
 import torch
 
 from pagedllm.model.config import LlamaArchConfig
+
+
+
+def pytest_configure(config):
+    """dtype="auto" is bf16 on AMX CPUs; the exactness checks compare against fp32 references, so
+    the suite (and the servers it starts) resolves "auto" to float32 on every CPU kind
+    (tests/test_dtype_auto.py checks the rule itself)."""
+    os.environ.setdefault("PAGEDLLM_AUTO_DTYPE", "float32")
+
 
 TINY_CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -27,6 +27,7 @@ from pagedllm.executor.factory import create_executor
 from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.outputs import RequestOutput
+from pagedllm.platform import cpu_flags
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceGroup
@@ -100,6 +101,13 @@ class LLMEngine:
             config.block_size,
             num_blocks * config.block_size,
             num_blocks * self.block_bytes / 2**20,
+        )
+        logger.info(
+            "dtype %s (requested %s) on %s; CPU flags: %s",
+            str(dtype).replace("torch.", ""),
+            config.dtype,
+            config.device,
+            cpu_flags().summary(),
         )
         if tp > 1:
             logger.info(

@@ -1,0 +1,58 @@
+"""dtype="auto" (the default): bf16 where the hardware makes it pay (CUDA, AMX-BF16 CPUs), fp32
+elsewhere; the rule runs on injected CPU flags so every CPU kind is checked on any machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.config import EngineConfig, parse_dtype
+from pagedllm.platform import AUTO_DTYPE_ENV, auto_dtype_name, cpu_flags, parse_cpuinfo
+
+ZEN3 = "flags\t: fpu sse2 avx fma f16c avx2 bmi2\n"
+XEON_AVX512_BF16 = "flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n"
+XEON_AMX = XEON_AVX512_BF16.rstrip("\n") + " amx_tile amx_bf16 amx_int8\n"
+
+
+@pytest.fixture
+def no_override(monkeypatch):
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "expected"),
+    [(ZEN3, "float32"), (XEON_AVX512_BF16, "float32"), (XEON_AMX, "bfloat16")],
+)
+def test_auto_rule_per_cpu_kind(no_override, cpuinfo, expected):
+    assert auto_dtype_name("cpu", parse_cpuinfo(cpuinfo)) == expected
+
+
+def test_auto_is_bf16_on_cuda(no_override):
+    assert auto_dtype_name("cuda", parse_cpuinfo(ZEN3)) == "bfloat16"
+    assert auto_dtype_name("cuda:1", parse_cpuinfo(ZEN3)) == "bfloat16"
+
+
+def test_default_config_resolves_auto_on_this_cpu(no_override):
+    expected = torch.bfloat16 if cpu_flags().amx_bf16 else torch.float32
+    cfg = EngineConfig()
+    assert cfg.dtype == "auto"
+    assert cfg.torch_dtype == expected
+    assert parse_dtype("auto") == expected
+
+
+def test_env_override_wins(monkeypatch):
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "bfloat16")
+    assert EngineConfig().torch_dtype == torch.bfloat16
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "float32")
+    assert auto_dtype_name("cuda") == "float32"
+
+
+def test_bad_override_is_a_dtype_error(monkeypatch):
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "int3")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig()
+
+
+def test_explicit_dtype_is_never_changed(no_override):
+    assert EngineConfig(dtype="float32").torch_dtype == torch.float32
+    assert EngineConfig(dtype="bf16").torch_dtype == torch.bfloat16
