@@ -15,7 +15,6 @@ import torch
 from pagedllm.model.config import LlamaArchConfig
 
 
-
 def pytest_configure(config):
     """dtype="auto" is bf16 on AMX CPUs; the exactness checks compare against fp32 references, so
     the suite (and the servers it starts) resolves "auto" to float32 on every CPU kind
