@@ -80,10 +80,14 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
     raise ValueError(arch)
 
 
-def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
+def build_tiny_hf_model(
+    arch: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Any:
     """A seeded tiny random ``arch`` model (fp32, eager attention) saved in ``folder`` with the
-    tiny tokenizer; returns the transformers model (eval mode)."""
+    tiny tokenizer, its config changed by ``overrides``; returns the transformers model (eval
+    mode)."""
     model_cls, extra = _arch_kwargs(arch)
+    extra.update(overrides or {})
     config_cls = extra.pop("config")
     tok = make_tiny_tokenizer()
     cfg = config_cls(

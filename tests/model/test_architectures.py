@@ -150,7 +150,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "opt", "gpt_neox"])
 def test_tensor_parallel_2_equals_1(arch, tmp_path):
     """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
     with their heads, q/k norms and Gemma's four norms stay whole, each rank loads only its
