@@ -71,6 +71,13 @@ class LLMEngine:
         mc = loaded.config
         config.finalize(mc.max_position_embeddings)
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        if mc.position_offset is not None and config.max_model_len > mc.max_position_embeddings:
+            # Learned absolute positions (OPT, GPT-2) have no embedding past the table.
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings}), the size of its "
+                "learned position table"
+            )
         self.max_model_len: int = config.max_model_len
         eos_token_ids: list[int] = list(mc.eos_token_ids)
 

@@ -49,6 +49,13 @@ class ModelArchConfig:
         embedding_scale: multiplier of the embedding output (Gemma: sqrt(hidden_size)), or None.
         query_pre_attn_scalar: attention scale is its -1/2 power (Gemma); None = head_dim.
         final_logit_softcapping: logits = cap * tanh(logits / cap) when set (Gemma 2).
+        layer_norm_eps: epsilon inside LayerNorm (OPT, GPT-2, GPT-NeoX).
+        mlp_bias: the MLP projections have biases (OPT, GPT-2, GPT-NeoX).
+        parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)) in one residual step (GPT-NeoX).
+        norm_before: pre-norm layers; False = the norm follows each residual add (OPT-350m).
+        position_offset: learned absolute position embeddings are in use, position p reading
+            row p + offset (OPT: 2, GPT-2: 0); None = no learned positions (RoPE models). Such
+            a model has no rows past ``max_position_embeddings``, which caps max_model_len.
     """
 
     vocab_size: int
@@ -79,6 +86,11 @@ class ModelArchConfig:
     embedding_scale: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    layer_norm_eps: float = 1e-5
+    mlp_bias: bool = False
+    parallel_residual: bool = False
+    norm_before: bool = True
+    position_offset: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:

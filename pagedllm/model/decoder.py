@@ -71,6 +71,8 @@ class DecoderForCausalLM(nn.Module):
         gguf_tensor_names: llama.cpp per-layer tensor name -> Hugging Face suffix, on top of
             ``loader.gguf_names.GGUF_LAYER_NAMES``.
         gguf_permute_qk: llama.cpp permuted the q/k rows of this architecture (Llama only).
+        splits_hf_weights: ``split_hf_weight`` rewrites some tensors (fused QKV, transposed
+            Conv1D), so a tensor-parallel rank must read them whole before slicing.
 
     Raises:
         ValueError: naming ``tensor_parallel_size`` when the model cannot be split that way.
@@ -78,6 +80,7 @@ class DecoderForCausalLM(nn.Module):
 
     gguf_tensor_names: ClassVar[dict[str, str]] = {}
     gguf_permute_qk: ClassVar[bool] = False
+    splits_hf_weights: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -102,7 +105,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.make_layer(config, i, dtype, shard, group) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(
+        self.norm: nn.Module = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, config.norm_weight_offset
         )
         self.rotary = nn.ModuleDict(self.make_rotary(config, max_positions))
@@ -155,6 +158,29 @@ class DecoderForCausalLM(nn.Module):
         common ones; ``meta(key)`` returns ``<arch>.<key>`` or None."""
         return {}
 
+    @classmethod
+    def standardize_hf_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``cfg`` (a ``config.json`` dict) with the common keys (``hidden_size``,
+        ``intermediate_size``, ``num_hidden_layers``, ...) under the names
+        ``loader.hf_loader.hf_arch_config`` reads; a model whose config spells them otherwise
+        (GPT-2's ``n_embd``) returns a renamed copy."""
+        return cfg
+
+    @classmethod
+    def hf_weight_name(cls, name: str) -> str | None:
+        """The pagedllm checkpoint name (Llama's Hugging Face names: ``model.layers.N.self_attn.
+        q_proj.weight``, ...) of the file's tensor ``name``; None = not a weight (a stored
+        buffer such as a causal mask), skipped."""
+        return name
+
+    @classmethod
+    def split_hf_weight(
+        cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
+    ) -> dict[str, torch.Tensor]:
+        """The tensors that the renamed checkpoint tensor ``name`` becomes (a fused QKV split in
+        q/k/v, a transposed Conv1D weight); only called when ``splits_hf_weights``."""
+        return {name: tensor}
+
     # -- shared machinery --------------------------------------------------------------------
 
     def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:
@@ -202,7 +228,7 @@ class DecoderForCausalLM(nn.Module):
             logits [S, V] float32; under tensor parallelism only on rank 0, the other ranks
             return an empty [S, 0] tensor.
         """
-        h = scale_embedding(self.embed_tokens(input_ids), self.config.embedding_scale)
+        h = self.embed(input_ids, positions)
         rotations = {
             name: cast(RotaryEmbedding, r).for_step(positions, h.dtype)
             for name, r in self.rotary.items()
@@ -219,6 +245,11 @@ class DecoderForCausalLM(nn.Module):
             self.config.vocab_size,
             self.config.final_logit_softcapping,
         )
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering layer 0: [T] int64 ids (and their [T] positions, for
+        models with learned positions) -> [T, d]; here the token embedding, scaled."""
+        return scale_embedding(self.embed_tokens(input_ids), self.config.embedding_scale)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, stacking q/k/v and gate/up

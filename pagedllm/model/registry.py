@@ -53,6 +53,10 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen3 (dense)"),
     ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
                ("gemma3",), "Gemma 3 (text)"),
+    ModelEntry("OPTForCausalLM", "opt", "OPTForCausalLM", ("opt",), (), "OPT"),
+    ModelEntry("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", ("gpt2",), (), "GPT-2"),
+    ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",), (),
+               "GPT-NeoX, Pythia"),
 )  # fmt: skip
 
 

@@ -28,6 +28,12 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 WINDOW = 8
+# The LayerNorm families (OPT, GPT-NeoX) have no GQA: 4 heads of 16, biases everywhere. Their
+# weights are drawn wider (std 0.5): at 0.1 the biases dominate and greedy decoding repeats
+# one token.
+LAYER_NORM_TINY = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256
+)
 
 
 def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -54,13 +60,34 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         }
+    if arch == "opt":  # OPT's own config names; 258-row position table (offset 2)
+        return tf.OPTForCausalLM, {
+            "config": tf.OPTConfig,
+            "tiny": {**LAYER_NORM_TINY, "ffn_dim": 128, "init_std": 0.5},
+        }
+    if arch == "gpt2":
+        return tf.GPT2LMHeadModel, {
+            "config": tf.GPT2Config,
+            "tiny": dict(
+                n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=256, initializer_range=0.5
+            ),
+        }
+    if arch == "gpt_neox":  # 16-wide heads, rotary_pct 0.25: 4 dimensions turn
+        return tf.GPTNeoXForCausalLM, {
+            "config": tf.GPTNeoXConfig,
+            "tiny": {**LAYER_NORM_TINY, "intermediate_size": 128, "initializer_range": 0.5},
+        }
     raise ValueError(arch)
 
 
-def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
+def build_tiny_hf_model(
+    arch: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Any:
     """A seeded tiny random ``arch`` model (fp32, eager attention) saved in ``folder`` with the
-    tiny tokenizer; returns the transformers model (eval mode)."""
+    tiny tokenizer, its config changed by ``overrides``; returns the transformers model (eval
+    mode)."""
     model_cls, extra = _arch_kwargs(arch)
+    extra.update(overrides or {})
     config_cls = extra.pop("config")
     tok = make_tiny_tokenizer()
     cfg = config_cls(
@@ -68,7 +95,7 @@ def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
         pad_token_id=tok.eos_token_id,
-        **{**TINY, **extra},
+        **{**extra.pop("tiny", TINY), **extra},
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -76,7 +103,7 @@ def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # ones / zeros at init: make the norm weights matter
+            if "norm" in name or ".ln_" in name:  # ones / zeros at init: make norms matter
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))

@@ -26,6 +26,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swish": F.silu,
     "gelu_pytorch_tanh": _gelu_tanh,
     "gelu_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,  # GPT-2's name for the tanh approximation
     "gelu": F.gelu,
     "relu": F.relu,
 }

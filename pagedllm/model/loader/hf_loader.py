@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedllm.model.config import ModelArchConfig, hf_rope_parameters
+from pagedllm.model.registry import model_class
 
 if TYPE_CHECKING:
     from pagedllm.model.loader.load import LoadedModel
@@ -53,6 +54,7 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
     from pagedllm.model.registry import entry_for_hf_config
 
     entry = entry_for_hf_config(cfg, str(folder))
+    cfg = entry.load().standardize_hf_config(cfg)
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -143,15 +145,25 @@ def load_hf_weights(
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     root = Path(folder)
     config = hf_arch_config(read_hf_config(root), root)
+    cls = model_class(config.architecture)
     state: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(root):
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    renamed = cls.hf_weight_name(name)
+                    if renamed is None:
+                        continue
                     t = sf.get_tensor(name)
                     if t.is_floating_point():
                         t = t.to(dtype)
-                    state[name] = t.contiguous()
+                    parts = (
+                        cls.split_hf_weight(renamed, t, config)
+                        if cls.splits_hf_weights
+                        else {renamed: t}
+                    )
+                    for part, value in parts.items():
+                        state[part] = value.contiguous()
         except OSError:
             raise
         except Exception as exc:

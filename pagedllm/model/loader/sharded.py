@@ -24,7 +24,7 @@ from pagedllm.model.loader.gguf_loader import (
     open_gguf,
 )
 from pagedllm.model.loader.hf_loader import _safetensors_files
-from pagedllm.model.sharding import TensorParallelShard
+from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
 
 
 def load_weight_shard(
@@ -102,15 +102,25 @@ def _gguf_shard(
 def _hf_shard(
     folder: Path, config: ModelArchConfig, shard: TensorParallelShard
 ) -> dict[str, torch.Tensor]:
+    from pagedllm.model.registry import model_class
+
+    cls = model_class(config.architecture)
     out: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+            for file_name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                name = cls.hf_weight_name(file_name)
+                if name is None:
+                    continue
+                if cls.splits_hf_weights:  # fused / transposed tensors: read whole, then cut
+                    whole = cls.split_hf_weight(name, sf.get_tensor(file_name), config)
+                    out.update(shard_state_dict(whole, shard, config.head_dim))
+                    continue
                 cut = shard.weight_slice(name, config.head_dim)
                 if cut is None:
-                    out[name] = sf.get_tensor(name)
+                    out[name] = sf.get_tensor(file_name)
                 elif cut[0] == 0:
-                    out[name] = sf.get_slice(name)[cut[1] : cut[2]]
+                    out[name] = sf.get_slice(file_name)[cut[1] : cut[2]]
                 else:
-                    out[name] = sf.get_slice(name)[:, cut[1] : cut[2]]
+                    out[name] = sf.get_slice(file_name)[:, cut[1] : cut[2]]
     return out
