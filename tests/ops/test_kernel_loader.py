@@ -185,6 +185,15 @@ _VARIANT_CHECK = """
     kr, vr = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
     p = torch.softmax(torch.einsum("hd,lhd->hl", q[0], kr) * scale, -1)
     torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", p, vr), atol=1e-4, rtol=1e-4)
+    # sliding window of 10: only the last 10 keys count (decode), and the prefill's last query
+    W = 10
+    ops.paged_attention_decode(out, q, kc, vc, table, torch.tensor([L]), 1, scale, 16, W)
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q[0], kr[L - W :]) * scale, -1)
+    want = torch.einsum("hl,lhd->hd", p, vr[L - W :])
+    torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
+    qs = torch.tensor([0, 1])
+    ops.paged_attention_prefill(out, q, kc, vc, table, torch.tensor([L]), qs, 0, 1, scale, W)
+    torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
     x, w = torch.randn(5, 96), torch.randn(96)
     y = torch.empty_like(x)
     ops.rms_norm(y, x, w, 1e-6)
