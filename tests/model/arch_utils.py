@@ -57,9 +57,10 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
     raise ValueError(arch)
 
 
-def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
+def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> Any:
     """A seeded tiny random ``arch`` model (fp32, eager attention) saved in ``folder`` with the
-    tiny tokenizer; returns the transformers model (eval mode)."""
+    tiny tokenizer; returns the transformers model (eval mode). ``overrides``: config fields
+    that replace the defaults (e.g. ``sliding_window``, ``max_position_embeddings``)."""
     model_cls, extra = _arch_kwargs(arch)
     config_cls = extra.pop("config")
     tok = make_tiny_tokenizer()
@@ -68,7 +69,7 @@ def build_tiny_hf_model(arch: str, folder: Path, seed: int = 0) -> Any:
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
         pad_token_id=tok.eos_token_id,
-        **{**TINY, **extra},
+        **{**TINY, **extra, **overrides},
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
