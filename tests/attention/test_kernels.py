@@ -299,6 +299,7 @@ def run_triton_checks_interpreted() -> None:
     for case in TRITON_CASES:
         test_triton_backend_matches_reference(*case)
     test_triton_bf16_matches_reference()
+    test_triton_window_matches_reference()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the in-process tests run on the GPU")
@@ -362,6 +363,21 @@ def test_triton_bf16_matches_reference():
     out = TritonPagedAttention().forward(*moved, _meta_to(meta, device), 16**-0.5)
     assert torch.equal(moved[3].cpu(), kr) and torch.equal(moved[4].cpu(), vr)
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
+
+
+def test_triton_window_matches_reference():
+    """A sliding window shorter than the contexts, decodes and a chunk with cached context."""
+    device = _triton_device()
+    from pagedllm.attention.triton_paged import TritonPagedAttention
+
+    for window in (1, 6, 21):
+        meta, (q, k, v, kc, vc), (_, kr, vr) = random_case(
+            [1, 1, 13], [40, 5, 30], 4, 4, 2, 16, torch.float32, seed=window, shared=1
+        )
+        ref = paged_attention_reference(q, kr, vr, meta, 16**-0.5, window)
+        moved = [x.to(device) for x in (q, k, v, kc, vc)]
+        out = TritonPagedAttention().forward(*moved, _meta_to(meta, device), 16**-0.5, window)
+        torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -47,8 +47,10 @@ def test_ops_registered_with_the_dispatcher(cpu_ops) -> None:
     out_arg = schema.arguments[0]
     assert out_arg.alias_info is not None and out_arg.alias_info.is_write
     decode = torch.ops.pagedllm.paged_attention_decode.default._schema
-    assert decode.arguments[-1].name == "partition_size"
-    assert decode.arguments[-1].default_value == 512
+    assert [(a.name, a.default_value) for a in decode.arguments[-2:]] == [
+        ("partition_size", 512),
+        ("window", 0),
+    ]
     # Called straight through the dispatcher, no wrapper.
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.0]])
     arg, lse = torch.ops.pagedllm.argmax_logsumexp(logits)
