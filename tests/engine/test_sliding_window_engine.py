@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.core.block_manager import FREED_BLOCK
+from pagedllm.core.kv_manager import uniform_sliding_window
+from pagedllm.engine.kv_snapshot import kv_snapshot
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.test_kv_snapshot import check_snapshot
 from tests.model.arch_utils import (
     Reference,
     build_tiny_hf_model,
@@ -158,3 +162,37 @@ def test_chunked_prefill_and_prompt_logprobs_equal_transformers(mistral):
         assert abs(pos[tok].logprob - float(want[i - 1, tok])) < 1e-4, i
     ref = greedy_reference(hf, prompts[1], 8)
     assert out.outputs[0].token_ids[:4] == ref.tokens[:4]
+
+
+def test_kv_snapshot_and_stats_skip_freed_entries(mistral):
+    """The dashboard's snapshot invariants hold at every step while blocks are being freed
+    (parallel samples sharing a prefix, prefix caching on)."""
+    _, folder, prompts = mistral
+    engine = make_llm(folder, num_blocks=16, enable_prefix_caching=True).engine
+    engine.enable_kv_stats()
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", prompts[1], params)
+    engine.add_request("b", prompts[2], params)
+    freed_seen, step, st = 0, 0, engine.stats
+    while engine.has_unfinished_requests():
+        before = st.blocks_unshared_sum
+        engine.step()
+        step += 1
+        if step > 3:  # past the prefills: 4 sequences, each within its window's blocks
+            assert st.blocks_unshared_sum - before <= 4 * (-(-WINDOW // BLOCK) + 1)
+        snap = kv_snapshot(engine)
+        check_snapshot(snap, engine)
+        tables = [s["block_table"] for r in snap["requests"] for s in r["seqs"]]
+        freed_seen += sum(t.count(FREED_BLOCK) for t in tables if t)
+        for r in snap["requests"]:
+            for s in r["seqs"]:
+                if s["pool"] == "device":
+                    assert s["num_blocks"] <= max(-(-WINDOW // BLOCK) + 1, -(-70 // BLOCK))
+    assert freed_seen > 0
+
+
+def test_only_all_windowed_models_free_blocks():
+    assert uniform_sliding_window([32, 32]) == 32
+    assert uniform_sliding_window([8, None]) is None  # Gemma 2 / 3: global layers need all
+    assert uniform_sliding_window([None, None]) is None
+    assert uniform_sliding_window([]) is None
