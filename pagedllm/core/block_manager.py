@@ -214,6 +214,11 @@ class BlockManager:
         """Point ``other`` (no blocks yet) at ``lead``'s first ``num_blocks`` blocks; returns the
         tokens they hold (``other``'s new ``num_computed_tokens``)."""
         table = self.block_tables[lead.seq_id][:num_blocks]
+        # With a window, the lead's freed entries (cache hits behind its own window, see
+        # allocate_prefix) never reach into the other's window: ``other`` is only shared with
+        # when its own cache hits are fewer than ``num_blocks``, so the lead's hits are fewer
+        # too (same prompt, same hash chain) and its window starts no later than the other's.
+        assert FREED_BLOCK not in table[self._first_live_block(num_blocks * self.block_size) :]
         self._incref_live(table)
         self.block_tables[other.seq_id] = list(table)
         self._release_before(other.seq_id, num_blocks * self.block_size)
