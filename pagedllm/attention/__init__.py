@@ -2,8 +2,9 @@
 
 A backend has ``forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window=None)
 -> out``: it writes the new tokens' K/V into their slots, then attends over each sequence's paged
-context (only its last ``sliding_window`` positions when set: every backend honours it; the C++
-and Triton kernels hand windowed calls whose context exceeds the window to ``torch_native``). Every
+context (only its last ``sliding_window`` positions when set: every backend honours it, and the
+C++ and Triton kernels never read keys before a query's window, so the block manager may free
+those blocks; docs/sliding_window.md). Every
 tensor it gets (activations, KV cache, ``AttentionMetadata`` index tensors) is on the engine's
 device.
 

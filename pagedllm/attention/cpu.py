@@ -75,12 +75,12 @@ class CpuPagedAttention:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens into their slots, then attend (see
-        ``reference.paged_attention_reference`` for the contract). The kernels have no window:
-        a windowed call whose longest context exceeds ``sliding_window`` runs on the fallback."""
+        ``reference.paged_attention_reference`` for the contract). ``sliding_window``: the
+        kernels read only the keys inside each query's window, so table entries of blocks
+        wholly before it (freed by the block manager) are never dereferenced."""
         ops = self.ops
         if (
-            (sliding_window is not None and max(meta.seq_lens_list) > sliding_window)
-            or ops is None
+            ops is None
             or query.device.type != "cpu"
             or query.dtype not in (torch.float32, torch.bfloat16)
             or key_cache.dtype != query.dtype
@@ -93,6 +93,7 @@ class CpuPagedAttention:
             query = query.contiguous()
         out = torch.empty_like(query)
         tables, seq_lens, starts = self._plan(meta)
+        window = sliding_window or 0  # the kernels' "no window"
         nd, ns = meta.num_decodes, meta.num_seqs
         if nd:
             ops.paged_attention_decode(
@@ -105,10 +106,11 @@ class CpuPagedAttention:
                 nd,
                 scale,
                 self.partition_size,
+                window,
             )
         if nd < ns:
             ops.paged_attention_prefill(
-                out, query, key_cache, value_cache, tables, seq_lens, starts, nd, ns, scale
+                out, query, key_cache, value_cache, tables, seq_lens, starts, nd, ns, scale, window
             )
         return out
 

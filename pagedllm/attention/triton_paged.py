@@ -86,7 +86,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+        out, query, key_cache, value_cache, block_tables, seq_lens, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_bt,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         BS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -109,7 +109,8 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, BLOCK_D], tl.float32)
-        for start in range(0, ctx, BLOCK_N):
+        # the query (position ctx - 1) sees keys ctx - window .. ctx - 1; earlier ones are not read
+        for start in range(tl.maximum(ctx - window, 0), ctx, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < ctx
             blk = tl.load(block_tables + s * stride_bt + n // BS, mask=nmask, other=0)
@@ -136,7 +137,7 @@ if triton is not None:
     @triton.jit
     def _prefill_kernel(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        seq_begin, scale,
+        seq_begin, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_bt,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -166,7 +167,8 @@ if triton is not None:
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             end = tl.minimum(ctx, first + (mt + 1) * BLOCK_M)  # keys up to the tile's last query
-            for start in range(0, end, BLOCK_N):
+            # keys from the window start of the tile's first query (none before it are read)
+            for start in range(tl.maximum(first + mt * BLOCK_M - window + 1, 0), end, BLOCK_N):
                 n = start + tl.arange(0, BLOCK_N)
                 nmask = n < end
                 blk = tl.load(block_tables + s * stride_bt + n // BS, mask=nmask, other=0)
@@ -175,7 +177,8 @@ if triton is not None:
                 kv_mask = nmask[:, None] & dmask[None, :]
                 k = tl.load(key_cache + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-                visible = (n[None, :] <= qpos[:, None]) & nmask[None, :]
+                visible = (n[None, :] <= qpos[:, None]) & (n[None, :] > qpos[:, None] - window)
+                visible = visible & nmask[None, :]
                 sc = tl.where(visible, sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -191,6 +194,10 @@ if triton is not None:
                 acc.to(out.dtype.element_ty),
                 mask=mmask[:, None] & dmask[None, :],
             )
+
+
+# A window longer than any context: full causal attention, with no branch in the kernels.
+_NO_WINDOW = 1 << 30
 
 
 def _next_pow2(x: int, lo: int = 1) -> int:
@@ -255,8 +262,8 @@ class TritonPagedAttention:
             key_cache, value_cache: [KVH, num_blocks, block_size, D], contiguous.
             meta: batch layout, index tensors on the same device.
             scale: softmax scale.
-            sliding_window: attend to the last ``sliding_window`` positions only; the kernels
-                have no window, so such a call whose context exceeds it runs on torch_native.
+            sliding_window: attend to the last ``sliding_window`` positions only; keys before
+                each query's window are not read (freed blocks behind the window are safe).
 
         Returns:
             [T, H, D], dtype and device of ``query``.
@@ -269,12 +276,6 @@ class TritonPagedAttention:
                 f"triton attention backend needs CUDA tensors, got {query.device} "
                 "(device must be 'cuda' for attention_backend 'triton')"
             )
-        if sliding_window is not None and max(meta.seq_lens_list) > sliding_window:
-            from pagedllm.attention.torch_native import TorchNativeAttention
-
-            return TorchNativeAttention().forward(
-                query, key, value, key_cache, value_cache, meta, scale, sliding_window
-            )
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -285,9 +286,10 @@ class TritonPagedAttention:
         tables = meta.block_tables
         block_d = _next_pow2(d, 16)
         nd, ns = meta.num_decodes, meta.num_seqs
+        window = sliding_window or _NO_WINDOW
         if nd:
             _decode_kernel[(nd, kvh)](
-                out, query, key_cache, value_cache, tables, meta.seq_lens, scale,
+                out, query, key_cache, value_cache, tables, meta.seq_lens, scale, window,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), tables.stride(0),
                 G=g, GP=_next_pow2(g), D=d, BLOCK_D=block_d, BS=bs, BLOCK_N=self.block_n,
@@ -297,7 +299,7 @@ class TritonPagedAttention:
             grid = (ns - nd, triton.cdiv(max_q, self.block_m), h)
             _prefill_kernel[grid](
                 out, query, key_cache, value_cache, tables, meta.seq_lens,
-                meta.query_start_loc, nd, scale,
+                meta.query_start_loc, nd, scale, window,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), tables.stride(0),
                 G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_M=self.block_m, BLOCK_N=32,

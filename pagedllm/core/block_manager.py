@@ -4,6 +4,13 @@ with sharing by reference count (section 4.4): fork, copy-on-write and prefix ca
 A sequence's logical block ``i`` holds its tokens ``i * block_size .. (i + 1) * block_size - 1``;
 ``block_tables[seq_id][i]`` is the physical block holding them. A new physical block is taken only
 when the last one is full, so at most ``block_size - 1`` slots per sequence are ever unused.
+
+Sliding window (``sliding_window``, a model whose layers all attend to their last ``W``
+positions, Mistral-style): a block whose every position is below ``next position - W + 1`` is
+never read again, so it goes back to the pool while the request runs and its table entry becomes
+``FREED_BLOCK``. Freed entries always form a prefix of the table; the table keeps its length, so
+positions and slot mapping are unchanged. A sequence then holds at most ``ceil(W / block_size) +
+1`` blocks while it decodes (a whole-prompt prefill still needs the prompt's blocks at once).
 """
 
 from __future__ import annotations
@@ -11,12 +18,12 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedllm.core.block_allocator import BlockAllocator, NoFreeBlocksError
-from pagedllm.core.kv_manager import cdiv, check_pool_fits
+from pagedllm.core.kv_manager import FREED_BLOCK, cdiv, check_pool_fits
 from pagedllm.core.kv_waste import KVWaste, paged_waste
 from pagedllm.core.prefix_cache import PrefixCache, hash_block
 from pagedllm.sequence import Sequence
 
-__all__ = ["BlockManager", "cdiv"]
+__all__ = ["FREED_BLOCK", "BlockManager", "cdiv"]
 
 
 class BlockManager:
@@ -31,6 +38,12 @@ class BlockManager:
             running sequences can still grow for a while without immediate preemption.
         enable_prefix_caching: keep full blocks findable by content after their owners finish.
         num_swap_blocks: blocks of host swap space for preemption by swapping (0 = none).
+        sliding_window: tokens every layer attends to (its own included), when all layers are
+            windowed; blocks wholly before the window are freed while the sequence runs. None:
+            keep every block (full attention, or a mix of local and global layers).
+
+    Raises:
+        ValueError: naming ``sliding_window`` when it is below 1.
     """
 
     def __init__(
@@ -40,7 +53,11 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         num_swap_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
@@ -115,6 +132,11 @@ class BlockManager:
                 pool size.
         """
         min_output = max_tokens if use_beam_search else 1
+        if self.sliding_window is not None:
+            # A windowed sequence never holds more than its prompt's blocks or its window's,
+            # whatever its length: bound the output tokens that must fit at once.
+            max_tokens = min(max_tokens, self.sliding_window + self.block_size)
+            min_output = min(min_output, max_tokens)
         check_pool_fits(
             self.num_blocks, self.block_size, prompt_len, max_tokens, num_samples, samples_field,
             min_output,
@@ -192,9 +214,14 @@ class BlockManager:
         """Point ``other`` (no blocks yet) at ``lead``'s first ``num_blocks`` blocks; returns the
         tokens they hold (``other``'s new ``num_computed_tokens``)."""
         table = self.block_tables[lead.seq_id][:num_blocks]
-        for b in table:
-            self.allocator.incref(b)
+        # With a window, the lead's freed entries (cache hits behind its own window, see
+        # allocate_prefix) never reach into the other's window: ``other`` is only shared with
+        # when its own cache hits are fewer than ``num_blocks``, so the lead's hits are fewer
+        # too (same prompt, same hash chain) and its window starts no later than the other's.
+        assert FREED_BLOCK not in table[self._first_live_block(num_blocks * self.block_size) :]
+        self._incref_live(table)
         self.block_tables[other.seq_id] = list(table)
+        self._release_before(other.seq_id, num_blocks * self.block_size)
         return num_blocks * self.block_size
 
     def allocate_prefix(self, seq: Sequence) -> int:
@@ -204,12 +231,14 @@ class BlockManager:
         if self.prefix_cache is not None and seq.use_cached_prefix:
             self.prefix_cache.queries += max(1, (seq.num_tokens - 1) // self.block_size)
             self.prefix_cache.hits += len(hits)
-        for b in hits:
+        # Hits wholly before the window of the first token to compute are not taken.
+        first_live = self._first_live_block(len(hits) * self.block_size)
+        for b in hits[first_live:]:
             if self.allocator.is_free(b):
                 self.allocator.take(b)
             else:
                 self.allocator.incref(b)
-        self.block_tables[seq.seq_id] = list(hits)
+        self.block_tables[seq.seq_id] = [FREED_BLOCK] * first_live + hits[first_live:]
         return len(hits) * self.block_size
 
     # ---- mutations -----------------------------------------------------------------------
@@ -251,13 +280,18 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts + 1); paper figure 8."""
         table = self.block_tables.get(parent.seq_id, [])
-        for b in table:
-            self.allocator.incref(b)
+        self._incref_live(table)
         self.block_tables[child.seq_id] = list(table)
         child.block_hashes = list(parent.block_hashes)
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register the blocks that became full (all their tokens computed) in the prefix cache."""
+        """Register the blocks that became full (all their tokens computed) in the prefix cache,
+        then, with a sliding window, free the blocks the next token's window no longer covers
+        (registered first, so a freed block stays findable by its prefix until reused)."""
+        self._register_full_blocks(seq)
+        self._release_before(seq.seq_id, seq.num_computed_tokens)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
         if self.prefix_cache is None:
             return
         full = seq.num_computed_tokens // self.block_size
@@ -267,8 +301,44 @@ class BlockManager:
             return
         self._extend_hashes(seq, full)
         for i in range(start, min(full, len(table))):
-            self.prefix_cache.register(table[i], seq.block_hashes[i])
+            if table[i] != FREED_BLOCK:
+                self.prefix_cache.register(table[i], seq.block_hashes[i])
         seq.num_registered_blocks = full
+
+    # ---- sliding window ------------------------------------------------------------------
+    def _first_live_block(self, next_pos: int) -> int:
+        """Logical index of the first block the query at ``next_pos`` (and every later one)
+        still reads: blocks below it hold only positions < ``next_pos - window + 1``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, next_pos - self.sliding_window + 1) // self.block_size
+
+    def _release_before(self, seq_id: int, next_pos: int) -> int:
+        """Free the blocks of ``seq_id`` wholly before the window of position ``next_pos``
+        (the next token to compute); their entries become ``FREED_BLOCK``. Walks back from the
+        window start to the already-freed prefix, so each block is visited once. Freed newest
+        first, so the oldest (most shareable prefix) block is evicted last. Returns the count."""
+        table = self.block_tables.get(seq_id)
+        if table is None or self.sliding_window is None:
+            return 0
+        n = 0
+        for i in range(min(self._first_live_block(next_pos), len(table)) - 1, -1, -1):
+            if table[i] == FREED_BLOCK:
+                break
+            self.allocator.free(table[i])
+            table[i] = FREED_BLOCK
+            n += 1
+        return n
+
+    def _incref_live(self, table: list[int]) -> None:
+        for b in table:
+            if b != FREED_BLOCK:
+                self.allocator.incref(b)
+
+    def num_live_blocks(self, seq: Sequence) -> int:
+        """Device blocks ``seq``'s table holds now (its ``FREED_BLOCK`` entries excluded)."""
+        table = self.block_tables.get(seq.seq_id, [])
+        return len(table) - table.count(FREED_BLOCK)
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size
@@ -289,11 +359,13 @@ class BlockManager:
         seq.num_registered_blocks = 0
         table = self.block_tables.pop(seq.seq_id, None)
         for block_id in reversed(table or []):
-            self.allocator.free(block_id)
+            if block_id != FREED_BLOCK:
+                self.allocator.free(block_id)
         swapped = self.swapped_tables.pop(seq.seq_id, None)
         if swapped and self.swap_allocator is not None:
             for block_id in reversed(swapped):
-                self.swap_allocator.free(block_id)
+                if block_id != FREED_BLOCK:
+                    self.swap_allocator.free(block_id)
 
     # ---- swapping (paper section 4.5) -------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
@@ -301,10 +373,12 @@ class BlockManager:
         if self.swap_allocator is None:
             return False
         distinct = {b for s in seqs for b in self.block_tables.get(s.seq_id, ())}
+        distinct.discard(FREED_BLOCK)
         return len(distinct) <= self.swap_allocator.num_free
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move a group's blocks to the host pool; a block shared inside the group moves once.
+        """Move a group's blocks to the host pool; a block shared inside the group moves once,
+        a freed (out-of-window) entry stays ``FREED_BLOCK`` and moves nothing.
 
         Returns:
             (device block, host block) pairs for the worker to copy before the step.
@@ -315,6 +389,9 @@ class BlockManager:
             table = self.block_tables.pop(s.seq_id, [])
             host = []
             for b in table:
+                if b == FREED_BLOCK:
+                    host.append(FREED_BLOCK)
+                    continue
                 if b in mapping:
                     self.swap_allocator.incref(mapping[b])
                 else:
@@ -322,7 +399,8 @@ class BlockManager:
                 host.append(mapping[b])
             self.swapped_tables[s.seq_id] = host
             for b in reversed(table):
-                self.allocator.free(b)
+                if b != FREED_BLOCK:
+                    self.allocator.free(b)
             s.num_registered_blocks = 0  # new device blocks after swap-in get registered again
         return list(mapping.items())
 
@@ -330,6 +408,7 @@ class BlockManager:
         """Whether the device pool can take the group back; with ``reserve``, also room for each
         sequence's next block and the watermark (False when nothing else runs)."""
         distinct = {b for s in seqs for b in self.swapped_tables.get(s.seq_id, ())}
+        distinct.discard(FREED_BLOCK)
         extra = len(seqs) + self.watermark_blocks if reserve else 0
         return self.allocator.num_free - len(distinct) >= extra
 
@@ -345,6 +424,9 @@ class BlockManager:
             host = self.swapped_tables.pop(s.seq_id, [])
             table = []
             for b in host:
+                if b == FREED_BLOCK:
+                    table.append(FREED_BLOCK)
+                    continue
                 if b in mapping:
                     self.allocator.incref(mapping[b])
                 else:
@@ -352,21 +434,28 @@ class BlockManager:
                 table.append(mapping[b])
             self.block_tables[s.seq_id] = table
             for b in reversed(host):
-                self.swap_allocator.free(b)
+                if b != FREED_BLOCK:
+                    self.swap_allocator.free(b)
         return list(mapping.items())
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the pool is consistent: every block is either free with reference count 0, or
         owned with reference count equal to the number of block-table entries pointing at it;
-        the prefix cache's two maps agree.
+        the prefix cache's two maps agree; ``FREED_BLOCK`` entries only with a sliding window,
+        and only as a prefix of a table (device or host).
 
         Raises:
             AssertionError: describing the first violation found.
         """
         owners: Counter[int] = Counter()
+        for table in (*self.block_tables.values(), *self.swapped_tables.values()):
+            freed = table.count(FREED_BLOCK)
+            assert freed == 0 or self.sliding_window is not None, "freed entry without a window"
+            assert table[:freed] == [FREED_BLOCK] * freed, "freed entries are not a prefix"
         for table in self.block_tables.values():
             owners.update(table)
+        del owners[FREED_BLOCK]
         free = self.allocator.free_block_ids()
         assert len(free) == len(set(free)), "a block is in the free list twice"
         for b in range(self.num_blocks):
@@ -381,6 +470,7 @@ class BlockManager:
             swap_owners: Counter[int] = Counter()
             for table in self.swapped_tables.values():
                 swap_owners.update(table)
+            del swap_owners[FREED_BLOCK]
             for b in range(self.num_swap_blocks):
                 rc = self.swap_allocator.ref_counts[b]
                 assert rc == swap_owners[b], f"swap block {b}: ref count {rc} != {swap_owners[b]}"

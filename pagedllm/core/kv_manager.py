@@ -37,6 +37,12 @@ class ContextLengthExceededError(ValueError):
         self.param = param
 
 
+# A block-table entry whose block went back to the pool because it lies wholly before the
+# sliding window of every query still to come (``BlockManager`` with ``sliding_window``). The
+# table keeps its length, so positions and slot mapping are unchanged; kernels never read it.
+FREED_BLOCK = -1
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints: the blocks of ``b`` tokens that hold ``a`` tokens."""
     return -(-a // b)
@@ -246,8 +252,23 @@ class KVManager(Protocol):
         ...
 
 
+def uniform_sliding_window(layer_windows: list[int | None]) -> int | None:
+    """The window shared by every layer when all layers are windowed (Mistral), else None.
+
+    Only then can a sequence's old blocks be freed: one full-attention layer (Gemma 2 / 3 global
+    layers) needs every token, and all layers share one block table (docs/sliding_window.md).
+    """
+    if not layer_windows or any(w is None for w in layer_windows):
+        return None
+    return max(w for w in layer_windows if w is not None)
+
+
 def create_kv_manager(
-    config: EngineConfig, num_blocks: int, num_swap_blocks: int, max_model_len: int
+    config: EngineConfig,
+    num_blocks: int,
+    num_swap_blocks: int,
+    max_model_len: int,
+    sliding_window: int | None = None,
 ) -> KVManager:
     """The KV manager ``config.kv_manager`` names.
 
@@ -257,6 +278,8 @@ def create_kv_manager(
         num_swap_blocks: host swap blocks offered (the Orca baselines take none: read the
             manager's ``num_swap_blocks`` for what it uses).
         max_model_len: longest sequence in tokens.
+        sliding_window: every layer's window when all layers are windowed (see
+            ``uniform_sliding_window``): the paged manager then frees blocks before the window.
 
     Raises:
         ValueError: naming ``kv_manager`` when unknown; see the managers' own errors.
@@ -271,6 +294,7 @@ def create_kv_manager(
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             num_swap_blocks=num_swap_blocks,
+            sliding_window=sliding_window,
         )
     if config.kv_manager in ORCA_POLICIES:
         return ContiguousKVManager(num_blocks, config.block_size, config.kv_manager, max_model_len)

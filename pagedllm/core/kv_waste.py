@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedllm.core.kv_manager import FREED_BLOCK
+
 if TYPE_CHECKING:  # the managers import this module for their ``waste`` methods
     from pagedllm.core.block_manager import BlockManager
     from pagedllm.core.contiguous_kv_manager import ContiguousKVManager
@@ -74,7 +76,8 @@ def paged_waste(bm: BlockManager, seqs: Iterable[Sequence]) -> KVWaste:
             continue
         n = s.num_computed_tokens
         for i, b in enumerate(table):
-            filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
+            if b != FREED_BLOCK:  # freed behind the sliding window: holds nothing
+                filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
         capacity = len(table) * bs
         future += max(0, min(capacity, _final_len(s, capacity)) - n)
     held = sum(v for v in filled.values() if v > 0)

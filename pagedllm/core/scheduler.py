@@ -27,7 +27,7 @@ import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_manager import KVManager
+from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -270,6 +270,7 @@ class Scheduler:
             if g is not group
             for s in g.unfinished_seqs()
             for b in bm.get_block_table(s)
+            if b != FREED_BLOCK
         )
         counts = bm.ref_counts()
         return bm.num_free_blocks + sum(1 for b, n in refs.items() if counts[b] == n)

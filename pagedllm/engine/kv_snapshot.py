@@ -41,7 +41,8 @@ Format (``version`` 1)::
     requests: running, then swapped, then waiting requests: request_id, state, arrival_index,
               prompt_tokens, output_tokens (most of any sequence), cached_tokens, max_tokens,
               n, seqs [{seq_id, status, pool (device / swap / none), num_tokens,
-              num_computed_tokens, output_tokens, num_blocks, block_table}]
+              num_computed_tokens, output_tokens, num_blocks (held), block_table}]; a
+              block_table entry of -1 (``FREED_BLOCK``) is a block freed behind a sliding window
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from pagedllm.core.kv_manager import FREED_BLOCK
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import EngineStats
@@ -220,7 +223,9 @@ def _pool_arrays(
         n = computed.get(sid, 0)
         idx = np.arange(len(table), dtype=np.int64)
         vals = np.clip(n - idx * block_size, 0, block_size)
-        np.maximum.at(filled, np.asarray(table, dtype=np.int64), vals)
+        t = np.asarray(table, dtype=np.int64)
+        live = t != FREED_BLOCK  # entries freed behind a sliding window point nowhere
+        np.maximum.at(filled, t[live], vals[live])
     state = np.where(ref > 0, USED, FREE).astype(np.int64)
     if cached:
         c = np.asarray(cached, dtype=np.int64)
@@ -326,7 +331,7 @@ def build_snapshot(
                     "num_tokens": ntok,
                     "num_computed_tokens": ncomp,
                     "output_tokens": ntok - nprompt,
-                    "num_blocks": len(table),
+                    "num_blocks": len(table) - table.count(FREED_BLOCK),
                     "block_table": table if show else None,
                 }
             )
@@ -350,13 +355,14 @@ def build_snapshot(
         ri = seq_request.get(sid, -1)
         if table and ri >= 0:
             t = np.asarray(table, dtype=np.int64)
+            t = t[t != FREED_BLOCK]
             owner_request[t] = np.where(owner_request[t] < 0, ri, owner_request[t])
 
     used = int((ref > 0).sum())
     held = int(filled[ref > 0].sum())
     n_cached = len(raw["cached"])
     n_evictable = int((state == EVICTABLE).sum())
-    entries = sum(len(t) for t in tables.values())
+    entries = sum(len(t) - t.count(FREED_BLOCK) for t in tables.values())
 
     blocks: dict[str, Any] = {"num_blocks": nb, "block_size": bs, "state_names": STATE_NAMES}
     if max_cells is not None and nb > max_cells:
@@ -372,7 +378,8 @@ def build_snapshot(
             owners: list[list[int]] = [[] for _ in range(nb)]
             for sid, table in tables.items():
                 for b in table:
-                    owners[b].append(sid)
+                    if b != FREED_BLOCK:
+                        owners[b].append(sid)
             blocks["owners"] = owners
 
     swap_blocks = None

@@ -16,7 +16,12 @@ import weakref
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_manager import ContextLengthExceededError, KVManager, create_kv_manager
+from pagedllm.core.kv_manager import (
+    ContextLengthExceededError,
+    KVManager,
+    create_kv_manager,
+    uniform_sliding_window,
+)
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.device import uses_cpu_ops
 from pagedllm.engine.engine_core import EngineCore
@@ -125,8 +130,9 @@ class LLMEngine:
                 rank_kv_heads,
             )
 
+        window = uniform_sliding_window([mc.layer_window(i) for i in range(mc.num_hidden_layers)])
         self.block_manager: KVManager = create_kv_manager(
-            config, num_blocks, num_swap_blocks, self.max_model_len
+            config, num_blocks, num_swap_blocks, self.max_model_len, window
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

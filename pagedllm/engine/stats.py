@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from pagedllm.core.kv_manager import KVManager
+from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
 from pagedllm.core.kv_waste import KVWaste
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 
@@ -139,7 +139,8 @@ class KVStatsObserver:
         used = kv.num_used_blocks
         st.observed_steps += 1
         st.blocks_used_sum += used
-        st.blocks_unshared_sum += sum(len(t) for t in kv.block_tables.values())
+        # FREED_BLOCK (-1) entries of windowed sequences hold no block.
+        st.blocks_unshared_sum += sum(len(t) - t.count(FREED_BLOCK) for t in kv.block_tables.values())
         st.batched_requests_sum += len({rid for rid, _ in sched.scheduled})
         holders = [s for g in scheduler.running for s in g.seqs]
         head = scheduler.waiting[0].seqs[0] if scheduler.waiting else None

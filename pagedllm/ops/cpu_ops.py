@@ -61,13 +61,15 @@ class CpuOps:
         num_seqs: int,
         scale: float,
         partition_size: int = 512,
+        window: int = 0,
     ) -> None:
         """Decode attention of sequences ``[0, num_seqs)`` (one query token each, ``query[s]``)
         into ``out``; contexts longer than ``partition_size`` may be split across threads (0:
-        never)."""
+        never). ``window`` > 0: each query sees its last ``window`` positions only (sliding
+        window); blocks before them are never read."""
         self._decode(
             out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, scale,
-            partition_size,
+            partition_size, window,
         )  # fmt: skip
 
     def paged_attention_prefill(
@@ -82,12 +84,14 @@ class CpuOps:
         seq_begin: int,
         seq_end: int,
         scale: float,
+        window: int = 0,
     ) -> None:
         """Causal attention of sequences ``[seq_begin, seq_end)`` whose new tokens are
-        ``query[query_start_loc[s] : query_start_loc[s + 1]]``, the last of ``seq_lens[s]``."""
+        ``query[query_start_loc[s] : query_start_loc[s + 1]]``, the last of ``seq_lens[s]``.
+        ``window`` > 0: the token at position p sees keys ``p - window + 1 .. p`` only."""
         self._prefill(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            seq_begin, seq_end, scale,
+            seq_begin, seq_end, scale, window,
         )  # fmt: skip
 
     def reshape_and_cache(

@@ -76,6 +76,9 @@ class ModelRunner:
         starts = torch.cumsum(lens, 0) - lens
         col = torch.arange(flat.numel()) - starts[row]
         out[row, col] = flat
+        # FREED_BLOCK (-1) entries (behind a sliding window; never read) become block 0 too, a
+        # valid index for the backends that gather whole tables.
+        out.clamp_(min=0)
         return out
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

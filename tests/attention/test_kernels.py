@@ -76,6 +76,20 @@ def random_case(query_lens, ctx_lens, block_size, heads, kv_heads, hd, dtype, se
     return meta, (q, k, v, kc, vc), (ref, kr, vr)
 
 
+def random_layout(
+    rng: random.Random, max_decodes: int, max_query: int, max_ctx: int, max_cached: int
+) -> tuple[list[int], list[int]]:
+    """(query_lens, ctx_lens): up to ``max_decodes`` decodes first, then up to 3 prefills with
+    and without cached context (up to ``max_cached`` tokens) before their new tokens."""
+    n_dec, n_pre = rng.randint(0, max_decodes), rng.randint(0, 3)
+    if n_dec + n_pre == 0:
+        n_dec = 1
+    qlens = [1] * n_dec + [rng.randint(2, max_query) for _ in range(n_pre)]
+    ctx = [rng.randint(1, max_ctx) for _ in range(n_dec)]
+    ctx += [q + rng.choice([0, rng.randint(1, max_cached)]) for q in qlens[n_dec:]]
+    return qlens, ctx
+
+
 # (query_lens, ctx_lens): decodes only, prefills only, and mixes (decodes first) with prefills
 # that have cached context before their new tokens; lengths not multiples of the block size.
 LAYOUTS = [
@@ -160,12 +174,7 @@ def test_cpu_random_shapes(cpu_backend):
         kvh = rng.choice([1, 2, 3])
         group = rng.choice([1, 3, 4, 8])
         hd = rng.choice([16, 32, 64])
-        n_dec, n_pre = rng.randint(0, 6), rng.randint(0, 3)
-        if n_dec + n_pre == 0:
-            n_dec = 1
-        qlens = [1] * n_dec + [rng.randint(2, 40) for _ in range(n_pre)]
-        ctx = [rng.randint(1, 300) for _ in range(n_dec)]
-        ctx += [q + rng.choice([0, rng.randint(1, 200)]) for q in qlens[n_dec:]]
+        qlens, ctx = random_layout(rng, 6, 40, 300, 200)
         meta, (q, k, v, kc, vc), (ref, kr, vr) = random_case(
             qlens,
             ctx,
@@ -290,6 +299,7 @@ def run_triton_checks_interpreted() -> None:
     for case in TRITON_CASES:
         test_triton_backend_matches_reference(*case)
     test_triton_bf16_matches_reference()
+    test_triton_window_matches_reference()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the in-process tests run on the GPU")
@@ -353,6 +363,21 @@ def test_triton_bf16_matches_reference():
     out = TritonPagedAttention().forward(*moved, _meta_to(meta, device), 16**-0.5)
     assert torch.equal(moved[3].cpu(), kr) and torch.equal(moved[4].cpu(), vr)
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
+
+
+def test_triton_window_matches_reference():
+    """A sliding window shorter than the contexts, decodes and a chunk with cached context."""
+    device = _triton_device()
+    from pagedllm.attention.triton_paged import TritonPagedAttention
+
+    for window in (1, 6, 21):
+        meta, (q, k, v, kc, vc), (_, kr, vr) = random_case(
+            [1, 1, 13], [40, 5, 30], 4, 4, 2, 16, torch.float32, seed=window, shared=1
+        )
+        ref = paged_attention_reference(q, kr, vr, meta, 16**-0.5, window)
+        moved = [x.to(device) for x in (q, k, v, kc, vc)]
+        out = TritonPagedAttention().forward(*moved, _meta_to(meta, device), 16**-0.5, window)
+        torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

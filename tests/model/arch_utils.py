@@ -81,13 +81,18 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
 
 
 def build_tiny_hf_model(
-    arch: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
+    arch: str,
+    folder: Path,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    **more_overrides: Any,
 ) -> Any:
     """A seeded tiny random ``arch`` model (fp32, eager attention) saved in ``folder`` with the
-    tiny tokenizer, its config changed by ``overrides``; returns the transformers model (eval
-    mode)."""
+    tiny tokenizer; returns the transformers model (eval mode). ``overrides`` /
+    ``more_overrides``: config fields that replace the defaults (e.g. ``sliding_window``,
+    ``max_position_embeddings``)."""
     model_cls, extra = _arch_kwargs(arch)
-    extra.update(overrides or {})
+    extra.update({**(overrides or {}), **more_overrides})
     config_cls = extra.pop("config")
     tok = make_tiny_tokenizer()
     cfg = config_cls(

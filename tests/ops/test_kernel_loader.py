@@ -47,8 +47,10 @@ def test_ops_registered_with_the_dispatcher(cpu_ops) -> None:
     out_arg = schema.arguments[0]
     assert out_arg.alias_info is not None and out_arg.alias_info.is_write
     decode = torch.ops.pagedllm.paged_attention_decode.default._schema
-    assert decode.arguments[-1].name == "partition_size"
-    assert decode.arguments[-1].default_value == 512
+    assert [(a.name, a.default_value) for a in decode.arguments[-2:]] == [
+        ("partition_size", 512),
+        ("window", 0),
+    ]
     # Called straight through the dispatcher, no wrapper.
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.0]])
     arg, lse = torch.ops.pagedllm.argmax_logsumexp(logits)
@@ -185,6 +187,15 @@ _VARIANT_CHECK = """
     kr, vr = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
     p = torch.softmax(torch.einsum("hd,lhd->hl", q[0], kr) * scale, -1)
     torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", p, vr), atol=1e-4, rtol=1e-4)
+    # sliding window of 10: only the last 10 keys count (decode), and the prefill's last query
+    W = 10
+    ops.paged_attention_decode(out, q, kc, vc, table, torch.tensor([L]), 1, scale, 16, W)
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q[0], kr[L - W :]) * scale, -1)
+    want = torch.einsum("hl,lhd->hd", p, vr[L - W :])
+    torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
+    qs = torch.tensor([0, 1])
+    ops.paged_attention_prefill(out, q, kc, vc, table, torch.tensor([L]), qs, 0, 1, scale, W)
+    torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
     x, w = torch.randn(5, 96), torch.randn(96)
     y = torch.empty_like(x)
     ops.rms_norm(y, x, w, 1e-6)

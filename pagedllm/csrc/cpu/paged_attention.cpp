@@ -15,6 +15,12 @@
 // softmax over keys 0 .. position of the tile's last token, with a causal mask per query token
 // (query token j of a sequence with q new tokens and context c sits at position c - q + j).
 //
+// Sliding window (window > 0; Mistral, Gemma local layers): the query at position p sees keys
+// p - window + 1 .. p only. Decode walks just those positions; a prefill tile walks keys from its
+// first query's window start, masking per query token. Keys before the window are never read, so
+// blocks wholly outside every query's window may hold anything (the block manager frees them and
+// leaves a sentinel id in the table).
+//
 // fp32 and bf16 tensors; arithmetic and accumulation in fp32. Threads: OpenMP, as many as
 // torch.get_num_threads(). The ops are registered with the dispatcher in torch_bindings.cpp.
 #include <ATen/ATen.h>
@@ -152,7 +158,7 @@ template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, int64_t num_seqs, double scale,
-                 int64_t partition_size) {
+                 int64_t partition_size, int64_t window) {
   const int H = static_cast<int>(query.size(1));
   const int D = static_cast<int>(query.size(2));
   const int KVH = static_cast<int>(key_cache.size(0));
@@ -170,8 +176,12 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int nthreads = at::get_num_threads();
 
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, sl[s]);
+  // First key position a sequence's query sees (its window start; 0 without a window).
+  auto first_key = [&](int64_t s) {
+    return window > 0 ? std::max<int64_t>(0, sl[s] - window) : int64_t{0};
+  };
+  int64_t max_len = 0;  // longest span of keys read, which sets the partition count
+  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, sl[s] - first_key(s));
   // Split the context only when (sequence, kv head) pairs alone cannot keep the threads busy.
   int64_t parts = 1;
   if (partition_size > 0 && num_seqs * KVH < 4 * nthreads && max_len > partition_size)
@@ -196,7 +206,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       const int kh = static_cast<int>((it / parts) % KVH);
       const int64_t s = it / (parts * KVH);
       const int64_t len = sl[s];
-      const int64_t start = part * psize, end = std::min(len, start + psize);
+      const int64_t start = first_key(s) + part * psize, end = std::min(len, start + psize);
       float* mo = parts > 1 ? pm.data() + it * G : m.data();
       float* lo = parts > 1 ? pl.data() + it * G : l.data();
       float* ao = parts > 1 ? pacc.data() + it * G * D : acc.data();
@@ -249,10 +259,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 }
 
 // One prefill work item: query tokens [j0, j1) of a sequence (positions pos0 + j), kv head kh.
+// window > 0: query j sees keys pos0 + j - window + 1 .. pos0 + j only.
 template <int G, typename T>
-void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, const T* kbase,
-                  const T* vbase, const int64_t* table, const CacheView& cv, float* m, float* l,
-                  float* acc, float* sc) {
+void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, int64_t window,
+                  const T* kbase, const T* vbase, const int64_t* table, const CacheView& cv,
+                  float* m, float* l, float* acc, float* sc) {
   const int D = cv.D, BS = cv.block_size;
   const int R = nq * G;
   for (int r = 0; r < R; ++r) {
@@ -260,8 +271,15 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, const T
     l[r] = 0.f;
   }
   std::fill(acc, acc + R * D, 0.f);
-  const int64_t end = pos0 + nq;  // keys 0 .. last query position
-  for (int64_t t0 = 0; t0 < end; t0 += kTile) {
+  const int64_t end = pos0 + nq;  // keys up to the last query position
+  // Keys from the first query's window start; earlier blocks are never touched.
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  // Last query token that sees key kp (the window's other edge).
+  auto last_query = [&](int64_t kp) {
+    return window > 0 ? static_cast<int>(std::min<int64_t>(nq - 1, kp + window - 1 - pos0))
+                      : nq - 1;
+  };
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, end - t0));
     int64_t blk = t0 / BS;
     int off = static_cast<int>(t0 % BS);
@@ -269,11 +287,14 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, const T
     for (int i = 0; i < n; ++i) {
       const int64_t kp = t0 + i;
       const T* k = kbase + (table[blk] * BS + off) * D;
-      // query j sees key kp iff kp <= pos0 + j
+      // query j sees key kp iff kp <= pos0 + j (and kp > pos0 + j - window)
       const int jmin = static_cast<int>(std::max<int64_t>(0, kp - pos0));
-      for (int j = 0; j < jmin; ++j)
-        for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = kNegInf;
-      for (int j = jmin; j < nq; ++j) {
+      const int jmax = last_query(kp);
+      for (int j = 0; j < nq; ++j) {
+        if (j < jmin || j > jmax) {
+          for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = kNegInf;
+          continue;
+        }
         vec::dot_rows<G>(q + j * G * D, k, D, o);
         for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = o[g];
       }
@@ -304,7 +325,8 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, const T
       const int64_t kp = t0 + i;
       const T* v = vbase + (table[blk] * BS + off) * D;
       const int jmin = static_cast<int>(std::max<int64_t>(0, kp - pos0));
-      for (int j = jmin; j < nq; ++j) {
+      const int jmax = last_query(kp);
+      for (int j = jmin; j <= jmax; ++j) {
         for (int g = 0; g < G; ++g) p[g] = sc[(j * G + g) * kTile + i];
         vec::axpy_rows<G>(acc + j * G * D, p, v, D);
       }
@@ -317,12 +339,12 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, const T
 }
 
 template <typename T>
-void prefill_tile_dispatch(int G, const float* q, int nq, int64_t pos0, const T* kbase,
-                           const T* vbase, const int64_t* table, const CacheView& cv, float* m,
-                           float* l, float* acc, float* sc) {
+void prefill_tile_dispatch(int G, const float* q, int nq, int64_t pos0, int64_t window,
+                           const T* kbase, const T* vbase, const int64_t* table,
+                           const CacheView& cv, float* m, float* l, float* acc, float* sc) {
 #define PAGEDLLM_CASE(NG) \
   case NG:                \
-    return prefill_tile<NG, T>(q, nq, pos0, kbase, vbase, table, cv, m, l, acc, sc);
+    return prefill_tile<NG, T>(q, nq, pos0, window, kbase, vbase, table, cv, m, l, acc, sc);
   switch (G) {
     PAGEDLLM_CASE(1)
     PAGEDLLM_CASE(2)
@@ -342,8 +364,8 @@ void prefill_tile_dispatch(int G, const float* q, int nq, int64_t pos0, const T*
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < nq; ++j)
       std::memcpy(q1.data() + j * D, q + (j * G + g) * D, D * sizeof(float));
-    prefill_tile<1, T>(q1.data(), nq, pos0, kbase, vbase, table, cv, m1.data(), l1.data(),
-                       a1.data(), sc);
+    prefill_tile<1, T>(q1.data(), nq, pos0, window, kbase, vbase, table, cv, m1.data(),
+                       l1.data(), a1.data(), sc);
     for (int j = 0; j < nq; ++j) {
       m[j * G + g] = m1[j];
       l[j * G + g] = l1[j];
@@ -356,7 +378,7 @@ template <typename T>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  int64_t seq_begin, int64_t seq_end, double scale) {
+                  int64_t seq_begin, int64_t seq_end, double scale, int64_t window) {
   const int H = static_cast<int>(query.size(1));
   const int D = static_cast<int>(query.size(2));
   const int KVH = static_cast<int>(key_cache.size(0));
@@ -388,6 +410,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         items.push_back({s, t, static_cast<int>(std::min<int64_t>(kQueryTile, hi - t)), kh});
   }
   // Longest items first (they see the most keys) for a better dynamic schedule.
+  // (With a window every tile sees about as many keys; the order then does not matter.)
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     const int64_t pa = sl[a.seq] - (qsl[a.seq + 1] - a.tok0);
     const int64_t pb = sl[b.seq] - (qsl[b.seq + 1] - b.tok0);
@@ -409,7 +432,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         for (int g = 0; g < G; ++g)
           vec::load_row_scaled(qp + (w.tok0 + j) * q_s0 + (w.kh * G + g) * q_s1,
                                static_cast<float>(scale), D, qf.data() + (j * G + g) * D);
-      prefill_tile_dispatch<T>(G, qf.data(), w.nq, pos0, kc + w.kh * cv.head_stride,
+      prefill_tile_dispatch<T>(G, qf.data(), w.nq, pos0, window, kc + w.kh * cv.head_stride,
                                vc + w.kh * cv.head_stride, bt + s * MB, cv, m.data(), l.data(),
                                acc.data(), sc.data());
       for (int j = 0; j < w.nq; ++j)
@@ -441,41 +464,43 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& query,
 
 }  // namespace
 
-// Decode attention for sequences [0, num_seqs): sequence s's single query is query[s].
+// Decode attention for sequences [0, num_seqs): sequence s's single query is query[s];
+// window > 0: only its last `window` positions.
 void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t num_seqs, double scale,
-                            int64_t partition_size) {
+                            int64_t partition_size, int64_t window) {
   check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query.size(0) >= num_seqs, "fewer queries than decode sequences");
   if (num_seqs == 0) return;
   if (query.scalar_type() == at::kFloat)
     decode_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs,
-                       scale, partition_size);
+                       scale, partition_size, window);
   else if (query.scalar_type() == at::kBFloat16)
     decode_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                               num_seqs, scale, partition_size);
+                               num_seqs, scale, partition_size, window);
   else
     TORCH_CHECK(false, "paged_attention_decode: only float32 and bfloat16");
 }
 
 // Causal attention for sequences [seq_begin, seq_end) whose new tokens are
-// query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens.
+// query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens;
+// window > 0: token at position p sees keys p - window + 1 .. p.
 void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t seq_begin,
-                             int64_t seq_end, double scale) {
+                             int64_t seq_end, double scale, int64_t window) {
   check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int64");
   if (seq_end <= seq_begin) return;
   if (query.scalar_type() == at::kFloat)
     prefill_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                        query_start_loc, seq_begin, seq_end, scale);
+                        query_start_loc, seq_begin, seq_end, scale, window);
   else if (query.scalar_type() == at::kBFloat16)
     prefill_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start_loc, seq_begin, seq_end, scale);
+                                query_start_loc, seq_begin, seq_end, scale, window);
   else
     TORCH_CHECK(false, "paged_attention_prefill: only float32 and bfloat16");
 }
