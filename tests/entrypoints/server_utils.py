@@ -129,3 +129,18 @@ def healthy(server, client) -> None:
     assert r.status_code == 200, r.text
     assert client.get("/health").status_code == 200
     wait_idle(server.engine)
+
+
+def start_tiny_server(loaded: Any, **engine_args: Any) -> ServerThread:
+    """A started ``ServerThread`` serving ``loaded`` as "tiny": max_model_len 128, 4 MiB of
+    KV cache, invariant checks, one thread; ``engine_args`` override or add engine options."""
+    from pagedllm.entrypoints.openai.app import build_app
+
+    args = {
+        "max_model_len": 128,
+        "kv_cache_memory": 1 << 22,
+        "check_invariants": True,
+        "num_threads": 1,
+        **engine_args,
+    }
+    return ServerThread(build_app(args, loaded=loaded, served_model_name="tiny")).start()

@@ -543,6 +543,8 @@ def test_serve_cli_sigterm_exits_zero(tmp_path):
         str(32 << 20),
         "--served-model-name",
         MODEL,
+        "--shutdown-grace-period",
+        "0",  # abort at once (the drain is tested in test_overload_server.py)
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ}
