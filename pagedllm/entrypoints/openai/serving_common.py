@@ -54,13 +54,18 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached: int | None) -
     return u
 
 
+def timed_out_empty(finals: list[RequestOutput]) -> bool:
+    """Whether the request's deadline passed before any token was generated (with some tokens,
+    the answer carries them with ``finish_reason: "timeout"``)."""
+    outputs = [c for o in finals for c in o.outputs]
+    return any(c.finish_reason == TIMEOUT_FINISH_REASON for c in outputs) and not any(
+        c.token_ids for c in outputs
+    )
+
+
 def check_timed_out(finals: list[RequestOutput]) -> None:
-    """Raises: APIError 504 ``request_timeout`` when the request's deadline passed before any
-    token was generated (with some tokens, the answer carries them with ``finish_reason:
-    "timeout"``)."""
-    if any(c.finish_reason == TIMEOUT_FINISH_REASON for o in finals for c in o.outputs) and not any(
-        c.token_ids for o in finals for c in o.outputs
-    ):
+    """Raises: APIError 504 ``request_timeout`` when ``timed_out_empty(finals)``."""
+    if timed_out_empty(finals):
         raise APIError(
             504,
             "the request's timeout passed before any token was generated",
@@ -417,7 +422,8 @@ class RequestContext:
             for choice in self.first_chunks():
                 yield sse(self.chunk([choice]))
             async for i, out in merge(streams):
-                if out.finished and not any(st.tokens for st in states.values()):
+                if not any(st.tokens for st in states.values()) and timed_out_empty([out]):
+                    self.observe(i, out, finals)  # counted as finished, like a non-stream 504
                     check_timed_out([out])  # no token streamed: an error event, not a chunk
                 for c in out.outputs:
                     st = states.setdefault(i * self.n + c.index, ChoiceState())
