@@ -10,6 +10,8 @@ as long as the test needs.
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import threading
 import time
 
@@ -21,7 +23,13 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, QueueFullError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.api_server import drain
 from pagedllm.sampling_params import SamplingParams
-from tests.entrypoints.server_utils import assert_error, healthy, start_tiny_server, wait_idle
+from tests.entrypoints.server_utils import (
+    assert_error,
+    healthy,
+    start_serve_process,
+    start_tiny_server,
+    wait_idle,
+)
 
 C = "/v1/completions"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -268,3 +276,41 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(server, client):
     finally:
         server.app.state.lifecycle.draining = False
     wait_idle(server.engine)
+
+
+# ---- a real `pagedllm serve` process ---------------------------------------------------------
+def test_serve_sigterm_drains_in_flight_stream(tmp_path, hf_tiny_model, tiny_tokenizer):
+    folder = tmp_path / "tiny"
+    hf_tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    proc, url = start_serve_process(
+        [str(folder), "--max-model-len", "512", "--num-threads", "1"]
+        + ["--shutdown-grace-period", "60", "--served-model-name", "tiny"]
+    )
+    try:
+        body = {"prompt": "the quick brown fox", "max_tokens": 400, "stream": True, **GREEDY}
+        body["return_token_ids"] = True
+        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", C, json=body) as r:
+            lines = []
+            probe = None
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 1 and probe is None:
+                    proc.send_signal(signal.SIGTERM)
+                    wait_for(lambda: httpx.get(url + "/health").status_code == 503)
+                    probe = httpx.post(url + C, json={"prompt": "hi", "max_tokens": 2})
+        # New requests were refused while the stream went on; the stream ran to its end.
+        assert_error(probe, 503, None, "server_draining")
+        assert probe.headers["retry-after"] == "1"
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][len("data: ") :])
+        assert last["choices"][0]["finish_reason"] == "length"
+        chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
+        assert sum(len(ch["choices"][0]["token_ids"]) for ch in chunks) == 400  # all of it
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"draining: 1 request(s) in flight" in proc.stdout.read()
