@@ -9,7 +9,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig, check_engine_kwargs
-from pagedllm.engine.llm_engine import LLMEngine, check_priority
+from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -100,6 +100,7 @@ class LLM:
             ValueError: naming the field of the first invalid prompt or parameter (``priority``:
                 a length that differs from the prompts', or nonzero under ``fcfs``); no request
                 is queued then.
+            QueueFullError: more prompts than ``max_waiting_requests`` allows; none queued.
         """
         prompt_list = _as_prompt_list(prompts)
         if isinstance(sampling_params, Seq):
@@ -122,6 +123,12 @@ class LLM:
             engine.validate_request(ids, sp)
             check_priority(prio, engine.config.scheduling_policy)
             resolved.append((p, ids, sp, prio))
+        limit = engine.config.max_waiting_requests
+        if limit is not None and len(engine.scheduler.waiting) + len(resolved) > limit:
+            raise QueueFullError(
+                f"{len(resolved)} prompts do not fit max_waiting_requests ({limit}); "
+                "generate fewer at a time"
+            )
         request_ids = []
         for p, ids, sp, prio in resolved:
             rid = str(next(self._ids))

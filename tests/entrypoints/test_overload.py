@@ -72,6 +72,15 @@ def test_engine_refuses_beyond_max_waiting_requests(tiny_loaded):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def test_llm_generate_refuses_a_batch_over_the_limit(tiny_llm_factory):
+    llm = tiny_llm_factory(max_waiting_requests=2)
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    with pytest.raises(QueueFullError, match="max_waiting_requests"):
+        llm.generate(["a", "b", "c"], sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # nothing was queued
+    assert len(llm.generate(["a", "b"], sp, use_tqdm=False)) == 2
+
+
 def test_async_add_refused_at_once_when_queue_full(tiny_loaded):
     async def main():
         ae = AsyncLLMEngine(make_engine(tiny_loaded, max_waiting_requests=2))
