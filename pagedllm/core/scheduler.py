@@ -1,4 +1,4 @@
-"""FCFS / priority scheduler with iteration-level (continuous) batching and preemption (paper section 4.5).
+"""FCFS or priority scheduler with continuous batching and preemption (paper section 4.5).
 
 Every step the scheduler decides which sequences compute how many tokens, in the vocabulary of
 ``num_computed_tokens``: a sequence with ``k`` tokens not yet in the KV cache gets up to ``k`` of
