@@ -42,6 +42,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # The names pagedllm.attention.get_attention_backend accepts: "auto" or a registered backend.
 ATTENTION_BACKENDS = ("auto", *attention_backend_names())
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -245,6 +246,18 @@ class EngineConfig:
         "when blocks run out: swap or recompute the preempted request; auto = recompute "
         "single-sequence requests, swap groups",
         choices=PREEMPTION_MODES,
+    )
+    scheduling_policy: str = _option(
+        "fcfs",
+        "fcfs = serve requests in arrival order; priority = by each request's priority (lower "
+        "first, ties by arrival), preempting less urgent running requests for a more urgent one",
+        choices=SCHEDULING_POLICIES,
+    )
+    max_waiting_requests: int | None = _option(
+        None,
+        "most requests waiting for admission; a new one beyond it is refused at once (the "
+        "server answers 503 with Retry-After); default: unbounded",
+        min=1,
     )
     seed: int = _option(0, "seeds the random seeds of requests that set none")
     num_threads: int | None = _option(None, "torch intra-op threads; default: every core", min=1)

@@ -163,6 +163,8 @@ class SequenceGroup:
             ``max_model_len - prompt length``).
         prompt_logprobs: filled once the prompt has been computed, when asked.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        priority: scheduling priority under the ``priority`` policy (lower = served first,
+            ties by ``arrival_index``); always 0 under FCFS.
     """
 
     request_id: str
@@ -174,6 +176,7 @@ class SequenceGroup:
     max_tokens: int = 16
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    priority: int = 0
     # Beam search state (``engine.beam_search.BeamSearch``) and, once done, the best hypotheses.
     beam: Any = None
     beam_results: list[Any] | None = None

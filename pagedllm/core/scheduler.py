@@ -1,4 +1,4 @@
-"""FCFS scheduler with iteration-level (continuous) batching and preemption (paper section 4.5).
+"""FCFS or priority scheduler with continuous batching and preemption (paper section 4.5).
 
 Every step the scheduler decides which sequences compute how many tokens, in the vocabulary of
 ``num_computed_tokens``: a sequence with ``k`` tokens not yet in the KV cache gets up to ``k`` of
@@ -18,6 +18,16 @@ Policy:
 - A group counts its eventual sequences (``n`` / ``best_of`` samples or beams) against
   ``max_num_seqs`` when admitted; validation refuses a group wider than ``max_num_seqs``, so a
   swapped-out group always comes back once the running ones drain.
+
+Priority policy (``policy="priority"``, vLLM's ``--scheduling-policy priority``): every queue is
+ordered by ``(priority, arrival_index)`` instead of arrival alone (lower priority value = more
+urgent; ties by arrival), so "oldest" above reads "most urgent" and the victim is the least
+urgent running group. Before the running groups are scheduled, when the most urgent waiting group
+cannot be admitted (blocks, ``max_num_seqs`` or the token budget) while a less urgent group runs,
+the least urgent running group is preempted whole (swap or recompute as above) until it can
+(vLLM's priority preemption). Swapped and waiting groups are then brought in together in that
+order, stopping at the first that does not fit (no overtaking). FCFS is the default, and under it
+every priority is 0, so both policies share the ordering key.
 """
 
 from __future__ import annotations
@@ -98,6 +108,8 @@ class SchedulerConfig:
             prefill) and swap for groups of several sequences (parallel samples, beams), whose
             shared blocks a recompute would duplicate. Swap falls back to recompute when the
             swap space is full.
+        policy: "fcfs" (arrival order) or "priority" (``(priority, arrival)`` order with
+            priority preemption; see the module docstring).
     """
 
     max_num_seqs: int
@@ -105,8 +117,11 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = False
     preemption_mode: str = "auto"
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
@@ -137,9 +152,18 @@ class Scheduler:
         self._scheduled_seqs: dict[int, Sequence] = {}
 
     # ---- queue management ----------------------------------------------------------------
+    @staticmethod
+    def order_key(group: SequenceGroup) -> tuple[int, int]:
+        """Scheduling order: ``(priority, arrival_index)``, smaller first (FCFS: priority 0)."""
+        return group.priority, group.arrival_index
+
     def add_seq_group(self, group: SequenceGroup) -> None:
-        """Queue a new request at the back of ``waiting`` (FCFS)."""
-        self.waiting.append(group)
+        """Queue a new request: at the back of ``waiting`` (FCFS), or at its place by
+        ``order_key`` (priority)."""
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, group, key=self.order_key)
+        else:
+            self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or swapped out."""
@@ -182,6 +206,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._scheduled_seqs = {}
+        priority = self.config.policy == "priority"
+        if priority:
+            self._preempt_for_priority(out)
+        num_priority_preempted = len(out.preempted)
 
         # 1. Running groups, oldest first. A victim is always taken from the newest end, which
         #    is never a group already scheduled in this loop.
@@ -207,48 +235,111 @@ class Scheduler:
                 continue
             break  # the group preempted itself: it was the newest, nothing after it remains
 
+        if priority:
+            # 2+3. Swapped and waiting groups together, most urgent first, unless memory was
+            #    short while scheduling the running groups.
+            if len(out.preempted) == num_priority_preempted and not out.length_capped:
+                budget = self._admit_by_priority(budget, out)
+            out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+            return out
+
         # 2. Swapped groups come back first, oldest first, unless memory was short this step
         #    (a group finished by length gives its blocks back only after the step).
         if not out.preempted and not out.length_capped:
             num_seqs = sum(self._width(g) for g in self.running)
-            while self.swapped:
+            while self.swapped and self._can_swap_in(self.swapped[0], num_seqs):
                 group = self.swapped[0]
-                seqs = group.unfinished_seqs()
-                if num_seqs + len(seqs) > self.config.max_num_seqs:
-                    break
-                if not self.block_manager.can_swap_in(seqs, reserve=bool(self.running)):
-                    break
-                self.swapped.pop(0)
-                moved = self.block_manager.swap_in(seqs)
-                out.blocks_to_swap_in.extend(moved)
-                self.num_blocks_swapped_in += len(moved)
-                for seq in seqs:
-                    seq.status = SequenceStatus.RUNNING
-                bisect.insort(self.running, group, key=lambda g: g.arrival_index)
-                plan = self._plan(seqs, budget)
-                if plan and self._fits(plan):
-                    budget -= self._commit(group, plan, out)
-                num_seqs += len(seqs)
+                num_seqs += len(group.unfinished_seqs())
+                budget -= self._swap_in(group, budget, out)
 
         # 3. Waiting groups in FCFS order, only when nothing is swapped out or preempted.
         if not out.preempted and not out.length_capped and not self.swapped:
             num_seqs = sum(self._width(g) for g in self.running)
-            while self.waiting and budget > 0:
-                group = self.waiting[0]
-                seqs = group.unfinished_seqs()
-                width = self._width(group)
-                if num_seqs + width > self.config.max_num_seqs:
-                    break
-                if not self.config.enable_chunked_prefill and self._prefill_tokens(seqs) > budget:
-                    break
-                if not self.block_manager.can_allocate(seqs, watermark=bool(self.running)):
-                    break
-                self.waiting.popleft()
-                budget -= self._admit(group, seqs, budget, out)
-                num_seqs += width
+            while (
+                self.waiting and budget > 0 and self._can_admit(self.waiting[0], budget, num_seqs)
+            ):
+                group = self.waiting.popleft()
+                num_seqs += self._width(group)
+                budget -= self._admit(group, group.unfinished_seqs(), budget, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _can_admit(self, group: SequenceGroup, budget: int, num_seqs: int) -> bool:
+        """Whether waiting ``group`` fits now: ``max_num_seqs``, the token budget (whole
+        prompts without chunked prefill) and its blocks (with the watermark when others run)."""
+        seqs = group.unfinished_seqs()
+        if num_seqs + self._width(group) > self.config.max_num_seqs:
+            return False
+        if not self.config.enable_chunked_prefill and self._prefill_tokens(seqs) > budget:
+            return False
+        return self.block_manager.can_allocate(seqs, watermark=bool(self.running))
+
+    def _can_swap_in(self, group: SequenceGroup, num_seqs: int) -> bool:
+        """Whether swapped-out ``group`` fits now (``max_num_seqs`` and its blocks)."""
+        seqs = group.unfinished_seqs()
+        if num_seqs + len(seqs) > self.config.max_num_seqs:
+            return False
+        return self.block_manager.can_swap_in(seqs, reserve=bool(self.running))
+
+    def _swap_in(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+        """Move a swapped-out group back to running and schedule its work if it fits; returns
+        the tokens scheduled."""
+        self.swapped.remove(group)
+        seqs = group.unfinished_seqs()
+        moved = self.block_manager.swap_in(seqs)
+        out.blocks_to_swap_in.extend(moved)
+        self.num_blocks_swapped_in += len(moved)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, group, key=self.order_key)
+        plan = self._plan(seqs, budget)
+        if plan and self._fits(plan):
+            return self._commit(group, plan, out)
+        return 0
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy, before the running groups are scheduled: while the most urgent
+        waiting group cannot be admitted and a less urgent group runs, preempt the least urgent
+        running group whole (vLLM's priority preemption). The token budget counts the running
+        groups' pending tokens (one per decode)."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        key = self.order_key(head)
+        while self.running and self.order_key(self.running[-1]) > key:
+            pending = sum(
+                s.num_uncomputed_tokens for g in self.running for s in g.unfinished_seqs()
+            )
+            num_seqs = sum(self._width(g) for g in self.running)
+            budget = self.config.max_num_batched_tokens - pending
+            if self._can_admit(head, budget, num_seqs):
+                return
+            self._preempt(self.running[-1], out)
+
+    def _admit_by_priority(self, budget: int, out: SchedulerOutput) -> int:
+        """Priority policy: bring in swapped and waiting groups in ``order_key`` order while
+        they fit, stopping at the first that does not (or at a group preempted this step);
+        returns the budget left."""
+        num_seqs = sum(self._width(g) for g in self.running)
+        preempted = set(out.preempted)
+        while budget > 0 and (self.swapped or self.waiting):
+            cands = [q[0] for q in (self.swapped, self.waiting) if q]
+            group = min(cands, key=self.order_key)
+            if group.request_id in preempted:
+                break
+            if self.swapped and group is self.swapped[0]:
+                if not self._can_swap_in(group, num_seqs):
+                    break
+                num_seqs += len(group.unfinished_seqs())
+                budget -= self._swap_in(group, budget, out)
+            else:
+                if not self._can_admit(group, budget, num_seqs):
+                    break
+                self.waiting.popleft()
+                num_seqs += self._width(group)
+                budget -= self._admit(group, group.unfinished_seqs(), budget, out)
+        return budget
 
     @staticmethod
     def _width(group: SequenceGroup) -> int:
@@ -322,7 +413,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
         if group.metrics.first_scheduled_time is None:
             group.num_cached_tokens = sum(s.num_computed_tokens for s in seqs)
-        bisect.insort(self.running, group, key=lambda g: g.arrival_index)
+        bisect.insort(self.running, group, key=self.order_key)
         used = self._commit(group, self._plan([lead], budget), out)
         if followers and lead.num_computed_tokens + used >= shared * bm.block_size:
             # The lead writes the shared prompt blocks in this very step; the followers'
@@ -403,14 +494,17 @@ class Scheduler:
             self.num_blocks_swapped_out += len(moved)
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, group, key=lambda g: g.arrival_index)
+            bisect.insort(self.swapped, group, key=self.order_key)
             self.preemptions_by_mode["swap"] += 1
         else:
             # Recompute: free the blocks, requeue at the head; tokens and sampling state stay.
             for seq in seqs:
                 self.block_manager.free(seq)
                 seq.reset_for_recompute()
-            self.waiting.appendleft(group)
+            if self.config.policy == "priority":
+                bisect.insort(self.waiting, group, key=self.order_key)
+            else:
+                self.waiting.appendleft(group)
             self.preemptions_by_mode["recompute"] += 1
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -14,6 +14,14 @@ Design:
   consumer simply skips to the newest one.
 - A consumer that goes away (client disconnect -> task cancelled, or the stream closed early)
   aborts its request; the abort runs before the next step, freeing the request's KV blocks.
+- Admission control: with ``max_waiting_requests`` set, ``add_request`` refuses a request at once
+  (``QueueFullError``, on the event loop) when the published waiting count plus the adds not yet
+  taken by the thread reach the limit; the thread checks the exact count again (the engine's
+  ``add_request``).
+- Deadlines: a request added with ``timeout`` seconds is aborted by the thread at the first step
+  boundary after ``arrival + timeout`` (its blocks freed); its consumer gets a last, finished
+  output with what was generated and ``finish_reason="timeout"`` on every sample that had not
+  finished (``TIMEOUT_FINISH_REASON``).
 - An exception inside ``step()`` fails every live request with an ``EngineStepError`` and aborts
   them; the engine is kept if its block pool is consistent afterwards, otherwise it is marked dead
   (``is_dead``; ``/health`` then answers 500) and every later request fails at once.
@@ -34,7 +42,15 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
+from pagedllm.engine.request_stream import (
+    TIMEOUT_FINISH_REASON,
+    EngineDeadError,
+    EngineStepError,
+    RequestAbortedError,
+    RequestStream,
+    check_timeout,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,75 +61,16 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 #: Seconds the engine thread sleeps after a step that made no progress while requests are live
 #: (cut short by any new command), so an engine with nothing schedulable does not spin.
 NO_PROGRESS_BACKOFF_S = 0.02
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (a fatal error or shutdown); no request can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """A step of the engine raised while this request was live; the request was aborted."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted by the server (e.g. shutdown) before it finished."""
-
-
-class RequestStream:
-    """Async iterator over the outputs of one request (the newest output each time).
-
-    Closing it (``aclose``) or cancelling the task iterating it aborts the request if it has
-    not finished.
-    """
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, q: asyncio.Queue) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = q
-        self.finished = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self._closed:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-            # Outputs are cumulative: skip to the newest one already delivered.
-            while not isinstance(item, BaseException) and not self._queue.empty():
-                item = self._queue.get_nowait()
-        except BaseException:
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            self.engine._forget(self.request_id)
-            raise item
-        if item.finished:
-            self.finished = True
-            self.engine._forget(self.request_id)
-        return item
-
-    def close(self) -> None:
-        """Stop listening; aborts the request in the engine unless it already finished."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self.engine.abort(self.request_id)
-        self.engine._forget(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a stream dropped without being closed must not leak blocks
-        try:
-            if not self._closed and not self.finished:
-                self.engine.abort(self.request_id)
-        except Exception:
-            pass
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "EngineStepError",
+    "QueueFullError",
+    "RequestAbortedError",
+    "RequestStream",
+    "TIMEOUT_FINISH_REASON",
+    "check_timeout",
+]
 
 
 class AsyncLLMEngine:
@@ -141,6 +98,10 @@ class AsyncLLMEngine:
         self._max_model_len: int = engine.max_model_len
         self._vocab_size: int = engine.vocab_size
         self._model: str | None = engine.config.model
+        self._policy: str = engine.config.scheduling_policy
+        self._max_waiting: int | None = engine.config.max_waiting_requests
+        self._pending_adds = 0  # adds queued on the event loop, not yet taken by the thread
+        self._deadlines: dict[str, float] = {}  # engine thread only: request id -> monotonic
         self._counters: EngineCounters = collect_counters(engine)
         self.log_stats_interval = log_stats_interval
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -236,6 +197,16 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop ``start()`` ran on (outputs are delivered there); None before."""
+        return self._loop
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests added and not yet finished or aborted (as the event loop sees them)."""
+        return len(self._queues)
+
+    @property
     def is_dead(self) -> bool:
         """Whether the engine can serve no more requests (``dead_reason`` says why)."""
         return self.dead_reason is not None
@@ -296,16 +267,38 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it.
 
+        Args:
+            request_id / prompt / params / arrival_time: see ``LLMEngine.add_request``.
+            priority: lower = served first under the priority scheduling policy.
+            timeout: seconds after ``arrival_time`` (default now) at which the request is
+                aborted and finished with ``TIMEOUT_FINISH_REASON``; None = no deadline.
+
         Raises:
-            ValueError / ContextLengthExceededError: the engine rejected the request.
+            ValueError / ContextLengthExceededError: the engine rejected the request (naming
+                the field: ``priority``, ``timeout``, ...).
+            QueueFullError: ``max_waiting_requests`` requests are waiting already.
             EngineDeadError: the engine is not running.
         """
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self._policy)
+        check_timeout(timeout)
+        if (
+            self._max_waiting is not None
+            and self._counters.num_waiting + self._pending_adds >= self._max_waiting
+        ):
+            raise QueueFullError(
+                f"the server is overloaded: {self._max_waiting} requests are waiting already "
+                "(max_waiting_requests); retry later"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        deadline = None if timeout is None else arrival + timeout
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         stream = RequestStream(self, request_id, q)
@@ -314,8 +307,11 @@ class AsyncLLMEngine:
             if self._exited:
                 fut.set_exception(EngineDeadError("the engine is not running"))
             else:
-                self._cmds.put(("add", request_id, prompt, params, arrival_time, fut))
+                self._cmds.put(
+                    ("add", request_id, prompt, params, arrival, priority, deadline, fut)
+                )
         self._wake.set()
+        self._pending_adds += 1
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -323,6 +319,8 @@ class AsyncLLMEngine:
             stream.finished = fut.done() and not fut.cancelled() and fut.exception() is not None
             stream.close()
             raise
+        finally:
+            self._pending_adds -= 1
         return stream
 
     async def generate(
@@ -331,12 +329,17 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (each cumulative, the last finished).
 
-        Cancelling the consumer (or closing this generator) aborts the request.
+        Cancelling the consumer (or closing this generator) aborts the request. ``priority``
+        and ``timeout``: see ``add_request``.
         """
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(
+            request_id, prompt, params, arrival_time, priority=priority, timeout=timeout
+        )
         try:
             async for out in stream:
                 yield out
@@ -425,19 +428,22 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival, fut = cmd
+                _, rid, prompt, params, arrival, priority, deadline, fut = cmd
                 if not fut.set_running_or_notify_cancel():
                     continue
                 if reject is not None:
                     fut.set_exception(reject)
                     continue
                 try:
-                    eng.add_request(rid, prompt, params, arrival_time=arrival)
+                    eng.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
                 else:
+                    if deadline is not None:
+                        self._deadlines[rid] = deadline
                     fut.set_result(None)
             elif cmd[0] == "abort":
+                self._deadlines.pop(cmd[1], None)
                 try:
                     eng.abort_request(cmd[1])
                 except Exception:
@@ -482,6 +488,8 @@ class AsyncLLMEngine:
             self._drain_commands()
             if self._stop:
                 break
+            if self._deadlines:
+                self._expire_deadlines()
             if not eng.has_unfinished_requests():
                 self._publish_counters()
                 self._wake.wait(0.5)
@@ -504,6 +512,8 @@ class AsyncLLMEngine:
             for out in outputs:
                 # Snapshot what the engine may still mutate (the lists are fresh copies already).
                 out = replace(out, outputs=[replace(c) for c in out.outputs])
+                if out.finished:
+                    self._deadlines.pop(out.request_id, None)
                 self._deliver(out.request_id, out)
             if self.log_stats_interval:
                 now = time.monotonic()
@@ -511,6 +521,33 @@ class AsyncLLMEngine:
                     self._log_stats(now - last_log, last_prompt, last_gen)
                     last_log = now
                     last_prompt, last_gen = eng.stats.prompt_tokens, eng.stats.generation_tokens
+
+    def _expire_deadlines(self) -> None:
+        """Engine thread: abort every request past its deadline (freeing its blocks) and hand
+        its consumer a last, finished output: what it generated, with ``TIMEOUT_FINISH_REASON``
+        on the samples that had not finished."""
+        now = time.monotonic()
+        eng = self.engine
+        expired = [rid for rid, deadline in self._deadlines.items() if now >= deadline]
+        for rid in expired:
+            del self._deadlines[rid]
+            group = eng.requests.get(rid)
+            if group is None or not eng.abort_request(rid):
+                continue
+            out = eng.output_processor.make_output(group)
+            outputs = [
+                replace(
+                    c,
+                    finish_reason=TIMEOUT_FINISH_REASON
+                    if c.finish_reason in (None, "abort")
+                    else c.finish_reason,
+                )
+                for c in out.outputs
+            ]
+            logger.info("request %s passed its deadline: aborted", rid)
+            self._deliver(rid, replace(out, outputs=outputs, finished=True))
+        if expired:
+            self._publish_counters()
 
     def _publish_counters(self) -> None:
         """Engine thread: replace ``counters`` with a fresh copy (never raises)."""

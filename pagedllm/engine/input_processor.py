@@ -128,6 +128,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Tokenize (a text prompt), validate and build the request's ``SequenceGroup``.
 
@@ -137,6 +138,8 @@ class InputProcessor:
             params: sampling parameters.
             arrival_time: ``time.monotonic()`` seconds; default now.
             cache_salt: requests with different salts never share prefix-cache blocks.
+            priority: the group's scheduling priority (lower = more urgent; checked by the
+                engine).
 
         Returns:
             A group of one waiting sequence: seed ``params.seed`` or one drawn from the engine's
@@ -177,6 +180,7 @@ class InputProcessor:
             metrics=RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
             max_tokens=max_tokens,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            priority=priority,
         )
         if params.use_beam_search:
             group.beam = BeamSearch(

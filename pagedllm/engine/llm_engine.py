@@ -39,9 +39,30 @@ from pagedllm.sequence import SequenceGroup
 from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
 
 # Re-exported: callers import them from here.
-__all__ = ["ContextLengthExceededError", "EngineStats", "LLMEngine"]
+__all__ = ["ContextLengthExceededError", "EngineStats", "LLMEngine", "QueueFullError"]
 
 logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` requests; a new one is refused (the
+    server answers 503 with ``Retry-After``)."""
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """Check a request's ``priority`` against the scheduling policy.
+
+    Raises:
+        ValueError: naming ``priority`` when it is not an integer, or nonzero under ``fcfs``
+            (as vLLM: only the priority policy orders by it).
+    """
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority must be 0 under scheduling_policy {policy!r} (got {priority}); start "
+            "the engine with scheduling_policy='priority' (--scheduling-policy priority)"
+        )
 
 
 class LLMEngine:
@@ -141,6 +162,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
+                policy=config.scheduling_policy,
             ),
             self.block_manager,
         )
@@ -251,6 +273,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request.
 
@@ -260,14 +283,27 @@ class LLMEngine:
             params: sampling parameters (default ``SamplingParams()``).
             arrival_time: ``time.monotonic()`` seconds; default now.
             cache_salt: requests with different salts never share prefix-cache blocks.
+            priority: lower = served first under ``scheduling_policy="priority"`` (ties by
+                arrival); must be 0 under ``fcfs``.
 
         Raises:
-            ValueError: see ``validate_request``; also a duplicate ``request_id``.
+            ValueError: see ``validate_request``; a duplicate ``request_id``; a nonzero
+                ``priority`` under ``fcfs`` (``check_priority``).
+            QueueFullError: ``max_waiting_requests`` requests are waiting already.
         """
         params = params or SamplingParams()
         if request_id in self.engine_core.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        check_priority(priority, self.config.scheduling_policy)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(
+                f"the server is overloaded: {limit} requests are waiting already "
+                "(max_waiting_requests); retry later"
+            )
+        group = self.input_processor.process(
+            request_id, prompt, params, arrival_time, cache_salt, priority
+        )
         self.engine_core.add_request(group)
 
     def abort_request(self, request_id: str) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig, check_engine_kwargs
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -83,6 +83,7 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in input order.
 
@@ -92,10 +93,14 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default greedy-free
                 ``SamplingParams()``).
             use_tqdm: show a progress bar.
+            priority: one scheduling priority per prompt (lower = served first, ties by
+                order) when the engine runs ``scheduling_policy="priority"``; default all 0.
 
         Raises:
-            ValueError: naming the field of the first invalid prompt or parameter; no request is
-                queued then.
+            ValueError: naming the field of the first invalid prompt or parameter (``priority``:
+                a length that differs from the prompts', or nonzero under ``fcfs``); no request
+                is queued then.
+            QueueFullError: more prompts than ``max_waiting_requests`` allows; none queued.
         """
         prompt_list = _as_prompt_list(prompts)
         if isinstance(sampling_params, Seq):
@@ -107,17 +112,27 @@ class LLM:
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
 
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
         engine = self.engine
         # Validate everything first, so one bad prompt queues nothing.
         resolved = []
-        for p, sp in zip(prompt_list, params_list, strict=True):
+        for p, sp, prio in zip(prompt_list, params_list, priorities, strict=True):
             ids = _prompt_ids(engine, p)
             engine.validate_request(ids, sp)
-            resolved.append((p, ids, sp))
+            check_priority(prio, engine.config.scheduling_policy)
+            resolved.append((p, ids, sp, prio))
+        limit = engine.config.max_waiting_requests
+        if limit is not None and len(engine.scheduler.waiting) + len(resolved) > limit:
+            raise QueueFullError(
+                f"{len(resolved)} prompts do not fit max_waiting_requests ({limit}); "
+                "generate fewer at a time"
+            )
         request_ids = []
-        for p, ids, sp in resolved:
+        for p, ids, sp, prio in resolved:
             rid = str(next(self._ids))
-            engine.add_request(rid, p if isinstance(p, str) else ids, sp)
+            engine.add_request(rid, p if isinstance(p, str) else ids, sp, priority=prio)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 

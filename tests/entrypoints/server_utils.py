@@ -129,3 +129,54 @@ def healthy(server, client) -> None:
     assert r.status_code == 200, r.text
     assert client.get("/health").status_code == 200
     wait_idle(server.engine)
+
+
+def start_tiny_server(loaded: Any, **engine_args: Any) -> ServerThread:
+    """A started ``ServerThread`` serving ``loaded`` as "tiny": max_model_len 128, 4 MiB of
+    KV cache, invariant checks, one thread; ``engine_args`` override or add engine options."""
+    from pagedllm.entrypoints.openai.app import build_app
+
+    args = {
+        "max_model_len": 128,
+        "kv_cache_memory": 1 << 22,
+        "check_invariants": True,
+        "num_threads": 1,
+        **engine_args,
+    }
+    return ServerThread(build_app(args, loaded=loaded, served_model_name="tiny")).start()
+
+
+def start_serve_process(serve_args: list[str], start_timeout: float = 300.0):
+    """Run ``pagedllm serve`` (this interpreter, ``serve_args`` after ``serve``) on a free port
+    as a subprocess and wait until ``/health`` answers 200. Returns ``(proc, url)``; stdout and
+    stderr go to ``proc.stdout``. The caller stops it (``proc.kill()`` in a ``finally``).
+
+    Raises:
+        AssertionError: the process exited or did not get healthy within ``start_timeout``.
+    """
+    import os
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd + serve_args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ}
+    )
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() - t0 > start_timeout:  # a loaded 2-core host can be slow
+            proc.kill()
+            raise AssertionError("server did not start")
+        time.sleep(0.3)

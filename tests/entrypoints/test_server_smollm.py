@@ -11,10 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -27,6 +24,7 @@ from tests.entrypoints.server_utils import (
     assert_error,
     check_chunk_shape,
     sse_events,
+    start_serve_process,
     wait_idle,
 )
 
@@ -524,41 +522,19 @@ def test_c23_token_ids_outside_vocab(client, server):
 
 # ---- graceful shutdown of `pagedllm serve` ---------------------------------------------------------------------
 def test_serve_cli_sigterm_exits_zero(tmp_path):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedllm.entrypoints.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--kv-cache-memory",
-        str(32 << 20),
-        "--served-model-name",
-        MODEL,
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ}
+    proc, url = start_serve_process(
+        [
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            str(32 << 20),
+            "--served-model-name",
+            MODEL,
+            "--shutdown-grace-period",
+            "0",  # abort at once (the drain is tested in test_overload.py)
+        ]
     )
     try:
-        url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() - t0 < 300, "server did not start"  # a loaded 2-core host
-            time.sleep(0.3)
         body = {"prompt": FRANCE, "max_tokens": 500, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", C, json=body) as r:
             lines = []

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
     OPEN_PATHS,
     GuardMiddleware,
+    ServerLifecycle,
 )
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.openai.routes import make_router, server_version
@@ -128,7 +129,8 @@ def create_app(
         max_body_bytes: larger request bodies get 413.
         enable_dashboard: also serve the KV-cache dashboard (``/dashboard``, ``/debug/kv*``).
 
-    ``app.state.serving`` holds the ``OpenAIServing``, ``app.state.async_engine`` the engine.
+    ``app.state.serving`` holds the ``OpenAIServing``, ``app.state.async_engine`` the engine,
+    ``app.state.lifecycle`` the ``ServerLifecycle`` (set ``draining`` to refuse new requests).
     """
     serving = OpenAIServing(async_engine, served_model_name)
 
@@ -145,7 +147,13 @@ def create_app(
     )
     app.state.serving = serving
     app.state.async_engine = async_engine
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.lifecycle = ServerLifecycle()
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        lifecycle=app.state.lifecycle,
+    )
     _add_exception_handlers(app)
     app.include_router(make_router(serving))
     if enable_dashboard:

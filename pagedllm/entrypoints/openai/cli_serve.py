@@ -28,6 +28,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve [MODEL] --host --port --served-model-name --api-key ...`` and every engine
     flag (``add_engine_args``)."""
@@ -65,6 +76,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="serve the KV-cache dashboard (/dashboard, /debug/kv) on a non-loopback --host too "
         "(it is always on for 127.0.0.1 / localhost; it needs --api-key when one is set)",
+    )
+    p.add_argument(
+        "--shutdown-grace-period",
+        type=_non_negative_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM / SIGINT: refuse new requests (503) and let in-flight ones finish for "
+        "up to this long, then abort the rest and exit; 0 = abort at once (default: 30)",
     )
     p.add_argument(
         "--uvicorn-log-level",

@@ -4,7 +4,9 @@ Every error answer is ``{"error": {"message", "type", "param", "code"}}``: inval
 with ``param`` naming the field (the engine and ``SamplingParams`` start their messages with the
 field name), an unknown model 404, a prompt that does not fit 400 with code
 ``context_length_exceeded``, a missing / wrong API key 401, a body over the limit 413, a dead
-engine 503 (``engine_dead``), a failed engine step 500 (``engine_error``).
+engine 503 (``engine_dead``), a failed engine step 500 (``engine_error``), a full waiting queue
+(``--max-waiting-requests``) or a draining server 503 with ``Retry-After``, a request whose
+``timeout`` passed before anything was generated 504 (``request_timeout``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, RequestAbortedError
+from pagedllm.engine.async_engine import (
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestAbortedError,
+)
 from pagedllm.engine.llm_engine import ContextLengthExceededError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -27,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: OpenAPI ``responses=`` entry documenting the error envelope of a route.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503, 504)
 }
+#: Seconds a client is told to wait (``Retry-After``) when the server is overloaded.
+RETRY_AFTER_S = 1
 
 #: Names a ValueError message may start with that are request fields (so ``param`` is set).
 _REQUEST_FIELDS = (
@@ -55,6 +64,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -62,6 +72,7 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON envelope (also sent as the ``data:`` of a stream's error event)."""
@@ -69,7 +80,14 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The envelope as a JSON response with this error's status."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def overloaded(message: str, code: str) -> APIError:
+    """A 503 that tells the client to retry (``Retry-After: RETRY_AFTER_S``)."""
+    return APIError(
+        503, message, "server_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
 
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:
@@ -93,6 +111,8 @@ def engine_failure(e: BaseException) -> APIError:
     500 and logged) to its ``APIError``."""
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "server_error", code="engine_dead")
+    if isinstance(e, QueueFullError):
+        return overloaded(str(e), "queue_full")
     if isinstance(e, RequestAbortedError):
         return APIError(503, str(e), "server_error", code="request_aborted")
     if isinstance(e, EngineStepError):

@@ -148,6 +148,12 @@ class ServerMetrics:
             "Prompt tokens whose KV came from the prefix cache.",
             **kw,
         ).labels(model_name)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests (one per prompt) that finished, by the finish reason of their first choice.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -173,7 +179,9 @@ class ServerMetrics:
         self.prompt_tokens_cached.inc(out.num_cached_tokens)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Record the latencies of a finished request."""
+        """Count a finished request (``vllm:request_success_total``) and record its latencies."""
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.request_success.labels(self.model_name, reason or "unknown").inc()
         m = out.metrics
         if m is None:
             return

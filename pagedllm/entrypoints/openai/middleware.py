@@ -1,9 +1,12 @@
-"""ASGI middleware of the server: the API key check and the request body size limit.
+"""ASGI middleware of the server: the API key check, the request body size limit and the refusal
+of new requests while the server drains (``ServerLifecycle``).
 
-Both answer with the OpenAI error envelope before any route runs: 401 ``invalid_api_key`` for a
+All three answer with the OpenAI error envelope before any route runs: 401 ``invalid_api_key`` for a
 missing / wrong ``Authorization: Bearer <key>``, 413 ``request_too_large`` for a body over the
 limit (by ``Content-Length``, or counted while it is read when the header is absent), 400 for an
-unparsable ``Content-Length``.
+unparsable ``Content-Length``, 503 ``server_draining`` with ``Retry-After`` for every path but
+``/metrics`` and ``/version`` once a drain started (``/health`` too, so that a load balancer stops
+routing here).
 """
 
 from __future__ import annotations
@@ -13,31 +16,39 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.entrypoints.openai.errors import RETRY_AFTER_S, error_body
 
 #: Default limit of a request body, bytes.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 #: Paths that stay open when an API key is set (everything else needs it).
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc")
+#: Paths still answered while the server drains (the rest get 503).
+DRAIN_OPEN_PATHS = ("/metrics", "/version")
+
+
+class ServerLifecycle:
+    """Whether the server drains (SIGTERM): set once by ``api_server``, read by
+    ``GuardMiddleware`` on every request."""
+
+    def __init__(self) -> None:
+        self.draining = False
 
 
 class _BodyTooLarge(BaseException):
     """Raised from ``receive`` (a BaseException so that no ``except Exception`` swallows it)."""
 
 
-async def send_json(send: Callable, status: int, body: dict[str, Any]) -> None:
+async def send_json(
+    send: Callable, status: int, body: dict[str, Any], extra_headers: dict[str, str] | None = None
+) -> None:
     """Answer a whole HTTP request with ``body`` as JSON through the ASGI ``send``."""
     data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+    ]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra_headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
 
@@ -48,12 +59,20 @@ class GuardMiddleware:
         app: the wrapped ASGI app.
         api_key: when set, every path but ``OPEN_PATHS`` (and CORS preflights) needs it.
         max_body_bytes: larger bodies get 413.
+        lifecycle: while ``lifecycle.draining``, requests get 503 (see the module docstring).
     """
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        max_body_bytes: int,
+        lifecycle: ServerLifecycle | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.lifecycle = lifecycle or ServerLifecycle()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -61,6 +80,19 @@ class GuardMiddleware:
             return
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
+        if self.lifecycle.draining and path not in DRAIN_OPEN_PATHS:
+            await send_json(
+                send,
+                503,
+                error_body(
+                    "the server is shutting down and accepts no new requests",
+                    "server_error",
+                    None,
+                    "server_draining",
+                ),
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+            return
         if self.api_key and not (path in OPEN_PATHS or scope.get("method") == "OPTIONS"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""

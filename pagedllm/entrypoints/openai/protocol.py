@@ -60,6 +60,12 @@ class SamplingExtensions(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     #: Add the generated token ids (``token_ids``) to every choice (and chunk).
     return_token_ids: bool = False
+    #: vLLM's scheduling priority: lower is served first under ``--scheduling-policy
+    #: priority`` (ties by arrival); must be 0 under the default ``fcfs``.
+    priority: int = 0
+    #: Deadline in seconds after the request arrived: the request is then aborted; the answer
+    #: holds what was generated, with ``finish_reason: "timeout"`` (504 when nothing was).
+    timeout: float | None = None
 
 
 # ---- /v1/completions ------------------------------------------------------------------------

@@ -79,7 +79,9 @@ async def create_chat_completion(
     except ValueError as e:
         raise value_error(e, rename) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await serving.add_all(request_id, [ids], [params], arrival, rename)
+    streams = await serving.add_all(
+        request_id, [ids], [params], arrival, rename, priority=req.priority, timeout=req.timeout
+    )
     return await ChatContext(serving, req, ids, request_id).respond(streams, raw)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.async_engine import TIMEOUT_FINISH_REASON, AsyncLLMEngine, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError, engine_failure, value_error
 from pagedllm.entrypoints.openai.logprobs import TokenFormatter
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -52,6 +52,27 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached: int | None) -
     if cached is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached}
     return u
+
+
+def timed_out_empty(finals: list[RequestOutput]) -> bool:
+    """Whether the request's deadline passed before any token was generated (with some tokens,
+    the answer carries them with ``finish_reason: "timeout"``)."""
+    outputs = [c for o in finals for c in o.outputs]
+    return any(c.finish_reason == TIMEOUT_FINISH_REASON for c in outputs) and not any(
+        c.token_ids for c in outputs
+    )
+
+
+def check_timed_out(finals: list[RequestOutput]) -> None:
+    """Raises: APIError 504 ``request_timeout`` when ``timed_out_empty(finals)``."""
+    if timed_out_empty(finals):
+        raise APIError(
+            504,
+            "the request's timeout passed before any token was generated",
+            "timeout_error",
+            param="timeout",
+            code="request_timeout",
+        )
 
 
 class ClientGone(Exception):
@@ -143,9 +164,11 @@ class OpenAIServing:
         params: list[SamplingParams],
         arrival: float,
         rename: dict[str, str],
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> list[RequestStream]:
         """Validate every prompt, then queue one engine request per prompt
-        (``{request_id}-{i}``); all or nothing.
+        (``{request_id}-{i}``) with the request's ``priority`` and ``timeout``; all or nothing.
 
         Raises:
             APIError: 400 for an invalid request (``param`` renamed by ``rename``), 5xx when the
@@ -160,7 +183,9 @@ class OpenAIServing:
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
                 streams.append(
-                    await self.async_engine.add_request(f"{request_id}-{i}", ids, sp, arrival)
+                    await self.async_engine.add_request(
+                        f"{request_id}-{i}", ids, sp, arrival, priority=priority, timeout=timeout
+                    )
                 )
         except BaseException as e:
             for s in streams:
@@ -356,6 +381,7 @@ class RequestContext:
             return Response(status_code=499)
         except Exception as e:
             raise engine_failure(e) from None
+        check_timed_out(finals)
         return JSONResponse(self.full_response(finals))
 
     async def collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
@@ -396,6 +422,9 @@ class RequestContext:
             for choice in self.first_chunks():
                 yield sse(self.chunk([choice]))
             async for i, out in merge(streams):
+                if not any(st.tokens for st in states.values()) and timed_out_empty([out]):
+                    self.observe(i, out, finals)  # counted as finished, like a non-stream 504
+                    check_timed_out([out])  # no token streamed: an error event, not a chunk
                 for c in out.outputs:
                     st = states.setdefault(i * self.n + c.index, ChoiceState())
                     if st.done:

@@ -105,7 +105,13 @@ async def create_completion(
         per_prompt.append(sp)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.add_all(
-        request_id, [ids for _, ids in prompts], per_prompt, arrival, rename
+        request_id,
+        [ids for _, ids in prompts],
+        per_prompt,
+        arrival,
+        rename,
+        priority=req.priority,
+        timeout=req.timeout,
     )
     ctx = CompletionContext(serving, req, prompts, echo_only, request_id)
     return await ctx.respond(streams, raw)

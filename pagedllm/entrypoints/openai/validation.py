@@ -52,7 +52,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_set, "allowed_token_ids is not supported"),
     "bad_words": (_set, "bad_words is not supported"),
     "truncate_prompt_tokens": (_set, "prompt truncation is not supported"),
-    "priority": (_set, "priority scheduling is not supported (only the default 0)"),
     "logits_processors": (_set, "logits_processors is not supported"),
     "cache_salt": (_set, "cache_salt is not supported"),
     "return_tokens_as_token_ids": (_set, "return_tokens_as_token_ids is not supported"),

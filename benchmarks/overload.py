@@ -1,0 +1,203 @@
+"""Overload: the sustainable request rate, then 3x that rate against ``--max-waiting-requests``.
+
+1. Unloaded: ``--unloaded-requests`` streamed requests one at a time: TTFT (arrival to first
+   chunk) and latency.
+2. Sustainable rate: ``--max-num-seqs`` closed-loop clients for ``--phase-seconds``: finished
+   requests per second (the engine's saturated throughput on this workload).
+3. Overload: Poisson arrivals at ``--overload-factor`` x the sustainable rate for
+   ``--phase-seconds``, the server built with ``--max-waiting-requests``: admitted goodput
+   (requests that finished, per second) vs the sustainable rate (target >= 90 %), p99 TTFT of the
+   admitted requests vs unloaded (target <= 2x), and how fast a refused request gets its 503.
+4. Idle: the process's CPU time over ``--idle-seconds`` with nothing to do (target < 5 % of a
+   core).
+
+All requests: a ``--prompt-tokens`` prompt (the same long prefix + a number), ``--max-tokens``
+generated tokens (ignore_eos), streamed. The server runs in this process (uvicorn in a thread).
+
+    .venv/bin/python benchmarks/overload.py                       # bundled SmolLM2, ~2 minutes
+"""
+
+from __future__ import annotations
+
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_lock  # noqa: E402
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "paged",
+    "attention",
+    "keeps",
+    "blocks",
+]
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs`` by nearest rank; nan when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
+
+
+async def one(c: httpx.AsyncClient, body: dict) -> tuple[int, float, float]:
+    """(status, TTFT s or refusal latency s, total s) of one streamed completion."""
+    t0 = time.perf_counter()
+    ttft = None
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            dt = time.perf_counter() - t0
+            return r.status_code, dt, dt
+        async for line in r.aiter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.perf_counter() - t0
+            if line == "data: [DONE]":
+                break
+    return 200, ttft if ttft is not None else float("nan"), time.perf_counter() - t0
+
+
+def make_body(rng: random.Random, args) -> dict:
+    words = [WORDS[i % len(WORDS)] for i in range(args.prompt_tokens - 2)]
+    return {
+        "prompt": " ".join(words) + f" {rng.randint(0, 10**6)}",
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
+async def unloaded(url: str, args) -> list[tuple[int, float, float]]:
+    rng = random.Random(1)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        await one(c, make_body(rng, args))  # warm-up
+        return [await one(c, make_body(rng, args)) for _ in range(args.unloaded_requests)]
+
+
+async def closed_loop(url: str, args) -> float:
+    rng = random.Random(2)
+    end = time.perf_counter() + args.phase_seconds
+    done = 0
+
+    async def client() -> None:
+        nonlocal done
+        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            while time.perf_counter() < end:
+                status, _, _ = await one(c, make_body(rng, args))
+                done += status == 200
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.max_num_seqs)))
+    return done / (time.perf_counter() - t0)
+
+
+async def open_loop(url: str, rate: float, args) -> tuple[list, float]:
+    rng = random.Random(3)
+    results: list[tuple[int, float, float]] = []
+    tasks = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
+
+        async def fire() -> None:
+            results.append(await one(c, make_body(rng, args)))
+
+        t0 = time.perf_counter()
+        t_next = t0
+        while t_next < t0 + args.phase_seconds:
+            await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+            tasks.append(asyncio.create_task(fire()))
+            t_next += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-waiting-requests", type=int, default=2)
+    p.add_argument("--overload-factor", type=float, default=3.0)
+    p.add_argument("--phase-seconds", type=float, default=30.0)
+    p.add_argument("--unloaded-requests", type=int, default=10)
+    p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+
+    from pagedllm.bench.local_server import LocalServer
+    from pagedllm.entrypoints.openai.app import build_app
+
+    app = build_app(
+        {
+            "model": args.model,
+            "max_model_len": 512,
+            "max_num_seqs": args.max_num_seqs,
+            "max_waiting_requests": args.max_waiting_requests,
+        },
+        log_stats_interval=0,
+    )
+    res: dict = {"args": vars(args) | {"json": None}}
+    with LocalServer(app) as srv, bench_lock():
+        base = asyncio.run(unloaded(srv.url, args))
+        ttft0 = [t for _, t, _ in base]
+        res["unloaded_ttft_p50_s"] = pct(ttft0, 0.5)
+        res["unloaded_ttft_p99_s"] = pct(ttft0, 0.99)
+        sustainable = asyncio.run(closed_loop(srv.url, args))
+        res["sustainable_rps"] = sustainable
+        rate = args.overload_factor * sustainable
+        results, wall = asyncio.run(open_loop(srv.url, rate, args))
+        ok = [r for r in results if r[0] == 200]
+        refused = [r for r in results if r[0] == 503]
+        res.update(
+            offered_rps=rate,
+            sent=len(results),
+            admitted=len(ok),
+            refused_503=len(refused),
+            other_status=len(results) - len(ok) - len(refused),
+            goodput_rps=len(ok) / wall,
+            goodput_vs_sustainable=len(ok) / wall / sustainable,
+            admitted_ttft_p50_s=pct([t for _, t, _ in ok], 0.5),
+            admitted_ttft_p99_s=pct([t for _, t, _ in ok], 0.99),
+            refusal_latency_p50_s=pct([t for _, t, _ in refused], 0.5),
+            refusal_latency_p99_s=pct([t for _, t, _ in refused], 0.99),
+        )
+        res["ttft_p99_vs_unloaded"] = res["admitted_ttft_p99_s"] / res["unloaded_ttft_p99_s"]
+        time.sleep(1.0)  # let the engine go idle
+        c0, t0 = time.process_time(), time.perf_counter()
+        time.sleep(args.idle_seconds)
+        res["idle_cpu_percent_of_a_core"] = (
+            100 * (time.process_time() - c0) / (time.perf_counter() - t0)
+        )
+    for k, v in res.items():
+        if k != "args":
+            print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
