@@ -16,8 +16,10 @@ Variants: the same sources are compiled with explicit instruction-set flags, nev
 cache made on one kind of CPU is correct on another: each variant has its own build.
 
 Builds: JIT with ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -fopenmp``) on first use, into
-``<root>/pagedllm_cpu_<variant>_<hash>/``; the hash covers the source files' contents, the
-compiler flags, the variant, the compiler command and the torch version (not the build host).
+``<root>/pagedllm_cpu_<variant>_<hash>/``; the hash covers the source files' contents and their
+directory, the compiler flags, the variant, the compiler command and the torch version (not the
+build host). The directory is in it because ninja records absolute include paths: two checkouts
+sharing one cache would otherwise keep rebuilding each other's build.
 ``<root>`` is the first writable of ``$PAGEDLLM_KERNEL_CACHE_DIR``,
 ``$PAGEDLLM_CACHE_DIR/torch_extensions`` (default ``$XDG_CACHE_HOME/pagedllm`` or
 ``~/.cache/pagedllm``, the directory of the tokenizer cache) and
@@ -145,8 +147,9 @@ def cache_root() -> Path:
 
 
 def build_key(variant: str) -> str:
-    """Hash of what the build depends on: sources, flags, variant, compiler and torch version."""
-    h = hashlib.sha1()
+    """Hash of what the build depends on: sources and their directory, flags, variant, compiler
+    and torch version."""
+    h = hashlib.sha1(str(SRC_DIR.resolve()).encode())
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode() + b"\0" + (SRC_DIR / name).read_bytes() + b"\0")
     h.update(" ".join((variant, *_cflags(variant), _cxx(), torch.__version__)).encode())
