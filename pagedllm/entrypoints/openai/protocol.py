@@ -60,6 +60,12 @@ class SamplingExtensions(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     #: Add the generated token ids (``token_ids``) to every choice (and chunk).
     return_token_ids: bool = False
+    #: vLLM's beam search: ``best_of`` (default ``n``) is the beam width, the best ``n`` beams
+    #: are returned; ranked by ``cumulative_logprob / len ** length_penalty``; ``early_stopping``
+    #: is True, False or "never" (transformers' rules). Not with ``stream``.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
@@ -158,6 +164,11 @@ class ChatCompletionRequest(SamplingExtensions):
     #: Let special-token strings written in message contents (``<|im_end|>``) act as control
     #: tokens; by default they are tokenized as plain text, as OpenAI does.
     allow_special_tokens_in_content: bool = False
+    #: A Jinja chat template used for this request instead of the model's (rendered in
+    #: transformers' sandboxed environment); a template that fails to render is a 400.
+    chat_template: str | None = None
+    #: Extra variables passed to the chat template (``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- models, tokenizer, version --------------------------------------------------------------
@@ -189,6 +200,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     allow_special_tokens_in_content: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -134,6 +134,9 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             logit_bias=req.logit_bias,  # type: ignore[arg-type]  # str keys are parsed
+            use_beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping,
         )
 
     async def add_all(
