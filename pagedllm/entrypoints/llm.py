@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig, check_engine_kwargs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -151,6 +152,29 @@ class LLM:
             early_stopping=early_stopping,  # type: ignore[arg-type]
             max_tokens=max_tokens,
             ignore_eos=ignore_eos,
+        )
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Embed prompts: each is prefilled (batched like any request) and its final hidden
+        states (after the final norm) pooled (``engine.pooling``: mean by default, or last
+        token; L2-normalized unless ``normalize=False``). Prefix-cache hits are not taken.
+
+        Returns:
+            one ``RequestOutput`` per prompt, in order, with ``embedding`` (``hidden_size``
+            floats) set and no generated tokens.
+
+        Raises:
+            ValueError: naming the field (``prompt``: empty, outside the vocabulary, longer than
+                ``max_model_len``).
+        """
+        params = SamplingParams(
+            max_tokens=1, detokenize=False, pooling=pooling_params or PoolingParams()
         )
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 

@@ -202,6 +202,28 @@ class DecoderForCausalLM(nn.Module):
             logits [S, V] float32; under tensor parallelism only on rank 0, the other ranks
             return an empty [S, 0] tensor.
         """
+        return self.forward_with_hidden(
+            input_ids, positions, kv_caches, meta, logits_indices, None
+        )[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        hidden_indices: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, also returning the final hidden states (after the final norm) of the
+        rows ``hidden_indices`` ([R] int64): what pooling (embedding) requests reduce.
+
+        Returns:
+            (logits [S, V] float32 as ``forward``, hidden [R, H] in the model dtype or None
+            when ``hidden_indices`` is None); the hidden states are replicated on every
+            tensor-parallel rank.
+        """
         h = scale_embedding(self.embed_tokens(input_ids), self.config.embedding_scale)
         rotations = {
             name: cast(RotaryEmbedding, r).for_step(positions, h.dtype)
@@ -210,8 +232,9 @@ class DecoderForCausalLM(nn.Module):
         ctx = StepContext(rotations, meta, self.backend)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = layer(h, kv, ctx)
+        hidden = None if hidden_indices is None else self.norm(h[hidden_indices])
         h = self.norm(h[logits_indices])
-        return lm_head_logits(
+        logits = lm_head_logits(
             h,
             self.lm_head_weight,
             self.lm_head_packed,
@@ -219,6 +242,7 @@ class DecoderForCausalLM(nn.Module):
             self.config.vocab_size,
             self.config.final_logit_softcapping,
         )
+        return logits, hidden
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, stacking q/k/v and gate/up
