@@ -162,8 +162,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Embed prompts: each is prefilled (batched like any request) and its final hidden
-        states (after the final norm) pooled (``engine.pooling``: mean by default, or last
-        token; L2-normalized unless ``normalize=False``). Prefix-cache hits are not taken.
+        states (after the final norm) pooled (``engine.pooling``: the engine's ``pooling``
+        option, mean by default, or last token; L2-normalized unless ``normalize=False``). Prefix-cache hits are not taken.
 
         Returns:
             one ``RequestOutput`` per prompt, in order, with ``embedding`` (``hidden_size``
@@ -174,7 +174,9 @@ class LLM:
                 ``max_model_len``).
         """
         params = SamplingParams(
-            max_tokens=1, detokenize=False, pooling=pooling_params or PoolingParams()
+            max_tokens=1,
+            detokenize=False,
+            pooling=pooling_params or PoolingParams(self.engine.config.pooling),
         )
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 

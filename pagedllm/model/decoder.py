@@ -36,6 +36,9 @@ from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, pack_
 from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.model.weight_map import load_named_weights
 
+#: Per layer (key_cache, value_cache), each [KVH, num_blocks, block_size, D].
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
 if TYPE_CHECKING:
     from pagedllm.ops import CpuOps
 
@@ -202,47 +205,44 @@ class DecoderForCausalLM(nn.Module):
             logits [S, V] float32; under tensor parallelism only on rank 0, the other ranks
             return an empty [S, 0] tensor.
         """
-        return self.forward_with_hidden(
-            input_ids, positions, kv_caches, meta, logits_indices, None
-        )[0]
+        h = self.run_layers(input_ids, positions, kv_caches, meta)
+        return self.compute_logits(h, logits_indices)
 
     @torch.inference_mode()
-    def forward_with_hidden(
+    def run_layers(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv: KVCaches,
         meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        hidden_indices: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward``, also returning the final hidden states (after the final norm) of the
-        rows ``hidden_indices`` ([R] int64): what pooling (embedding) requests reduce.
-
-        Returns:
-            (logits [S, V] float32 as ``forward``, hidden [R, H] in the model dtype or None
-            when ``hidden_indices`` is None); the hidden states are replicated on every
-            tensor-parallel rank.
-        """
+    ) -> torch.Tensor:
+        """The embedding and every layer (writing the step's K/V): the residual stream
+        [T, H] in the model dtype, BEFORE the final norm (``self.norm`` of its rows gives the
+        final hidden states that pooling / embedding requests reduce; replicated on every
+        tensor-parallel rank)."""
         h = scale_embedding(self.embed_tokens(input_ids), self.config.embedding_scale)
         rotations = {
             name: cast(RotaryEmbedding, r).for_step(positions, h.dtype)
             for name, r in self.rotary.items()
         }
         ctx = StepContext(rotations, meta, self.backend)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, kv, ctx)
-        hidden = None if hidden_indices is None else self.norm(h[hidden_indices])
-        h = self.norm(h[logits_indices])
-        logits = lm_head_logits(
-            h,
+        for layer, layer_kv in zip(self.layers, kv, strict=True):
+            h = layer(h, layer_kv, ctx)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [S, V] float32 of the rows ``logits_indices`` of ``run_layers``'
+        output (final norm, LM head; under tensor parallelism only on rank 0, the other ranks
+        return an empty [S, 0] tensor)."""
+        return lm_head_logits(
+            self.norm(h[logits_indices]),
             self.lm_head_weight,
             self.lm_head_packed,
             self.group,
             self.config.vocab_size,
             self.config.final_logit_softcapping,
         )
-        return logits, hidden
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, stacking q/k/v and gate/up

@@ -139,15 +139,10 @@ class ModelRunner:
         logits_rows = torch.tensor(rows, dtype=torch.long).to(dev)
         hidden_states: dict[int, torch.Tensor] = {}
         if pool_rows:
-            logits, hidden = self.model.forward_with_hidden(
-                input_ids.to(dev),
-                positions.to(dev),
-                self.kv_caches,
-                meta,
-                logits_rows,
-                torch.tensor(pool_rows, dtype=torch.long).to(dev),
-            )
-            assert hidden is not None
+            h = self.model.run_layers(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
+            logits = self.model.compute_logits(h, logits_rows)
+            with torch.inference_mode():
+                hidden = self.model.norm(h[torch.tensor(pool_rows, dtype=torch.long).to(dev)])
             hidden_states = {sid: hidden[lo : lo + n] for sid, lo, n in pool_spans}
         else:
             logits = self.model(

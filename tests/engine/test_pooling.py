@@ -31,11 +31,8 @@ def hf_and_folder(tmp_path_factory):
     return build_tiny_hf_model("llama", folder), folder
 
 
-@pytest.fixture(scope="module")
-def llm(hf_and_folder):
-    _, folder = hf_and_folder
-    engine = LLM(
-        model=str(folder),
+def make_llm(folder, **over) -> LLM:
+    kw = dict(
         dtype="float32",
         max_model_len=256,
         kv_cache_memory=1 << 22,
@@ -43,6 +40,12 @@ def llm(hf_and_folder):
         check_invariants=True,
         num_threads=1,
     )
+    return LLM(model=str(folder), **{**kw, **over})
+
+
+@pytest.fixture(scope="module")
+def llm(hf_and_folder):
+    engine = make_llm(hf_and_folder[1])
     yield engine
     engine.engine.shutdown()
 
@@ -110,17 +113,8 @@ def test_embed_prefix_cache_hit_is_not_skipped(llm, hf_and_folder):
 
 def test_embed_with_chunked_prefill_and_generation_in_batch(hf_and_folder):
     model, folder = hf_and_folder
-    chunked = LLM(
-        model=str(folder),
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory=1 << 22,
-        block_size=4,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=8,  # the long prompt takes several steps
-        check_invariants=True,
-        num_threads=1,
-    )
+    # max_num_batched_tokens=8: the long prompt takes several steps.
+    chunked = make_llm(folder, enable_chunked_prefill=True, max_num_batched_tokens=8)
     try:
         tok = chunked.get_tokenizer()
         engine = chunked.engine

@@ -209,3 +209,22 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+# ---- /v1/embeddings -------------------------------------------------------------------------
+class EmbeddingRequest(OpenAIBaseModel):
+    """The body of ``POST /v1/embeddings``: ``input`` is a string, a list of strings, a list of
+    token ids or a list of token-id lists (checked in ``serving_embedding``, so that a bad shape
+    is a 400 naming ``input``)."""
+
+    model: str | None = None
+    input: Any = None
+    encoding_format: Literal["float", "base64"] = "float"
+    #: Only the model's own hidden size is served (no Matryoshka truncation).
+    dimensions: int | None = None
+    user: str | None = None
+    #: Extensions: the pooling method (default: the server's ``--pooling``), L2 normalization
+    #: (OpenAI's embeddings are unit vectors), special tokens added to text inputs.
+    pooling: Literal["mean", "last"] | None = None
+    normalize: bool = True
+    add_special_tokens: bool = True

@@ -260,7 +260,7 @@ class RequestContext:
     def __init__(
         self,
         serving: OpenAIServing,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest | Any,
         rid: str,
         num_prompt_tokens: int,
     ) -> None:
@@ -270,7 +270,7 @@ class RequestContext:
         self.id = rid
         self.created = int(time.time())
         self.model = serving.model_name
-        self.n = req.n
+        self.n = getattr(req, "n", 1)  # 1 for the embeddings / responses bodies
         self.num_prompt_tokens = num_prompt_tokens
         self._seen: set[int] = set()  # requests (prompt positions) with an output so far
 
@@ -349,7 +349,7 @@ class RequestContext:
         Raises:
             APIError: 5xx when the engine failed before the body was ready.
         """
-        if self.req.stream:
+        if getattr(self.req, "stream", False):
             return StreamingResponse(
                 self.stream(streams), media_type="text/event-stream", headers=SSE_HEADERS
             )
