@@ -228,3 +228,30 @@ class EmbeddingRequest(OpenAIBaseModel):
     pooling: Literal["mean", "last"] | None = None
     normalize: bool = True
     add_special_tokens: bool = True
+
+
+# ---- /v1/responses --------------------------------------------------------------------------
+class ResponsesRequest(OpenAIBaseModel):
+    """The body of ``POST /v1/responses`` (text in, text out). ``input`` is a string or a list
+    of message items (``{"role", "content"}``, content a string or ``input_text`` /
+    ``output_text`` parts), checked in ``serving_responses`` so a bad shape is a 400 naming
+    ``input``."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    #: Keep the response (and its conversation) in memory for ``previous_response_id`` and
+    #: ``GET /v1/responses/{id}`` (a bounded LRU; OpenAI's default is true).
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    background: bool | None = None
