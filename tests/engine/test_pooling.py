@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.engine import pooling
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -135,6 +136,56 @@ def test_embed_with_chunked_prefill_and_generation_in_batch(hf_and_folder):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         chunked.engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_embed_preempted_mid_prefill(hf_and_folder, mode):
+    """A pooling request preempted between two prefill chunks (recompute: its pool restarts
+    from position 0; swap: it continues) still equals the reference."""
+    from pagedllm.core.scheduler import SchedulerOutput
+
+    model, folder = hf_and_folder
+    llm = make_llm(
+        folder, enable_chunked_prefill=True, max_num_batched_tokens=8, preemption_mode=mode
+    )
+    try:
+        engine = llm.engine
+        params = SamplingParams(detokenize=False, pooling=PoolingParams("mean", False))
+        engine.add_request("emb", PROMPTS[2], params)
+        engine.step()
+        group = engine.requests["emb"]
+        assert 0 < group.seqs[0].num_computed_tokens < group.seqs[0].num_prompt_tokens
+        moves = SchedulerOutput()
+        engine.scheduler._preempt(group, moves)
+        # Outside a step, the worker applies the swap-out the scheduler planned here.
+        engine.executor.worker.cache.swap_out(moves.blocks_to_swap_out)
+        assert bool(moves.blocks_to_swap_out) == (mode == "swap")
+        assert engine.scheduler.num_preemptions == 1
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        ids = llm.get_tokenizer()(PROMPTS[2]).input_ids
+        check(outs[0].embedding, reference(model, ids, "mean", False), False)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_accumulate_restarts_at_zero_and_refuses_gaps():
+    h = torch.arange(12, dtype=torch.float32).view(4, 3)
+    st = pooling.accumulate(None, 0, h[:2])
+    st = pooling.accumulate(st, 2, h[2:])
+    assert st.count == 4 and torch.equal(st.total, h.sum(0)) and torch.equal(st.last, h[3])
+    again = pooling.accumulate(st, 0, h[:1])  # a recompute starts over
+    assert again.count == 1 and torch.equal(again.total, h[0])
+    with pytest.raises(ValueError, match="does not continue"):
+        pooling.accumulate(st, 5, h[:1])
+    with pytest.raises(ValueError, match="every position"):
+        pooling.accumulate(None, 3, h[:1])
+    mean = pooling.pooled_embedding(st, PoolingParams("mean", False))
+    assert mean == pytest.approx(h.mean(0).tolist())
+    last = pooling.pooled_embedding(st, PoolingParams("last", True))
+    assert last == pytest.approx((h[3] / h[3].norm()).tolist())
 
 
 @pytest.mark.parametrize(
