@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from pagedllm.attention import attention_backend_names
+from pagedllm.pooling_params import POOLING_TYPES
 
 _DTYPES = {
     "float32": torch.float32,
@@ -189,6 +190,13 @@ class EngineConfig:
         None,
         "Jinja chat-template file used instead of the model's own (chat prompts of generate, "
         "/v1/chat/completions of serve); default: the model's template",
+    )
+    pooling: str = _option(
+        "mean",
+        "pooling of embeddings (/v1/embeddings, LLM.embed) over the final hidden states: mean "
+        "of every prompt position, or the last one (for models trained for last-token "
+        "embeddings); a request may choose its own",
+        choices=POOLING_TYPES,
     )
     dtype: str | torch.dtype = _option(
         "auto",

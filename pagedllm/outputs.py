@@ -81,6 +81,7 @@ class RequestOutput:
         finished: True once every sample has finished.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: timestamps of the request.
+        embedding: a pooling request's embedding (``hidden_size`` floats) once finished.
     """
 
     request_id: str
@@ -91,3 +92,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    embedding: list[float] | None = field(default=None, repr=False)

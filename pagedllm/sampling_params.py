@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagedllm.pooling_params import PoolingParams
+
 #: Temperatures below this are treated as greedy decoding (argmax).
 GREEDY_TEMPERATURE_EPS = 1e-5
 #: OpenAI clamps ``logit_bias`` values to this range.
@@ -76,6 +78,9 @@ class SamplingParams:
         length_penalty: beam-search length penalty exponent (finite).
         early_stopping: beam-search stopping rule: True, False or ``"never"``.
         detokenize: produce output text (False = token ids only).
+        pooling: set for an embedding request (``LLM.embed``, ``/v1/embeddings``): the prompt
+            is prefilled and its pooled final hidden state returned
+            (``RequestOutput.embedding``); nothing is sampled and the other fields are unused.
 
     Raises:
         ValueError: from ``__post_init__`` when a field is invalid; the message starts with the
@@ -107,6 +112,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     detokenize: bool = True
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         # ---- counts -------------------------------------------------------------------------

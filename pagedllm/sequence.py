@@ -180,6 +180,9 @@ class SequenceGroup:
     # Beam search state (``engine.beam_search.BeamSearch``) and, once done, the best hypotheses.
     beam: Any = None
     beam_results: list[Any] | None = None
+    # Pooling requests: the running pool (``engine.pooling.PoolingState``), then the embedding.
+    pooling_state: Any = None
+    embedding: list[float] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

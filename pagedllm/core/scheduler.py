@@ -55,6 +55,8 @@ class ScheduledSequence:
         do_sample: True when this step reaches the end of the sequence, so a token is sampled
             from the logits at its last position.
         prompt_logprobs: True when the logits of every computed prompt position are wanted.
+        pool: a pooling (embedding) request: the final hidden states of every computed
+            position are wanted, and nothing is sampled (``do_sample`` is False).
     """
 
     seq_id: int
@@ -63,6 +65,7 @@ class ScheduledSequence:
     block_table: list[int]
     do_sample: bool
     prompt_logprobs: bool = False
+    pool: bool = False
 
 
 @dataclass
@@ -459,6 +462,7 @@ class Scheduler:
     ) -> int:
         """Allocate the slots of ``plan`` and add it to ``out``; returns the tokens used."""
         want_prompt_logprobs = group.sampling_params.prompt_logprobs is not None
+        pool = group.sampling_params.pooling is not None
         used = 0
         for seq, n in plan:
             out.blocks_to_copy.extend(self.block_manager.allocate_slots(seq, n))
@@ -473,8 +477,9 @@ class Scheduler:
                         token_ids=seq.token_ids[start:end],
                         start_pos=start,
                         block_table=self.block_manager.get_block_table(seq),
-                        do_sample=end == seq.num_tokens,
+                        do_sample=end == seq.num_tokens and not pool,
                         prompt_logprobs=want_prompt_logprobs and start < seq.num_prompt_tokens,
+                        pool=pool,
                     ),
                 )
             )

@@ -6,7 +6,7 @@ One step (paper section 4.5, iteration-level scheduling):
 2. the executor runs the model on them (writing their K/V into the paged cache);
 3. the core updates the sequences: prompt logprobs; for every sequence that reached its end a
    sampled token (after forking parallel samples, ``parallel_sampling``) or a beam step
-   (``beam_stepper``); detokenization and stop checks (``OutputProcessor``); then it frees the
+   (``beam_stepper``), or for a pooling request its embedding (``pooling``); detokenization and stop checks (``OutputProcessor``); then it frees the
    blocks of finished requests.
 
 The core returns the requests that made progress; ``LLMEngine`` turns them into
@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from pagedllm.core.kv_manager import KVManager
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine import pooling
 from pagedllm.engine.beam_stepper import beam_step
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
-from pagedllm.sequence import Sequence, SequenceGroup
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class EngineCore:
@@ -131,6 +132,8 @@ class EngineCore:
             self.stats.prompt_tokens += n_prompt_part
         for seq_id, logits in result.prompt_logits.items():
             self.output_processor.add_prompt_logprobs(*self._seqs[seq_id], logits)
+        if result.hidden_states:
+            self._process_pooling(sched, result.hidden_states, now)
         if result.sample_seq_ids:
             self._process_samples(result.sample_seq_ids, result.logits)
 
@@ -152,6 +155,24 @@ class EngineCore:
             self.forget(group)
         if self._check_invariants:
             self.kv.check_invariants()
+
+    def _process_pooling(
+        self, sched: SchedulerOutput, hidden_states: dict[int, torch.Tensor], now: float
+    ) -> None:
+        """Pool the step's final hidden states of pooling requests (``engine.pooling``); a
+        request whose whole prompt is computed gets its embedding and finishes ("stop"), so
+        its blocks are freed after this step."""
+        start_of = {w.seq_id: w.start_pos for _, w in sched.scheduled}
+        for seq_id, hidden in hidden_states.items():
+            seq, group = self._seqs[seq_id]
+            group.pooling_state = pooling.accumulate(group.pooling_state, start_of[seq_id], hidden)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                params = group.sampling_params.pooling
+                assert params is not None
+                group.embedding = pooling.pooled_embedding(group.pooling_state, params)
+                group.pooling_state = None
+                group.metrics.first_token_time = now
+                seq.status = SequenceStatus.FINISHED_STOPPED
 
     def _process_samples(self, seq_ids: list[int], logits: torch.Tensor) -> None:
         """Sample a token for every sequence in ``seq_ids`` (row ``i`` of ``logits``, ``[len(

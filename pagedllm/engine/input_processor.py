@@ -85,6 +85,8 @@ class InputProcessor:
                 f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
         params.verify_token_ids(self.vocab_size)
+        if params.pooling is not None:
+            return self._validate_pooling(len(prompt_token_ids), params)
         if params.use_beam_search:
             if params.stop:
                 raise ValueError("stop strings are not supported with use_beam_search")
@@ -120,6 +122,29 @@ class InputProcessor:
             )
         self.kv.check_request_fits(n_prompt, max_tokens, samples, params.use_beam_search, field)
         return max_tokens
+
+    def _validate_pooling(self, n_prompt: int, params: SamplingParams) -> int:
+        """A pooling request: one sequence, no beam search; the prompt alone must fit in
+        ``max_model_len`` and in the pool (nothing is generated). Returns 0 (max_tokens).
+
+        Raises:
+            ValueError / ContextLengthExceededError: naming ``n`` / ``best_of`` /
+                ``use_beam_search`` / ``prompt``.
+        """
+        if params.n != 1 or (params.best_of or 1) != 1:
+            raise ValueError("n and best_of must be 1 for a pooling request")
+        if params.use_beam_search:
+            raise ValueError("use_beam_search is not supported for a pooling request")
+        if n_prompt > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt is {n_prompt} tokens; max_model_len is {self.max_model_len}", "prompt"
+            )
+        try:
+            self.kv.check_request_fits(n_prompt, 0, 1, False)
+        except ContextLengthExceededError as e:
+            msg = str(e).replace("max_tokens: ", "prompt: ")
+            raise ContextLengthExceededError(msg, "prompt") from None
+        return 0
 
     def process(
         self,
@@ -162,9 +187,10 @@ class InputProcessor:
         salt = cache_salt.encode() if cache_salt else None
         seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
         seq.max_num_tokens = len(token_ids) + max_tokens
-        # Prompt logprobs need the logits of every prompt position: no prefix-cache hits.
-        seq.use_cached_prefix = params.prompt_logprobs is None
-        if params.detokenize:
+        # Prompt logprobs need the logits of every prompt position, and pooling the hidden state
+        # of every position: no prefix-cache hits.
+        seq.use_cached_prefix = params.prompt_logprobs is None and params.pooling is None
+        if params.detokenize and params.pooling is None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,

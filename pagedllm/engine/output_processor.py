@@ -197,6 +197,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
+            embedding=group.embedding,
         )
 
     def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:

@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig, check_engine_kwargs
 from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -169,6 +170,31 @@ class LLM:
         )
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Embed prompts: each is prefilled (batched like any request) and its final hidden
+        states (after the final norm) pooled (``engine.pooling``: the engine's ``pooling``
+        option, mean by default, or last token; L2-normalized unless ``normalize=False``). Prefix-cache hits are not taken.
+
+        Returns:
+            one ``RequestOutput`` per prompt, in order, with ``embedding`` (``hidden_size``
+            floats) set and no generated tokens.
+
+        Raises:
+            ValueError: naming the field (``prompt``: empty, outside the vocabulary, longer than
+                ``max_model_len``).
+        """
+        params = SamplingParams(
+            max_tokens=1,
+            detokenize=False,
+            pooling=pooling_params or PoolingParams(self.engine.config.pooling),
+        )
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -224,15 +250,19 @@ def apply_chat_template(
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template.
+    """Token ids of a conversation rendered with the tokenizer's chat template (or
+    ``chat_template``, a Jinja template given for this call), ``template_kwargs`` passed to the
+    template as extra variables.
 
     Raises:
         ValueError: naming ``messages`` if the template cannot render them, or if the model has
             no chat template (a base model such as gemma-3-270m): the message says to pass
             ``--chat-template`` (the server answers 400 with it).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "messages cannot be rendered: this model has no chat template (a base model); pass "
             "one with --chat-template FILE (LLM(chat_template=...)) or use completions instead"
@@ -243,6 +273,8 @@ def apply_chat_template(
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # jinja errors, bad roles
         raise ValueError(f"messages could not be rendered by the chat template: {e}") from e

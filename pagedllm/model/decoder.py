@@ -36,6 +36,9 @@ from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, pack_
 from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.model.weight_map import load_named_weights
 
+#: Per layer (key_cache, value_cache), each [KVH, num_blocks, block_size, D].
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
 if TYPE_CHECKING:
     from pagedllm.ops import CpuOps
 
@@ -228,17 +231,38 @@ class DecoderForCausalLM(nn.Module):
             logits [S, V] float32; under tensor parallelism only on rank 0, the other ranks
             return an empty [S, 0] tensor.
         """
+        h = self.run_layers(input_ids, positions, kv_caches, meta)
+        return self.compute_logits(h, logits_indices)
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The embedding and every layer (writing the step's K/V): the residual stream
+        [T, H] in the model dtype, BEFORE the final norm (``self.norm`` of its rows gives the
+        final hidden states that pooling / embedding requests reduce; replicated on every
+        tensor-parallel rank)."""
         h = self.embed(input_ids, positions)
         rotations = {
             name: cast(RotaryEmbedding, r).for_step(positions, h.dtype)
             for name, r in self.rotary.items()
         }
         ctx = StepContext(rotations, meta, self.backend)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, kv, ctx)
-        h = self.norm(h[logits_indices])
+        for layer, layer_kv in zip(self.layers, kv, strict=True):
+            h = layer(h, layer_kv, ctx)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [S, V] float32 of the rows ``logits_indices`` of ``run_layers``'
+        output (final norm, LM head; under tensor parallelism only on rank 0, the other ranks
+        return an empty [S, 0] tensor)."""
         return lm_head_logits(
-            h,
+            self.norm(h[logits_indices]),
             self.lm_head_weight,
             self.lm_head_packed,
             self.group,

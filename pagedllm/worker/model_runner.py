@@ -23,11 +23,14 @@ class ModelRunnerOutput:
         prompt_logits: seq_id -> [n, V] float32 logits (same device) at the step's prompt positions
             (row j predicts the token after position start_pos + j), for sequences that asked
             for prompt logprobs.
+        hidden_states: seq_id -> [n, H] final hidden states (after the final norm, model
+            dtype, same device) of the step's positions of pooling (embedding) sequences.
     """
 
     sample_seq_ids: list[int]
     logits: torch.Tensor
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -129,12 +132,26 @@ class ModelRunner:
             if w.prompt_logprobs:
                 prompt_spans.append((w.seq_id, len(rows), query_lens[i]))
                 rows.extend(range(starts[i], starts[i + 1]))
-        logits = self.model(
-            input_ids.to(dev),
-            positions.to(dev),
-            self.kv_caches,
-            meta,
-            torch.tensor(rows, dtype=torch.long).to(dev),
-        )
+        # Pooling sequences want the final hidden state of every position they computed.
+        pool_spans: list[tuple[int, int, int]] = []  # (seq_id, first hidden row, count)
+        pool_rows: list[int] = []
+        for i, w in enumerate(works):
+            if w.pool:
+                pool_spans.append((w.seq_id, len(pool_rows), query_lens[i]))
+                pool_rows.extend(range(starts[i], starts[i + 1]))
+        logits_rows = torch.tensor(rows, dtype=torch.long).to(dev)
+        hidden_states: dict[int, torch.Tensor] = {}
+        if pool_rows:
+            h = self.model.run_layers(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
+            logits = self.model.compute_logits(h, logits_rows)
+            with torch.inference_mode():
+                hidden = self.model.norm(h[torch.tensor(pool_rows, dtype=torch.long).to(dev)])
+            hidden_states = {sid: hidden[lo : lo + n] for sid, lo, n in pool_spans}
+        else:
+            logits = self.model(
+                input_ids.to(dev), positions.to(dev), self.kv_caches, meta, logits_rows
+            )
         prompt_logits = {sid: logits[lo : lo + n] for sid, lo, n in prompt_spans}
-        return ModelRunnerOutput(sample_ids, logits[: len(sample_rows)], prompt_logits)
+        return ModelRunnerOutput(
+            sample_ids, logits[: len(sample_rows)], prompt_logits, hidden_states
+        )

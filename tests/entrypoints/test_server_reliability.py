@@ -176,10 +176,8 @@ def test_bad_role_or_null_content_is_400(client, server, messages):
         (CHAT, {"function_call": "none"}, "function_call"),
         (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
         (CMPL, {"guided_regex": "a+"}, "guided_regex"),
-        (CMPL, {"use_beam_search": True}, "use_beam_search"),
         (CHAT, {"priority": 5}, "priority"),
         (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
-        (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
         (CMPL, {"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )

@@ -87,8 +87,57 @@ class _Markers:
         return re.sub(rf"\[{self.nonce}:(\d+)\]", lambda m: self.originals[int(m.group(1))], text)
 
 
+#: Template variables a request's ``chat_template_kwargs`` may not override (the renderer sets
+#: them itself).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class TemplateOptions:
+    """A request's own chat template (``chat_template``) and extra template variables
+    (``chat_template_kwargs``); a rendering error is blamed on ``chat_template`` when the request
+    brought its own template, else on ``messages``.
+
+    Raises:
+        APIError: 400 (``param="chat_template_kwargs"``) for a reserved variable name.
+    """
+
+    def __init__(self, template: str | None = None, kwargs: dict[str, Any] | None = None) -> None:
+        bad = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(bad)} (set by the server)",
+                param="chat_template_kwargs",
+            )
+        self.template = template or None
+        self.kwargs = dict(kwargs or {})
+        self.param = "chat_template" if self.template else "messages"
+
+    def failure(self, e: Exception) -> APIError:
+        """The 400 of a template that failed to render (``e``: the Jinja / transformers error)."""
+        what = "the request's chat_template" if self.template else "the chat template"
+        msg = str(e).removeprefix("messages could not be rendered by the chat template: ")
+        return APIError(400, f"messages could not be rendered by {what}: {msg}", param=self.param)
+
+
 def _render_text(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, cont: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    cont: bool,
+    options: TemplateOptions,
 ) -> str:
     try:
         return str(
@@ -97,12 +146,12 @@ def _render_text(
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not cont,
                 continue_final_message=cont,
+                chat_template=options.template,
+                **options.kwargs,
             )
         )
     except Exception as e:  # jinja errors, bad roles
-        raise APIError(
-            400, f"messages could not be rendered by the chat template: {e}", param="messages"
-        ) from None
+        raise options.failure(e) from None
 
 
 def render_messages(
@@ -111,14 +160,17 @@ def render_messages(
     add_generation_prompt: bool,
     continue_final_message: bool,
     allow_special_tokens_in_content: bool = False,
+    options: TemplateOptions | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template; special-token strings inside
-    the messages are plain text unless ``allow_special_tokens_in_content``.
+    """Token ids of ``messages`` rendered with the chat template (``options``: the request's
+    own template and variables); special-token strings inside the messages are plain text
+    unless ``allow_special_tokens_in_content``.
 
     Raises:
         APIError: 400 (``param="messages"``) for an empty list, a non-text part, or what the
-            template refuses.
+            template refuses (``param="chat_template"`` when the request brought its template).
     """
+    options = options or TemplateOptions()
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     dicts = message_dicts(messages)
@@ -132,11 +184,16 @@ def render_messages(
     if markers is None or not markers.originals:
         try:
             return apply_chat_template(
-                tokenizer, dicts, add_generation_prompt, continue_final_message
+                tokenizer,
+                dicts,
+                add_generation_prompt,
+                continue_final_message,
+                options.template,
+                options.kwargs,
             )
         except ValueError as e:
-            raise value_error(e) from None
-    text = _render_text(tokenizer, dicts, add_generation_prompt, continue_final_message)
+            raise (options.failure(e) if options.template else value_error(e)) from None
+    text = _render_text(tokenizer, dicts, add_generation_prompt, continue_final_message, options)
     # The template's own special tokens stay control tokens; the text between them (where the
     # markers are) is tokenized as plain text, as the tokenizer would tokenize it.
     ids: list[int] = []
@@ -168,4 +225,5 @@ def render_request_messages(tokenizer: Any, req: Any) -> list[int]:
         add_gp,
         req.continue_final_message,
         req.allow_special_tokens_in_content,
+        TemplateOptions(req.chat_template, req.chat_template_kwargs),
     )

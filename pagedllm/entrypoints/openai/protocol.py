@@ -66,6 +66,12 @@ class SamplingExtensions(OpenAIBaseModel):
     #: Deadline in seconds after the request arrived: the request is then aborted; the answer
     #: holds what was generated, with ``finish_reason: "timeout"`` (504 when nothing was).
     timeout: float | None = None
+    #: vLLM's beam search: ``best_of`` (default ``n``) is the beam width, the best ``n`` beams
+    #: are returned; ranked by ``cumulative_logprob / len ** length_penalty``; ``early_stopping``
+    #: is True, False or "never" (transformers' rules). Not with ``stream``.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
@@ -164,6 +170,11 @@ class ChatCompletionRequest(SamplingExtensions):
     #: Let special-token strings written in message contents (``<|im_end|>``) act as control
     #: tokens; by default they are tokenized as plain text, as OpenAI does.
     allow_special_tokens_in_content: bool = False
+    #: A Jinja chat template used for this request instead of the model's (rendered in
+    #: transformers' sandboxed environment); a template that fails to render is a 400.
+    chat_template: str | None = None
+    #: Extra variables passed to the chat template (``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- models, tokenizer, version --------------------------------------------------------------
@@ -195,6 +206,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     allow_special_tokens_in_content: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -202,3 +215,49 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+# ---- /v1/embeddings -------------------------------------------------------------------------
+class EmbeddingRequest(OpenAIBaseModel):
+    """The body of ``POST /v1/embeddings``: ``input`` is a string, a list of strings, a list of
+    token ids or a list of token-id lists (checked in ``serving_embedding``, so that a bad shape
+    is a 400 naming ``input``)."""
+
+    model: str | None = None
+    input: Any = None
+    encoding_format: Literal["float", "base64"] = "float"
+    #: Only the model's own hidden size is served (no Matryoshka truncation).
+    dimensions: int | None = None
+    user: str | None = None
+    #: Extensions: the pooling method (default: the server's ``--pooling``), L2 normalization
+    #: (OpenAI's embeddings are unit vectors), special tokens added to text inputs.
+    pooling: Literal["mean", "last"] | None = None
+    normalize: bool = True
+    add_special_tokens: bool = True
+
+
+# ---- /v1/responses --------------------------------------------------------------------------
+class ResponsesRequest(OpenAIBaseModel):
+    """The body of ``POST /v1/responses`` (text in, text out). ``input`` is a string or a list
+    of message items (``{"role", "content"}``, content a string or ``input_text`` /
+    ``output_text`` parts), checked in ``serving_responses`` so a bad shape is a 400 naming
+    ``input``."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    #: Keep the response (and its conversation) in memory for ``previous_response_id`` and
+    #: ``GET /v1/responses/{id}`` (a bounded LRU; OpenAI's default is true).
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    background: bool | None = None

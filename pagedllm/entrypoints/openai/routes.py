@@ -1,6 +1,7 @@
 """The API routes: thin functions that parse, delegate to the serving modules and answer.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``GET
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``POST
+/v1/embeddings``, ``POST /v1/responses`` (+ ``GET /v1/responses/{id}``), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /version``.
 """
@@ -12,16 +13,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from pagedllm.entrypoints.openai import serving_chat, serving_completion
+from pagedllm.entrypoints.openai import (
+    serving_chat,
+    serving_completion,
+    serving_embedding,
+    serving_responses,
+)
 from pagedllm.entrypoints.openai.chat_render import render_request_messages
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
@@ -67,6 +75,23 @@ def make_router(serving: OpenAIServing) -> APIRouter:
     )
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving_chat.create_chat_completion(serving, req, raw)
+
+    @router.post("/v1/embeddings", responses=ERROR_RESPONSES)
+    async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response:
+        return await serving_embedding.create_embedding(serving, req, raw)
+
+    responses_store = serving_responses.ResponseStore()
+
+    @router.post(
+        "/v1/responses",
+        responses={200: _json_or_sse("a response or its event stream"), **ERROR_RESPONSES},
+    )
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        return await serving_responses.create_response(serving, responses_store, req, raw)
+
+    @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return serving_responses.get_response(responses_store, response_id)
 
     @router.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

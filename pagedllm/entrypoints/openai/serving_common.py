@@ -155,6 +155,9 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             logit_bias=req.logit_bias,  # type: ignore[arg-type]  # str keys are parsed
+            use_beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping,
         )
 
     async def add_all(
@@ -282,7 +285,7 @@ class RequestContext:
     def __init__(
         self,
         serving: OpenAIServing,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest | Any,
         rid: str,
         num_prompt_tokens: int,
     ) -> None:
@@ -292,7 +295,7 @@ class RequestContext:
         self.id = rid
         self.created = int(time.time())
         self.model = serving.model_name
-        self.n = req.n
+        self.n = getattr(req, "n", 1)  # 1 for the embeddings / responses bodies
         self.num_prompt_tokens = num_prompt_tokens
         self._seen: set[int] = set()  # requests (prompt positions) with an output so far
 
@@ -371,7 +374,7 @@ class RequestContext:
         Raises:
             APIError: 5xx when the engine failed before the body was ready.
         """
-        if self.req.stream:
+        if getattr(self.req, "stream", False):
             return StreamingResponse(
                 self.stream(streams), media_type="text/event-stream", headers=SSE_HEADERS
             )

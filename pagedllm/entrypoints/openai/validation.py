@@ -42,7 +42,6 @@ _GUIDED = "guided decoding is not supported by this server"
 #: Known fields this server does not implement: name -> (whether a value asks for the feature,
 #: why it is refused). Checked on both generation endpoints.
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "use_beam_search": (_set, "beam search is not served over HTTP (use the LLM API)"),
     "guided_json": (_set, _GUIDED),
     "guided_regex": (_set, _GUIDED),
     "guided_choice": (_set, _GUIDED),
@@ -67,8 +66,6 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_set, "predicted outputs are not supported"),
     "web_search_options": (_set, "web search is not supported"),
     "reasoning_effort": (_set, "reasoning_effort is not supported by this model"),
-    "chat_template": (_set, "a per-request chat_template is not supported"),
-    "chat_template_kwargs": (_set, "chat_template_kwargs is not supported"),
     "documents": (_set, "documents are not supported"),
     "mm_processor_kwargs": (_set, "multi-modal inputs are not supported"),
     "add_special_tokens": (_set, "add_special_tokens is not supported for chat"),
@@ -127,6 +124,13 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, where: str) -> 
                 "stream_options.continuous_usage_stats is not supported",
                 param="stream_options",
             )
+    if req.stream and req.use_beam_search:
+        raise APIError(
+            400,
+            "stream is not supported with use_beam_search: the best beams are known only at "
+            "the end; drop stream",
+            param="stream",
+        )
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise APIError(
             400,
