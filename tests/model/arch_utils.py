@@ -28,6 +28,22 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 WINDOW = 8
+# Tiny Llamas with scaled RoPE: YaRN (static) and dynamic NTK with a trained context of 24
+# tokens, which the test prompts and generations cross.
+ROPE_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama-yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "llama-dynamic": {
+        "max_position_embeddings": 24,
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    },
+}
 
 
 def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -36,6 +52,8 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
 
     if arch == "llama":
         return tf.LlamaForCausalLM, {"config": tf.LlamaConfig}
+    if arch in ROPE_VARIANTS:
+        return tf.LlamaForCausalLM, {"config": tf.LlamaConfig, **ROPE_VARIANTS[arch]}
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM, {"config": tf.Qwen2Config}
     if arch == "qwen3":
@@ -113,6 +131,29 @@ def greedy_reference(model: Any, prompt: list[int], n: int) -> Reference:
         ref.gaps.append(float(top[0] - top[1]))
         ref.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
         ids.append(tok)
+    return ref
+
+
+@torch.no_grad()
+def greedy_reference_cached(model: Any, prompt: list[int], n: int) -> Reference:
+    """Greedy decoding with transformers' KV cache: the prompt in one forward, then one token
+    per forward. Length-dependent RoPE (dynamic NTK) then rotates each token with the
+    frequencies of its sequence's length at that point, as a paged engine does; the rotary
+    module's cached frequencies are reset first (they would leak from the previous prompt)."""
+    rot = model.model.rotary_emb
+    if hasattr(rot, "original_inv_freq"):
+        rot.register_buffer("inv_freq", rot.original_inv_freq.clone(), persistent=False)
+        rot.max_seq_len_cached = rot.original_max_seq_len
+    ref = Reference([], [], [])
+    out = model(torch.tensor([prompt]), use_cache=True)
+    for _ in range(n):
+        logits = out.logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        tok = int(logits.argmax())
+        ref.tokens.append(tok)
+        ref.gaps.append(float(top[0] - top[1]))
+        ref.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
     return ref
 
 
