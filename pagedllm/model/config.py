@@ -49,6 +49,8 @@ class ModelArchConfig:
         embedding_scale: multiplier of the embedding output (Gemma: sqrt(hidden_size)), or None.
         query_pre_attn_scalar: attention scale is its -1/2 power (Gemma); None = head_dim.
         final_logit_softcapping: logits = cap * tanh(logits / cap) when set (Gemma 2).
+        attn_logit_softcapping: attention scores = cap * tanh(scores / cap) when set (Gemma 2);
+            such layers run on the torch_native attention (``layers.attention``).
     """
 
     vocab_size: int
@@ -79,6 +81,7 @@ class ModelArchConfig:
     embedding_scale: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:

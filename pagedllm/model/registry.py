@@ -51,6 +51,10 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen2, Qwen2.5"),
     ModelEntry("Qwen3ForCausalLM", "qwen3", "Qwen3ForCausalLM", ("qwen3",), ("qwen3",),
                "Qwen3 (dense)"),
+    ModelEntry("Gemma2ForCausalLM", "gemma2", "Gemma2ForCausalLM", ("gemma2",), ("gemma2",),
+               "Gemma 2 (soft-capping, local/global layers)"),
+    ModelEntry("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), (),
+               "Phi-3, Phi-3.5, Phi-4-mini (LongRoPE)"),
     ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
                ("gemma3",), "Gemma 3 (text)"),
 )  # fmt: skip

@@ -28,6 +28,7 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 WINDOW = 8
+PHI3_ORIGINAL_LEN = 36
 # Tiny Llamas with scaled RoPE: YaRN (static) and dynamic NTK with a trained context of 24
 # tokens, which the test prompts and generations cross.
 ROPE_VARIANTS: dict[str, dict[str, Any]] = {
@@ -70,6 +71,31 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        }
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM, {
+            "config": tf.Gemma2Config,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,  # small: the cap bends the tiny model's scores
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    if arch == "phi3":
+        g = torch.Generator().manual_seed(3)
+        half = TINY["head_dim"] // 2
+        return tf.Phi3ForCausalLM, {
+            "config": tf.Phi3Config,
+            # LongRoPE switching at 36 tokens: the 37-token test prompt runs on the long
+            # factors, the others (never longer than 35 tokens while compared) on the short.
+            "original_max_position_embeddings": PHI3_ORIGINAL_LEN,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+                "long_factor": (2 + 6 * torch.rand(half, generator=g)).tolist(),
             },
         }
     raise ValueError(arch)
@@ -190,7 +216,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
     gguf_arch = {"mistral": "llama"}.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
-    if arch == "gemma3":
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
         names.update(
             post_attention_norm="post_attention_layernorm",
             ffn_norm="pre_feedforward_layernorm",
@@ -213,6 +240,10 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     else:
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if arch == "gemma2":  # llama.cpp records no layer pattern for Gemma 2: they alternate
+        w.add_sliding_window(c.sliding_window)
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_vocab_size(c.vocab_size)
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     for name, t in hf_model.state_dict().items():
@@ -233,7 +264,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
             n = heads if ".q_proj." in name else kv_heads
             rows = t.shape[0]
             t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             t = t + 1.0
         w.add_tensor(g, t.contiguous().numpy())
     w.write_header_to_file()

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedllm.model.config import ModelArchConfig, hf_rope_parameters
+from pagedllm.model.weight_map import split_fused_tensors
 
 if TYPE_CHECKING:
     from pagedllm.model.loader.load import LoadedModel
@@ -158,6 +159,7 @@ def load_hf_weights(
             raise ValueError(f"{f} is not a valid safetensors file: {exc}") from exc
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{root}: no model.embed_tokens.weight in the safetensors files")
+    state = split_fused_tensors(state, config)  # Phi-3's qkv_proj / gate_up_proj
     if "lm_head.weight" not in state:
         config.tie_word_embeddings = True
     if config.tie_word_embeddings:

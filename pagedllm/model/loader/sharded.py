@@ -25,6 +25,7 @@ from pagedllm.model.loader.gguf_loader import (
 )
 from pagedllm.model.loader.hf_loader import _safetensors_files
 from pagedllm.model.sharding import TensorParallelShard
+from pagedllm.model.weight_map import fused_part_sizes, split_fused_tensor
 
 
 def load_weight_shard(
@@ -106,6 +107,10 @@ def _hf_shard(
     for f in _safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if fused_part_sizes(name, config) is not None:  # Phi-3: split, then cut
+                    for part, t in split_fused_tensor(name, sf.get_tensor(name), config).items():
+                        out[part] = _cut(t, shard.weight_slice(part, config.head_dim))
+                    continue
                 cut = shard.weight_slice(name, config.head_dim)
                 if cut is None:
                     out[name] = sf.get_tensor(name)
@@ -114,3 +119,10 @@ def _hf_shard(
                 else:
                     out[name] = sf.get_slice(name)[:, cut[1] : cut[2]]
     return out
+
+
+def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """``t`` sliced as ``TensorParallelShard.weight_slice`` says (whole when None)."""
+    if cut is None:
+        return t
+    return t[cut[1] : cut[2]] if cut[0] == 0 else t[:, cut[1] : cut[2]]
