@@ -88,6 +88,7 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
         half = TINY["head_dim"] // 2
         return tf.Phi3ForCausalLM, {
             "config": tf.Phi3Config,
+            "sliding_window": WINDOW,  # Phi-3 mini 4k sets one (every layer)
             # LongRoPE switching at 36 tokens: the 37-token test prompt runs on the long
             # factors, the others (never longer than 35 tokens while compared) on the short.
             "original_max_position_embeddings": PHI3_ORIGINAL_LEN,
