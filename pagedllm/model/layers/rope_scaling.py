@@ -113,6 +113,10 @@ def static_inv_freq(
         return _llama3(inv, scaling), 1.0
     if kind == "yarn":
         return _yarn(rotary_dim, theta, scaling, trained_len)
+    if kind in LENGTH_DEPENDENT_TYPES:
+        raise ValueError(
+            f"rope_scaling type {kind!r} depends on the sequence length: use RotaryEmbedding"
+        )
     known = ", ".join(STATIC_TYPES + LENGTH_DEPENDENT_TYPES)
     raise ValueError(f"rope_scaling type {kind!r} is not supported ({known})")
 
