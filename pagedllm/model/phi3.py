@@ -9,9 +9,15 @@ rotary (Phi-4-mini) and a sliding window on every layer when the config sets one
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.weight_map import split_fused_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.model.config import ModelArchConfig
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -19,6 +25,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     rotary table."""
 
     gguf_permute_qk: ClassVar[bool] = False
+    # The per-model split hook of the loaders (read whole, split, then cut per rank); on a
+    # loader without the hook ``loader.hf_loader`` splits every fused tensor itself.
+    splits_hf_weights: ClassVar[bool] = True
+
+    @classmethod
+    def split_hf_weight(
+        cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
+    ) -> dict[str, torch.Tensor]:
+        """``qkv_proj`` -> q/k/v, ``gate_up_proj`` -> gate/up (``weight_map.split_fused_tensor``);
+        any other tensor unchanged."""
+        return split_fused_tensor(name, tensor, config)
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
