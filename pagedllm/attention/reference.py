@@ -51,6 +51,7 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
@@ -65,6 +66,8 @@ def paged_attention_reference(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: when set, the token at position p sees only keys p - window + 1 .. p
             (Mistral / Gemma local layers; Beltagy et al. 2020, Longformer); None = all.
+        logits_soft_cap: when set, scaled scores become ``cap * tanh(scores / cap)`` before the
+            softmax (Gemma 2's attention-logit soft-capping).
 
     Returns:
         [T, num_heads, head_dim], dtype of ``query``.
@@ -85,6 +88,8 @@ def paged_attention_reference(
             q = query[t].float()  # [H, D]
             lo = 0 if sliding_window is None else max(0, pos + 1 - sliding_window)
             scores = torch.einsum("hd,lhd->hl", q, k[lo : pos + 1]) * scale
+            if logits_soft_cap is not None:
+                scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
             probs = torch.softmax(scores, dim=-1)
             out[t] = torch.einsum("hl,lhd->hd", probs, v[lo : pos + 1]).to(query.dtype)
     return out
@@ -105,6 +110,9 @@ class ReferenceAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        return paged_attention_reference(query, key_cache, value_cache, meta, scale, sliding_window)
+        return paged_attention_reference(
+            query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap
+        )

@@ -36,6 +36,7 @@ class TorchNativeAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens, then attend.
 
@@ -45,6 +46,8 @@ class TorchNativeAttention:
             meta: batch layout; its index tensors (int64) on the same device.
             scale: softmax scale.
             sliding_window: when set, position p attends to keys p - window + 1 .. p only.
+            logits_soft_cap: when set, scaled scores become ``cap * tanh(scores / cap)`` before
+                the mask and softmax (Gemma 2); prefills then take the explicit-softmax path.
 
         Returns:
             [T, H, D], dtype and device of ``query``.
@@ -53,16 +56,17 @@ class TorchNativeAttention:
         if sliding_window is not None and max(meta.seq_lens_list) <= sliding_window:
             sliding_window = None  # every key is inside the window: plain causal attention
         nd = meta.num_decodes
-        w = sliding_window
+        w, cap = sliding_window, logits_soft_cap
         if nd == meta.num_seqs:
-            return self._decode(query, key_cache, value_cache, meta, scale, w)
+            return self._decode(query, key_cache, value_cache, meta, scale, w, cap)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale, w)
+            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale, w, cap)
         starts = meta.query_start_loc_list
         for i in range(nd, meta.num_seqs):
             lo, hi = starts[i], starts[i + 1]
-            out[lo:hi] = self._prefill(query[lo:hi], key_cache, value_cache, meta, i, scale, w)
+            q = query[lo:hi]
+            out[lo:hi] = self._prefill(q, key_cache, value_cache, meta, i, scale, w, cap)
         return out
 
     @staticmethod
@@ -97,6 +101,7 @@ class TorchNativeAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        cap: float | None = None,
     ) -> torch.Tensor:
         nd, h, d = q.shape
         kvh = key_cache.shape[0]
@@ -107,7 +112,10 @@ class TorchNativeAttention:
         v = value_cache.index_select(1, index).view(kvh * nd, length, d)
         qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
         scores = torch.bmm(qg, k.transpose(1, 2)).view(kvh, nd, g, length)
-        scores = scores.mul_(scale).add_(bias)
+        scores = scores.mul_(scale)
+        if cap is not None:
+            scores = scores.div_(cap).tanh_().mul_(cap)
+        scores = scores.add_(bias)
         probs = torch.softmax(scores, dim=-1).view(kvh * nd, g, length)
         o = torch.bmm(probs, v).view(kvh, nd, g, d)  # [KVH, S, G, D]
         return o.transpose(0, 1).reshape(nd, h, d)
@@ -121,6 +129,7 @@ class TorchNativeAttention:
         i: int,
         scale: float,
         window: int | None = None,
+        cap: float | None = None,
     ) -> torch.Tensor:
         ctx = meta.seq_lens_list[i]
         ql = q.shape[0]
@@ -130,7 +139,7 @@ class TorchNativeAttention:
         k = key_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
         v = value_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if ql == ctx and window is None:
+        if ql == ctx and window is None and cap is None:
             o = F.scaled_dot_product_attention(
                 qh, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
@@ -142,7 +151,29 @@ class TorchNativeAttention:
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-            o = F.scaled_dot_product_attention(
-                qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            if cap is None:
+                o = F.scaled_dot_product_attention(
+                    qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            else:
+                o = _soft_capped_attention(qh, k, v, mask, scale, cap)
         return o[0].transpose(0, 1)
+
+
+def _soft_capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """softmax(mask(cap * tanh(q k^T * scale / cap))) v with GQA: ``q`` [1, H, Q, D], ``k``
+    and ``v`` [1, KVH, L, D], ``mask`` [Q, L] bool (True = attend) -> [1, H, Q, D]. SDPA has no
+    soft cap, so the scores are materialized (Gemma 2, Gemma Team 2024, section 2)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).div_(cap).tanh_().mul_(cap)
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)

@@ -56,6 +56,8 @@ class ModelArchConfig:
         position_offset: learned absolute position embeddings are in use, position p reading
             row p + offset (OPT: 2, GPT-2: 0); None = no learned positions (RoPE models). Such
             a model has no rows past ``max_position_embeddings``, which caps max_model_len.
+        attn_logit_softcapping: attention scores = cap * tanh(scores / cap) when set (Gemma 2);
+            such layers run on the torch_native attention (``layers.attention``).
     """
 
     vocab_size: int
@@ -91,6 +93,7 @@ class ModelArchConfig:
     parallel_residual: bool = False
     norm_before: bool = True
     position_offset: int | None = None
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:

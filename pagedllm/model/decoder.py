@@ -144,9 +144,12 @@ class DecoderForCausalLM(nn.Module):
         rotary applied), plus "local" (``rope_local_theta``, unscaled) when the config has it."""
         n = max_positions or config.max_position_embeddings
         rot = int(config.head_dim * config.partial_rotary_factor)
-        tables = {"global": RotaryEmbedding(rot, config.rope_theta, config.rope_scaling, n)}
+        trained = config.max_position_embeddings
+        tables = {
+            "global": RotaryEmbedding(rot, config.rope_theta, config.rope_scaling, n, trained)
+        }
         if config.rope_local_theta is not None:
-            tables["local"] = RotaryEmbedding(rot, config.rope_local_theta, None, n)
+            tables["local"] = RotaryEmbedding(rot, config.rope_local_theta, None, n, trained)
         return tables
 
     @classmethod
@@ -248,7 +251,7 @@ class DecoderForCausalLM(nn.Module):
         tensor-parallel rank)."""
         h = self.embed(input_ids, positions)
         rotations = {
-            name: cast(RotaryEmbedding, r).for_step(positions, h.dtype)
+            name: cast(RotaryEmbedding, r).for_step(positions, h.dtype, meta)
             for name, r in self.rotary.items()
         }
         ctx = StepContext(rotations, meta, self.backend)

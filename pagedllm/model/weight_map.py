@@ -11,14 +11,22 @@ names (``gguf_loader``), so this one mapping serves both formats.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.model.config import ModelArchConfig
 
 # Stacked parameter name -> its checkpoint parts, in row order.
 STACKED_PARAMS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+# Checkpoints that store a stacked parameter fused (Phi-3's ``qkv_proj`` and ``gate_up_proj``)
+# are split into the parts above at load time (the model's ``split_hf_weight`` hook calls
+# ``split_fused_tensor``), so that tensor-parallel slicing and loading all see one naming.
 # Parameters whose rows are the vocabulary (a short last tensor-parallel shard is zero-padded).
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head_weight")
 
@@ -39,6 +47,43 @@ def checkpoint_names(param_name: str, prefix: str = "model.") -> list[str]:
                 for sub in STACKED_PARAMS[part]
             ]
     return [prefix + param_name]
+
+
+def fused_part_sizes(name: str, config: ModelArchConfig) -> list[int] | None:
+    """Rows of each part of fused checkpoint tensor ``name`` (``...self_attn.qkv_proj.weight``:
+    [H*D, KVH*D, KVH*D]; ``...mlp.gate_up_proj.weight``: [I, I]), or None when it is not fused."""
+    stem = name.rpartition(".")[0]
+    part = stem.rpartition(".")[2]
+    if part == "qkv_proj":
+        d = config.head_dim
+        kv = config.num_key_value_heads * d
+        return [config.num_attention_heads * d, kv, kv]
+    if part == "gate_up_proj":
+        return [config.intermediate_size] * 2
+    return None
+
+
+def split_fused_tensor(
+    name: str, tensor: torch.Tensor, config: ModelArchConfig
+) -> dict[str, torch.Tensor]:
+    """``{name: tensor}``, or the parts of a fused checkpoint tensor under their own names
+    (``model.layers.0.self_attn.qkv_proj.weight`` -> ``...q_proj.weight``, ``...k_proj.weight``,
+    ``...v_proj.weight``; views along dim 0).
+
+    Raises:
+        ValueError: the tensor's rows do not add up to the config's sizes (names both).
+    """
+    sizes = fused_part_sizes(name, config)
+    if sizes is None:
+        return {name: tensor}
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"weight {name!r}: expected {sum(sizes)} rows, got {tensor.shape[0]}")
+    stem, _, kind = name.rpartition(".")
+    module, _, fused = stem.rpartition(".")
+    parts = tensor.split(sizes, dim=0)
+    return {
+        f"{module}.{sub}.{kind}": t for sub, t in zip(STACKED_PARAMS[fused], parts, strict=True)
+    }
 
 
 def load_named_weights(

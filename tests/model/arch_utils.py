@@ -34,6 +34,23 @@ WINDOW = 8
 LAYER_NORM_TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256
 )
+PHI3_ORIGINAL_LEN = 36
+# Tiny Llamas with scaled RoPE: YaRN (static) and dynamic NTK with a trained context of 24
+# tokens, which the test prompts and generations cross.
+ROPE_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama-yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "llama-dynamic": {
+        "max_position_embeddings": 24,
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    },
+}
 
 
 def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -42,6 +59,8 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
 
     if arch == "llama":
         return tf.LlamaForCausalLM, {"config": tf.LlamaConfig}
+    if arch in ROPE_VARIANTS:
+        return tf.LlamaForCausalLM, {"config": tf.LlamaConfig, **ROPE_VARIANTS[arch]}
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM, {"config": tf.Qwen2Config}
     if arch == "qwen3":
@@ -76,6 +95,32 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
         return tf.GPTNeoXForCausalLM, {
             "config": tf.GPTNeoXConfig,
             "tiny": {**LAYER_NORM_TINY, "intermediate_size": 128, "initializer_range": 0.5},
+        }
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM, {
+            "config": tf.Gemma2Config,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,  # small: the cap bends the tiny model's scores
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    if arch == "phi3":
+        g = torch.Generator().manual_seed(3)
+        half = TINY["head_dim"] // 2
+        return tf.Phi3ForCausalLM, {
+            "config": tf.Phi3Config,
+            "sliding_window": WINDOW,  # Phi-3 mini 4k sets one (every layer)
+            # LongRoPE switching at 36 tokens: the 37-token test prompt runs on the long
+            # factors, the others (never longer than 35 tokens while compared) on the short.
+            "original_max_position_embeddings": PHI3_ORIGINAL_LEN,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+                "long_factor": (2 + 6 * torch.rand(half, generator=g)).tolist(),
+            },
         }
     raise ValueError(arch)
 
@@ -148,6 +193,29 @@ def greedy_reference(model: Any, prompt: list[int], n: int) -> Reference:
     return ref
 
 
+@torch.no_grad()
+def greedy_reference_cached(model: Any, prompt: list[int], n: int) -> Reference:
+    """Greedy decoding with transformers' KV cache: the prompt in one forward, then one token
+    per forward. Length-dependent RoPE (dynamic NTK) then rotates each token with the
+    frequencies of its sequence's length at that point, as a paged engine does; the rotary
+    module's cached frequencies are reset first (they would leak from the previous prompt)."""
+    rot = model.model.rotary_emb
+    if hasattr(rot, "original_inv_freq"):
+        rot.register_buffer("inv_freq", rot.original_inv_freq.clone(), persistent=False)
+        rot.max_seq_len_cached = rot.original_max_seq_len
+    ref = Reference([], [], [])
+    out = model(torch.tensor([prompt]), use_cache=True)
+    for _ in range(n):
+        logits = out.logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        tok = int(logits.argmax())
+        ref.tokens.append(tok)
+        ref.gaps.append(float(top[0] - top[1]))
+        ref.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return ref
+
+
 def compare_to_reference(
     tokens: list[int], logprobs: list[float], ref: Reference, gap: float = 1e-3, tol: float = 1e-4
 ) -> int:
@@ -181,7 +249,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
     gguf_arch = {"mistral": "llama"}.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
-    if arch == "gemma3":
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
         names.update(
             post_attention_norm="post_attention_layernorm",
             ffn_norm="pre_feedforward_layernorm",
@@ -204,6 +273,10 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     else:
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if arch == "gemma2":  # llama.cpp records no layer pattern for Gemma 2: they alternate
+        w.add_sliding_window(c.sliding_window)
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_vocab_size(c.vocab_size)
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     for name, t in hf_model.state_dict().items():
@@ -224,7 +297,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
             n = heads if ".q_proj." in name else kv_heads
             rows = t.shape[0]
             t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             t = t + 1.0
         w.add_tensor(g, t.contiguous().numpy())
     w.write_header_to_file()

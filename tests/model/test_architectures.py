@@ -2,7 +2,9 @@
 prefill + decode, alone and batched with mixed prompt lengths, at several block sizes, with
 logprobs within 1e-4 (only steps whose reference top-2 gap exceeds 1e-3 count; most must).
 
-Windowed models (Mistral; Gemma 3's local layers) get prompts longer than their 8-token window.
+Windowed models (Mistral; Gemma 2 / 3's local layers) get prompts longer than their 8-token window;
+Phi-3's LongRoPE switches factor sets inside the prompt lengths. Every architecture also runs under
+recompute and under swap preemption (a pool too small for the batch) with the same tokens.
 """
 
 from __future__ import annotations
@@ -13,9 +15,17 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "opt", "gpt2", "gpt_neox"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2", "gpt_neox"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
+GGUF_UNSUPPORTED = {
+    "phi3": "Phi-3 GGUF files (fused attn_qkv, rope factor tensors) are not read",
+    **{
+        a: f"{a}: Hugging Face folders only (llama.cpp has no OPT; its gpt2 / gptneox GGUF "
+        "files are refused by the registry, see docs/models.md)"
+        for a in LAYER_NORM_ARCHS
+    },
+}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
 
@@ -129,11 +139,8 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
 
     arch, folder, _, _ = arch_case
-    if arch in LAYER_NORM_ARCHS:
-        pytest.skip(
-            f"{arch}: Hugging Face folders only (llama.cpp has no OPT; its gpt2 / gptneox GGUF "
-            "files are refused by the registry, see docs/models.md)"
-        )
+    if arch in GGUF_UNSUPPORTED:
+        pytest.skip(GGUF_UNSUPPORTED[arch])
     hf = build_tiny_hf_model(arch, tmp_path / "again")  # same seed: the same weights
     path = tmp_path / f"{arch}.gguf"
     write_gguf_like_llama_cpp(hf, path, arch)
@@ -150,7 +157,28 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "opt", "gpt_neox"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_transformers_under_preemption(arch_case, mode):
+    """16 blocks of 4 tokens for prompts + generations needing 35: running requests are
+    preempted (and recomputed or swapped back in) and the tokens still equal transformers'."""
+    _, folder, prompts, refs = arch_case
+    llm, results = _run(
+        folder,
+        prompts,
+        4,
+        num_gpu_blocks_override=16,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+    )
+    sched = llm.engine.scheduler
+    assert sched.preemptions_by_mode[mode] > 0
+    assert sched.num_preemptions == sched.preemptions_by_mode[mode]
+    if mode == "swap":
+        assert sched.num_blocks_swapped_in > 0
+    _check(results, refs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3", "gpt_neox"])
 def test_tensor_parallel_2_equals_1(arch, tmp_path):
     """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
     with their heads, q/k norms and Gemma's four norms stay whole, each rank loads only its

@@ -61,7 +61,7 @@ def test_rope_scaling_variants():
     assert l3[0] == plain[0]  # highest frequency untouched
     assert torch.isclose(l3[-1], plain[-1] / 8)  # lowest frequency divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
-        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+        rope_inv_freq(16, 10000.0, {"rope_type": "no-such-scaling", "factor": 2.0})
 
 
 def test_load_weights_reports_missing_and_misshapen(tiny_loaded):

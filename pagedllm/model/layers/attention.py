@@ -2,7 +2,8 @@
 
 One fused QKV projection (optionally with bias: Qwen2), optional per-head RMSNorms of queries and
 keys before RoPE (Qwen3, Gemma 3), the rotary embedding, the attention backend (with the layer's
-sliding window when it has one: Mistral, Gemma local layers) and the output projection.
+sliding window when it has one: Mistral, Gemma local layers; the attention-logit soft cap of
+Gemma 2, on torch_native) and the output projection.
 """
 
 from __future__ import annotations
@@ -11,12 +12,27 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.attention.reference import ReferenceAttention
+from pagedllm.attention.torch_native import TorchNativeAttention
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.layers.linear import column_linear, row_linear
 from pagedllm.model.layers.norm import RMSNorm, norm_heads
 from pagedllm.model.layers.rotary import Rotate
 from pagedllm.model.sharding import TensorParallelShard
+
+_SOFT_CAP_FALLBACK = TorchNativeAttention()
+
+
+def soft_cap_backend(backend: AttentionBackend) -> TorchNativeAttention | ReferenceAttention:
+    """The backend a soft-capped layer (Gemma 2) runs on: ``backend`` itself when it implements
+    ``logits_soft_cap`` (reference, torch_native), else torch_native. The C++ CPU and Triton
+    kernels have no soft cap (their fused softmax takes raw scaled scores); torch_native reads
+    the same KV-cache layout, so only these layers' attention leaves the fast path, the linears,
+    norms and rotary stay on it."""
+    if isinstance(backend, (TorchNativeAttention, ReferenceAttention)):
+        return backend
+    return _SOFT_CAP_FALLBACK
 
 
 class PagedSelfAttention(nn.Module):
@@ -48,6 +64,7 @@ class PagedSelfAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = float(config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = config.layer_window(layer)
+        self.logits_soft_cap = config.attn_logit_softcapping
         hidden = config.hidden_size
         self.qkv_proj = column_linear(
             hidden, self.q_size + 2 * self.kv_size, dtype, bias=config.attention_bias
@@ -80,7 +97,12 @@ class PagedSelfAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qs + kvs :].reshape(t, self.num_kv_heads, d)
         kc, vc = kv_cache
-        if self.sliding_window is None:
+        if self.logits_soft_cap is not None:
+            capped = soft_cap_backend(backend)
+            o = capped.forward(
+                q, k, v, kc, vc, meta, self.scale, self.sliding_window, self.logits_soft_cap
+            )
+        elif self.sliding_window is None:
             o = backend.forward(q, k, v, kc, vc, meta, self.scale)  # [T, H, D]
         else:
             o = backend.forward(q, k, v, kc, vc, meta, self.scale, self.sliding_window)

@@ -1,54 +1,56 @@
 """Rotary position embeddings (Su et al. 2021, RoFormer) in the "rotate half" layout of Hugging
-Face checkpoints: default, linear and Llama 3 frequency scaling, partial rotary (only the first
+Face checkpoints: every frequency scaling of ``layers.rope_scaling`` (default, linear, llama3,
+YaRN, dynamic NTK, Phi-3 LongRoPE), partial rotary (only the first
 ``rotary_dim`` dimensions of a head turn) and one table per base (Gemma 3's local and global
 layers use different bases)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from pagedllm.model.layers.rope_scaling import (
+    LENGTH_DEPENDENT_TYPES,
+    base_inv_freq,
+    dynamic_ntk_inv_freq,
+    longrope_inv_freqs,
+    rope_type,
+    static_inv_freq,
+)
+
 if TYPE_CHECKING:
+    from pagedllm.attention.metadata import AttentionMetadata
     from pagedllm.ops import CpuOps
 
 Rotate = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rope_inv_freq(
-    rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None
+    rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None, trained_len: int = 2048
 ) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim / 2] float32, with RoPE scaling applied.
-
-    Base: theta^(-2i / rotary_dim) (RoFormer eq. 15). Scaling: "linear" divides every frequency
-    by ``factor``; "llama3" (Llama 3.1) keeps high frequencies, divides low ones by ``factor``
-    and interpolates smoothly between ``low_freq_factor`` and ``high_freq_factor``.
+    """Inverse frequencies [rotary_dim / 2] float32 of a static scaling type ("default",
+    "linear", "llama3", "yarn"; see ``layers.rope_scaling``).
 
     Raises:
-        ValueError: naming ``rope_scaling`` for an unsupported type.
+        ValueError: naming ``rope_scaling`` for an unsupported or length-dependent type.
     """
-    d = rotary_dim
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if scaling is None or kind == "default":
-        return inv
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv / factor
-    if kind == "llama3":
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    return static_inv_freq(rotary_dim, theta, scaling, trained_len)[0]
+
+
+def tokens_sequence_lengths(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """[T] int64: for each new token of the step, its sequence's length after the step.
+
+    Raises:
+        ValueError: ``num_tokens`` differs from the tokens ``meta`` describes.
+    """
+    counts = torch.tensor(meta.query_lens_list, device=meta.seq_lens.device)
+    lens = torch.repeat_interleave(meta.seq_lens, counts)
+    if lens.shape[0] != num_tokens:
+        raise ValueError(f"positions has {num_tokens} entries, the metadata {lens.shape[0]}")
+    return lens
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,12 +62,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """A cos/sin table for every position up to ``max_positions``.
 
+    Static scaling types have one table. "longrope" stacks the short-factor table over the
+    long-factor one ([2P, R/2]) and picks the row per token from its sequence's length, so the C++
+    kernel still just gathers table rows. "dynamic" (NTK) keeps the unscaled table for sequences
+    within the trained context and computes the angles of the step's tokens in longer ones from
+    their sequence's length. Both follow transformers: a token uses the frequencies of its
+    sequence's length when it is computed (cached keys are not rotated again).
+
     Args:
         rotary_dim: dimensions of each head that rotate (the head size, or less for partial
             rotary: the rest pass through unchanged); even.
         theta: the base.
-        scaling: Hugging Face ``rope_scaling`` dict or None.
+        scaling: Hugging Face ``rope_scaling`` dict or None (``layers.rope_scaling``).
         max_positions: table length (the engine's max_model_len).
+        trained_len: the checkpoint's ``max_position_embeddings`` (dynamic NTK's threshold,
+            YaRN's and LongRoPE's defaults).
+
+    Raises:
+        ValueError: naming ``rope_scaling`` for an unsupported type or bad factors.
     """
 
     def __init__(
@@ -74,42 +88,81 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict[str, Any] | None,
         max_positions: int,
+        trained_len: int = 2048,
     ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        inv = rope_inv_freq(rotary_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, R/2]
+        self.kind = rope_type(scaling)
+        self.theta = theta
+        self.trained_len = trained_len
+        self.num_positions = max_positions
+        self.switch_len = 0  # longrope: longer sequences use the long factors
+        self.ntk_factor = 1.0  # dynamic: the NTK factor
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        if self.kind == "longrope" and scaling is not None:
+            short, long, mult, self.switch_len = longrope_inv_freqs(
+                rotary_dim, theta, scaling, trained_len
+            )
+            freqs = torch.cat((torch.outer(pos, short), torch.outer(pos, long)))  # [2P, R/2]
+        elif self.kind == "dynamic" and scaling is not None:
+            self.ntk_factor = float(scaling["factor"])
+            freqs, mult = torch.outer(pos, base_inv_freq(rotary_dim, theta)), 1.0
+        else:
+            inv, mult = static_inv_freq(rotary_dim, theta, scaling, trained_len)
+            freqs = torch.outer(pos, inv)  # [P, R/2]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * mult, persistent=False)
+        self.register_buffer("sin", freqs.sin() * mult, persistent=False)
         self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
 
+    def step_tables(
+        self, positions: torch.Tensor, meta: AttentionMetadata | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos [N, R/2], sin [N, R/2], rows [T] int64): the tables the step reads and each
+        token's row in them; the positions themselves for static types (or without ``meta``)."""
+        if meta is None or self.kind not in LENGTH_DEPENDENT_TYPES:
+            return self.cos, self.sin, positions
+        if self.kind == "longrope":
+            is_long = tokens_sequence_lengths(meta, positions.shape[0]) > self.switch_len
+            return self.cos, self.sin, positions + is_long * self.num_positions
+        if max(meta.seq_lens_list, default=0) <= self.trained_len:
+            return self.cos, self.sin, positions  # dynamic NTK within the trained context
+        lens = tokens_sequence_lengths(meta, positions.shape[0])
+        inv = dynamic_ntk_inv_freq(
+            self.rotary_dim, self.theta, self.ntk_factor, self.trained_len, lens
+        )
+        freqs = positions.float()[:, None] * inv  # [T, R/2]
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        return freqs.cos(), freqs.sin(), rows
+
     def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a step's positions, [T, 1, R/2] each; computed once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
-            dtype
-        )
+        cos, sin, rows = self.step_tables(positions, meta)
+        return cos[rows].unsqueeze(1).to(dtype), sin[rows].unsqueeze(1).to(dtype)
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotate:
+    def for_step(
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None
+    ) -> Rotate:
         """The step's rotation: a function taking [T, heads, D] (a strided view is fine) and
-        returning it rotated by ``positions`` ([T] int64). With the C++ kernel (fp32 on the CPU)
-        it rotates in place with no temporaries; otherwise it returns a new tensor. With partial
-        rotary only ``x[..., :rotary_dim]`` turns."""
+        returning it rotated by ``positions`` ([T] int64; ``meta`` gives the sequence lengths
+        the length-dependent types need). With the C++ kernel (fp32 on the CPU) it rotates in
+        place with no temporaries; otherwise it returns a new tensor. With partial rotary only
+        ``x[..., :rotary_dim]`` turns."""
         ops = self.cpu_ops
         r = self.rotary_dim
         if ops is not None and dtype == torch.float32 and positions.device.type == "cpu":
-            cos, sin = self.cos, self.sin
-            positions = positions.contiguous()
+            cos, sin, rows = self.step_tables(positions, meta)
+            rows = rows.contiguous()
 
             def rotate_in_place(x: torch.Tensor) -> torch.Tensor:
-                ops.rotary_embedding(x if x.shape[-1] == r else x[..., :r], positions, cos, sin)
+                ops.rotary_embedding(x if x.shape[-1] == r else x[..., :r], rows, cos, sin)
                 return x
 
             return rotate_in_place
-        cos_t, sin_t = self.lookup(positions, dtype)  # gathered once per step, not per layer
+        cos_t, sin_t = self.lookup(positions, dtype, meta)  # gathered once per step, not per layer
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
             if x.shape[-1] == r:

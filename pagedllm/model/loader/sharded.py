@@ -124,3 +124,10 @@ def _hf_shard(
                 else:
                     out[name] = sf.get_slice(file_name)[:, cut[1] : cut[2]]
     return out
+
+
+def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """``t`` sliced as ``TensorParallelShard.weight_slice`` says (whole when None)."""
+    if cut is None:
+        return t
+    return t[cut[1] : cut[2]] if cut[0] == 0 else t[:, cut[1] : cut[2]]
