@@ -53,6 +53,10 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen3 (dense)"),
     ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
                ("gemma3",), "Gemma 3 (text)"),
+    ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
+               "Mixtral (sparse MoE, sliding window)"),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",), (),
+               "Qwen3-MoE (sparse MoE, q/k norm)"),
 )  # fmt: skip
 
 

@@ -62,8 +62,8 @@ class TensorParallelShard:
         """The shard of ``rank`` in a group of ``world_size``.
 
         Raises:
-            ValueError: naming ``tensor_parallel_size`` when the query heads or the intermediate
-                size are not divisible by it, or when the KV heads can be neither split
+            ValueError: naming ``tensor_parallel_size`` when it is > 1 for a mixture-of-experts
+                model, when the query heads or the intermediate size are not divisible by it, or when the KV heads can be neither split
                 (KVH % tp) nor replicated (tp % KVH); naming ``rank`` when out of range.
         """
         tp = world_size
@@ -72,6 +72,11 @@ class TensorParallelShard:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if not 0 <= rank < tp:
             raise ValueError(f"rank must be in [0, {tp}), got {rank}")
+        if config.num_experts and tp > 1:  # expert weights are not sliced (yet)
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must be 1 for mixture-of-experts models "
+                f"({config.architecture})"
+            )
         if h % tp:
             raise ValueError(
                 f"tensor_parallel_size ({tp}) must divide the number of query heads ({h})"
