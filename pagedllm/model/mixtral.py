@@ -4,8 +4,8 @@ mixture-of-experts block: a router picks the top-k of E SwiGLU experts per token
 their weights (``layers.moe``). Qwen3-MoE subclasses it.
 
 The experts of a step run grouped: each routed expert once over all the tokens routed to it
-(``layers.moe.SparseMoeBlock``). Tensor parallelism is refused for MoE models
-(``model.sharding``).
+(``layers.moe.SparseMoeBlock``). Under tensor parallelism every expert's intermediate width is
+split over the ranks (``model.sharding``), the router is replicated.
 """
 
 from __future__ import annotations
@@ -50,15 +50,19 @@ class MixtralForCausalLM(LlamaForCausalLM):
     ) -> nn.Module:
         mlp = None
         if config.layer_is_moe(index):
+            inter = config.moe_intermediate_size or config.intermediate_size
+            if shard is not None:
+                inter = shard.expert_intermediate[1] - shard.expert_intermediate[0]
             mlp = SparseMoeBlock(
                 config.hidden_size,
-                config.moe_intermediate_size or config.intermediate_size,
+                inter,
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.norm_topk_prob,
                 config.hidden_act,
                 dtype,
                 self.moe_names,
+                group,
             )
         return LlamaDecoderLayer(config, index, dtype, shard, group, mlp=mlp)
 

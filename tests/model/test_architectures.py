@@ -144,11 +144,11 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "mixtral", "qwen3_moe"])
 def test_tensor_parallel_2_equals_1(arch, tmp_path):
     """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
-    with their heads, q/k norms and Gemma's four norms stay whole, each rank loads only its
-    slices from the folder."""
+    with their heads, q/k norms and Gemma's four norms stay whole, MoE experts are cut along
+    their intermediate width (router whole), each rank loads only its slices from the folder."""
     from pagedllm.entrypoints.llm import LLM
     from tests.distributed.tp_utils import greedy_tokens
     from tests.model.arch_utils import build_tiny_hf_model

@@ -1,7 +1,8 @@
 """The sparse MoE block (``pagedllm/model/layers/moe.py``) on a tiny random Mixtral / Qwen3-MoE:
 every routed expert runs once per step over all its tokens (counted at the expert call site),
 routing equal to transformers' router, outputs equal to transformers' MoE block, and the config
-and loading rules (dense layers of Qwen3-MoE, tensor parallelism refused, missing experts named).
+and loading rules (dense layers of Qwen3-MoE, expert shards under tensor parallelism, missing
+experts named).
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ def test_qwen3_moe_sparse_and_dense_layers():
     assert f["moe_layers"] == list(range(6)) and f["num_experts"] == 4
 
 
-def test_tensor_parallel_refused_and_missing_expert_named(tiny_mixtral):
+def test_expert_shards_and_missing_expert_named(tiny_mixtral):
+    """Tensor parallelism cuts every expert's intermediate width (gate/up rows, down columns;
+    the router whole) and refuses a width it cannot split; a missing expert tensor is named."""
+    import dataclasses
+
     from pagedllm.model.loader import load_hf_weights
     from pagedllm.model.mixtral import MixtralForCausalLM
     from pagedllm.model.sharding import TensorParallelShard
@@ -117,9 +122,17 @@ def test_tensor_parallel_refused_and_missing_expert_named(tiny_mixtral):
     folder, _ = tiny_mixtral
     config, state = load_hf_weights(folder)
     assert config.num_experts == 8 and config.num_experts_per_tok == 2
-    assert config.sliding_window == 8
+    assert config.sliding_window == 8 and config.intermediate_size == 128
+    shard = TensorParallelShard.for_rank(config, 1, 2)
+    assert shard.expert_intermediate == (64, 128)
+    ex = "model.layers.0.block_sparse_moe.experts.3."
+    assert shard.weight_slice(ex + "w1.weight", 16) == (0, 64, 128)
+    assert shard.weight_slice(ex + "w3.weight", 16) == (0, 64, 128)
+    assert shard.weight_slice(ex + "w2.weight", 16) == (1, 64, 128)
+    assert shard.weight_slice("model.layers.0.block_sparse_moe.gate.weight", 16) is None
+    odd = dataclasses.replace(config, moe_intermediate_size=36)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        TensorParallelShard.for_rank(config, 0, 2)
+        TensorParallelShard.for_rank(odd, 0, 8)
     from pagedllm.attention import get_attention_backend
 
     model = MixtralForCausalLM(config, torch.float32, get_attention_backend("reference", "cpu"))

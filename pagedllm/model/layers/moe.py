@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.layers.activation import activation_fn, gated_activation
 from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU, cpu_gemm_ops
 
@@ -218,6 +219,10 @@ class SparseMoeBlock(nn.Module):
         act: Hugging Face activation name of the experts ("silu").
         dtype: parameter dtype.
         names: the checkpoint's tensor names (:data:`MIXTRAL_NAMES`, :data:`QWEN_MOE_NAMES`).
+        group: tensor-parallel group or None. Under tensor parallelism every rank holds a
+            1 / tp slice of every expert's intermediate width (``inter`` is this rank's share;
+            Megatron-LM column / row split per expert), routes all tokens itself (the router is
+            replicated) and the partial outputs are summed by one all-reduce.
 
     Forward: x [T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the
     result is added into it in place and ``residual`` is returned (as ``GatedMLP``).
@@ -236,8 +241,10 @@ class SparseMoeBlock(nn.Module):
         act: str,
         dtype: torch.dtype,
         names: MoeCheckpointNames,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        self.group = group
         if not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]"
@@ -263,6 +270,8 @@ class SparseMoeBlock(nn.Module):
         out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
         # Sum into zeros first (as the reference does), then add the residual: same rounding.
         moe = torch.zeros_like(x).index_add_(0, rows, out)
+        if self.group is not None:
+            moe = self.group.all_reduce(moe)  # sum of the ranks' intermediate slices
         return moe if residual is None else residual.add_(moe)
 
     def forward_per_token(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,4 +283,4 @@ class SparseMoeBlock(nn.Module):
         for t, (w_row, id_row) in enumerate(zip(weights.tolist(), ids.tolist(), strict=True)):
             for w, expert in zip(w_row, id_row, strict=True):
                 out[t] += self.experts(expert, x[t : t + 1])[0] * w
-        return out
+        return out if self.group is None else self.group.all_reduce(out)
