@@ -2,8 +2,9 @@
 
 Builds a small random Mixtral with transformers (fp32; default: 4 layers, d = 256, 8 experts of
 width 512, top-2), loads it into the engine and, for each batch size, prefills that many short
-prompts and times ``--steps`` whole decode steps (``LLMEngine.step``) plus the first layer's MoE
-block alone on a random [batch, d] input. Modes:
+prompts and times ``--steps`` whole decode steps (``LLMEngine.step``) plus ``--block-reps`` calls
+of the first layer's MoE block alone on a random [batch, d] input (median and min: on a shared
+machine the min is the cleaner figure). Modes:
 
 - ``grouped``: ``SparseMoeBlock.forward`` (sort the step's assignments by expert, each routed
   expert once over its rows), experts on the CPU-packed GEMMs;
@@ -64,7 +65,9 @@ def per_token_forward(block, x, residual=None):  # type: ignore[no-untyped-def]
     return out if residual is None else residual.add_(out)
 
 
-def time_mode(folder: Path, mode: str, batches: list[int], steps: int, threads: int) -> None:
+def time_mode(
+    folder: Path, mode: str, batches: list[int], steps: int, block_reps: int, threads: int
+) -> None:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.model.layers import moe
@@ -100,7 +103,7 @@ def time_mode(folder: Path, mode: str, batches: list[int], steps: int, threads: 
                 engine.step()
             x = torch.randn(b, loaded.config.hidden_size, generator=g)
             block_ms = []
-            for _ in range(steps):
+            for _ in range(block_reps):
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     block(x)
@@ -121,6 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--block-reps", type=int, default=50, help="timed calls of the MoE block")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -142,7 +146,7 @@ def main() -> None:
         folder = Path(tmp)
         build_model(folder, args.layers, args.hidden, args.inter, args.experts)
         for mode in args.modes:
-            time_mode(folder, mode, args.batches, args.steps, args.threads)
+            time_mode(folder, mode, args.batches, args.steps, args.block_reps, args.threads)
 
 
 if __name__ == "__main__":
