@@ -58,6 +58,13 @@ class ModelArchConfig:
             a model has no rows past ``max_position_embeddings``, which caps max_model_len.
         attn_logit_softcapping: attention scores = cap * tanh(scores / cap) when set (Gemma 2);
             such layers run on the torch_native attention (``layers.attention``).
+        num_experts: routed experts of a mixture-of-experts layer (Mixtral, Qwen3-MoE); 0 =
+            dense model.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: one expert's intermediate width; None = ``intermediate_size``.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1.
+        moe_layers: indices of the MoE layers (the others have a dense MLP of
+            ``intermediate_size``); None = every layer when ``num_experts``.
     """
 
     vocab_size: int
@@ -94,6 +101,11 @@ class ModelArchConfig:
     norm_before: bool = True
     position_offset: int | None = None
     attn_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    moe_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -114,6 +126,12 @@ class ModelArchConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a sparse mixture-of-experts MLP."""
+        if not self.num_experts:
+            return False
+        return self.moe_layers is None or layer in self.moe_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of KV cache one token occupies: 2 (K and V) x layers x kv_heads x head_dim x bytes.

@@ -33,6 +33,8 @@ class LlamaDecoderLayer(nn.Module):
         index: layer index (its sliding window, if any).
         dtype: parameter dtype.
         shard / group: tensor-parallel slice and group, or None.
+        mlp: the feed-forward block, called as ``mlp(x)`` or ``mlp(x, residual=r)``
+            (``layers.moe.SparseMoeBlock``); None = a ``GatedMLP`` of ``intermediate_size``.
 
     Forward: h [T, d], the layer's (key_cache, value_cache), the step context -> [T, d].
     """
@@ -44,6 +46,7 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         shard: TensorParallelShard | None = None,
         group: TensorParallelGroup | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
@@ -51,7 +54,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = PagedSelfAttention(config, index, dtype, shard, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, inter, config.hidden_act, dtype, group)
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else GatedMLP(config.hidden_size, inter, config.hidden_act, dtype, group)
+        )
 
     def forward(
         self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext

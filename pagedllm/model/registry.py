@@ -61,6 +61,10 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", ("gpt2",), (), "GPT-2"),
     ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",), (),
                "GPT-NeoX, Pythia"),
+    ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
+               "Mixtral (sparse MoE, sliding window)"),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",), (),
+               "Qwen3-MoE (sparse MoE, q/k norm)"),
 )  # fmt: skip
 
 

@@ -35,6 +35,8 @@ class TensorParallelShard:
         vocab: vocabulary rows [lo, hi); the last shard may be shorter than ``vocab_shard_size``.
         vocab_shard_size: rows of every rank's embedding / LM-head shard (ceil(V / world_size));
             a short last shard is padded with zero rows.
+        expert_intermediate: inner columns [lo, hi) of every MoE expert (each expert is split
+            like the dense MLP: gate/up by rows, down by columns).
     """
 
     rank: int
@@ -44,6 +46,7 @@ class TensorParallelShard:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
     vocab_shard_size: int
+    expert_intermediate: tuple[int, int] = (0, 0)
 
     @property
     def num_heads(self) -> int:
@@ -62,9 +65,10 @@ class TensorParallelShard:
         """The shard of ``rank`` in a group of ``world_size``.
 
         Raises:
-            ValueError: naming ``tensor_parallel_size`` when the query heads or the intermediate
-                size are not divisible by it, or when the KV heads can be neither split
-                (KVH % tp) nor replicated (tp % KVH); naming ``rank`` when out of range.
+            ValueError: naming ``tensor_parallel_size`` when the query heads, the intermediate
+                size or the experts' intermediate size are not divisible by it, or when the KV
+                heads can be neither split (KVH % tp) nor replicated (tp % KVH); naming ``rank``
+                when out of range.
         """
         tp = world_size
         h, kvh = config.num_attention_heads, config.num_key_value_heads
@@ -72,6 +76,12 @@ class TensorParallelShard:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if not 0 <= rank < tp:
             raise ValueError(f"rank must be in [0, {tp}), got {rank}")
+        moe_inter = config.moe_intermediate_size or config.intermediate_size
+        if config.num_experts and moe_inter % tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must divide the experts' intermediate size "
+                f"({moe_inter})"
+            )
         if h % tp:
             raise ValueError(
                 f"tensor_parallel_size ({tp}) must divide the number of query heads ({h})"
@@ -102,6 +112,7 @@ class TensorParallelShard:
             intermediate=(rank * inter, (rank + 1) * inter),
             vocab=(v_lo, min(v_lo + vs, config.vocab_size)),
             vocab_shard_size=vs,
+            expert_intermediate=(rank * moe_inter // tp, (rank + 1) * moe_inter // tp),
         )
 
     def weight_slice(self, name: str, head_dim: int) -> tuple[int, int, int] | None:
@@ -122,6 +133,12 @@ class TensorParallelShard:
             return (0, self.kv_heads[0] * d, self.kv_heads[1] * d)
         if stem.endswith("self_attn.o_proj") and row_parallel:
             return (1, self.q_heads[0] * d, self.q_heads[1] * d)
+        if ".experts." in stem:  # MoE: Mixtral's w1 / w3 / w2, Qwen3-MoE's *_proj
+            if stem.endswith((".w1", ".w3", ".gate_proj", ".up_proj")):
+                return (0, *self.expert_intermediate)
+            if stem.endswith((".w2", ".down_proj")) and row_parallel:
+                return (1, *self.expert_intermediate)
+            return None
         if stem.endswith(("mlp.gate_proj", "mlp.up_proj")):
             return (0, *self.intermediate)
         if stem.endswith("mlp.down_proj") and row_parallel:

@@ -92,9 +92,11 @@ def load_named_weights(
     """Copy ``state_dict`` (Hugging Face names) into every parameter of ``model``.
 
     A module with a ``load_weight(value) -> value`` method (``layers.norm.RMSNorm``: Gemma's
-    ``1 + w``) transforms its checkpoint tensor first. Tied parameters are loaded once (from
-    ``model.embed_tokens.weight`` when the state dict has no ``lm_head.weight``). Extra tensors
-    in ``state_dict`` are ignored.
+    ``1 + w``) transforms its checkpoint tensor first; one with a
+    ``checkpoint_names(param_name) -> list[str]`` method names its parameters' checkpoint tensors
+    itself (``layers.moe``: per-expert tensors concatenated into stacked expert weights). Tied
+    parameters are loaded once (from ``model.embed_tokens.weight`` when the state dict has no
+    ``lm_head.weight``). Extra tensors in ``state_dict`` are ignored.
 
     Args:
         model: the pagedllm model (parameters named as described in the module docstring).
@@ -109,7 +111,9 @@ def load_named_weights(
     modules = dict(model.named_modules())
     with torch.no_grad():
         for pname, param in model.named_parameters():  # tied parameters come once
-            names = checkpoint_names(pname)
+            owner = modules.get(pname.rpartition(".")[0])
+            names_hook = getattr(owner, "checkpoint_names", None)
+            names = names_hook(pname) if callable(names_hook) else checkpoint_names(pname)
             if names == ["lm_head.weight"] and names[0] not in state_dict:
                 names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
             missing = [n for n in names if n not in state_dict]
@@ -117,7 +121,6 @@ def load_named_weights(
                 raise ValueError(f"weight {missing[0]!r} is missing from the checkpoint")
             parts = [state_dict[n] for n in names]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            owner = modules.get(pname.rpartition(".")[0])
             loader = getattr(owner, "load_weight", None)
             if callable(loader):
                 value = loader(value)

@@ -122,6 +122,22 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
                 "long_factor": (2 + 6 * torch.rand(half, generator=g)).tolist(),
             },
         }
+    if arch == "mixtral":  # 8 experts, top-2, windowed like Mistral
+        return tf.MixtralForCausalLM, {
+            "config": tf.MixtralConfig,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+        }
+    if arch == "qwen3_moe":  # layer 0 sparse (k weights not renormalised), layer 1 dense
+        return tf.Qwen3MoeForCausalLM, {
+            "config": tf.Qwen3MoeConfig,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        }
     raise ValueError(arch)
 
 

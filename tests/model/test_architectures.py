@@ -15,9 +15,11 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2", "gpt_neox"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
+MOE_ARCHS = ("mixtral", "qwen3_moe")
 GGUF_UNSUPPORTED = {
     "phi3": "Phi-3 GGUF files (fused attn_qkv, rope factor tensors) are not read",
     **{
@@ -25,6 +27,7 @@ GGUF_UNSUPPORTED = {
         "files are refused by the registry, see docs/models.md)"
         for a in LAYER_NORM_ARCHS
     },
+    **{a: "MoE models load from Hugging Face folders only (no GGUF entry)" for a in MOE_ARCHS},
 }
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -102,7 +105,8 @@ def test_cpu_fast_path_is_used(arch_case):
     """On the CPU in fp32 every architecture runs the packed linears (bias included) and the
     fused C++ RMSNorm / rotary kernels (SiLU models also the fused SwiGLU), not the fallback.
     The LayerNorm families (no fused kernel: ATen's LayerNorm) still pack every linear, and
-    GPT-NeoX's partial rotary runs on the C++ kernel."""
+    GPT-NeoX's partial rotary runs on the C++ kernel; MoE layers run every expert on packed
+    GEMMs."""
     from pagedllm.attention.cpu import load_cpu_ops
     from pagedllm.model.layers.layer_norm import LayerNorm
     from pagedllm.model.layers.norm import RMSNorm
@@ -118,13 +122,19 @@ def test_cpu_fast_path_is_used(arch_case):
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
     assert (attn.qkv_proj.bias is not None) == (arch in ("qwen2", *LAYER_NORM_ARCHS))
-    mlp = model.layers[0].mlp
-    if arch in LAYER_NORM_ARCHS:
-        assert isinstance(mlp.up_proj, PackedLinear) and mlp.up_proj.bias is not None
-        assert isinstance(model.layers[0].input_layernorm, LayerNorm)
-    else:
-        assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
-    assert isinstance(mlp.down_proj, PackedLinear)
+    for layer in model.layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):  # MoE: every expert packed, SwiGLU fused (I % 8 == 0)
+            assert mlp.experts.packed
+            assert all(isinstance(m, PackedSwiGLU) for m in mlp.experts.packed_gate_up)
+            assert all(isinstance(m, PackedLinear) for m in mlp.experts.packed_down)
+            continue
+        if arch in LAYER_NORM_ARCHS:
+            assert isinstance(mlp.up_proj, PackedLinear) and mlp.up_proj.bias is not None
+            assert isinstance(layer.input_layernorm, LayerNorm)
+        else:
+            assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
+        assert isinstance(mlp.down_proj, PackedLinear)
     assert model.lm_head_packed is not None
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
     assert all(m.cpu_ops is not None for m in norms)
@@ -178,11 +188,11 @@ def test_greedy_equals_transformers_under_preemption(arch_case, mode):
     _check(results, refs)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3", "gpt_neox", "mixtral"])
 def test_tensor_parallel_2_equals_1(arch, tmp_path):
     """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
-    with their heads, q/k norms and Gemma's four norms stay whole, each rank loads only its
-    slices from the folder."""
+    with their heads, q/k norms and Gemma's four norms stay whole, MoE experts are cut along
+    their intermediate width (router whole), each rank loads only its slices from the folder."""
     from pagedllm.entrypoints.llm import LLM
     from tests.distributed.tp_utils import greedy_tokens
     from tests.model.arch_utils import build_tiny_hf_model

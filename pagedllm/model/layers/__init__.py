@@ -1,6 +1,7 @@
 """Layers every model file builds on: linear (plain, column / row parallel, optional bias),
 RMSNorm (incl. Gemma's ``1 + w``) and q/k norms, gated activations, rotary embeddings, token
-embeddings (scaled), paged self-attention, the gated MLP and the LM head (soft-capped)."""
+embeddings (scaled), paged self-attention, the gated MLP, the sparse MoE block and the LM head
+(soft-capped)."""
 
 from pagedllm.model.layers.activation import activation_fn, gated_activation
 from pagedllm.model.layers.attention import PagedSelfAttention
@@ -8,6 +9,7 @@ from pagedllm.model.layers.embedding import scale_embedding, token_embedding
 from pagedllm.model.layers.linear import column_linear, row_linear, uninitialized
 from pagedllm.model.layers.logits import lm_head_logits, soft_cap
 from pagedllm.model.layers.mlp import GatedMLP
+from pagedllm.model.layers.moe import SparseMoeBlock
 from pagedllm.model.layers.norm import RMSNorm, norm_heads
 from pagedllm.model.layers.parallel import (
     RowParallelLinear,
@@ -22,6 +24,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "SparseMoeBlock",
     "VocabParallelEmbedding",
     "activation_fn",
     "apply_rotary",

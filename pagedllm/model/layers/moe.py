@@ -1,0 +1,286 @@
+"""Sparse mixture-of-experts feed-forward block (Shazeer et al. 2017; Mixtral, Jiang et al. 2024,
+section 2.1; Qwen3-MoE) with the batch's tokens grouped by expert.
+
+Each token's router picks its top-k of E SwiGLU experts and the block outputs the sum of their
+outputs weighted by the router's softmax probabilities (Mixtral renormalises the k weights to sum
+to 1; Qwen3-MoE does when ``norm_topk_prob``). A serving step holds many tokens (the decode
+tokens of every running sequence plus prefill chunks), so instead of running k experts per token
+the block sorts the step's (token, expert) assignments by expert id and runs every routed expert
+ONCE over all of its rows (one gate/up GEMM and one down GEMM per expert and step); experts that
+no token picked are not run. The weighted outputs are scatter-added back to their tokens.
+
+Shapes: T = tokens in the step, d = hidden size, E = experts, k = experts per token,
+I = one expert's intermediate width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.layers.activation import activation_fn, gated_activation
+from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU, cpu_gemm_ops
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
+
+
+@dataclass(frozen=True)
+class MoeCheckpointNames:
+    """How a checkpoint names one MoE block's tensors (relative to ``model.layers.N.``).
+
+    Attributes:
+        block: the block's module name: "block_sparse_moe" (Mixtral), "mlp" (Qwen3-MoE).
+        gate / up / down: one expert's projections: "w1" / "w3" / "w2" (Mixtral),
+            "gate_proj" / "up_proj" / "down_proj" (Qwen3-MoE).
+    """
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+MIXTRAL_NAMES = MoeCheckpointNames("block_sparse_moe", "w1", "w3", "w2")
+QWEN_MOE_NAMES = MoeCheckpointNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def _layer_prefix(param_name: str) -> str:
+    """``layers.3.mlp.experts.gate_up_weight`` -> ``model.layers.3.``."""
+    parts = param_name.split(".")
+    return f"model.{parts[0]}.{parts[1]}."
+
+
+class MoeRouter(nn.Module):
+    """The router ("gate"): logits = x W^T, W [E, d]; kept as a plain parameter (not an
+    ``nn.Linear``) so that CPU packing leaves it on ``F.linear``, bit-equal to the reference.
+
+    Forward: x [T, d] -> (weights [T, k] float32, expert ids [T, k] int64), see
+    :func:`route_top_k`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool,
+        dtype: torch.dtype,
+        names: MoeCheckpointNames,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+        )
+        self.top_k = top_k
+        self.normalize = normalize
+        self.names = names
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        """The checkpoint tensor of the router weight (``model.weight_map`` hook)."""
+        return [f"{_layer_prefix(param_name)}{self.names.block}.gate.weight"]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_top_k(F.linear(x, self.weight), self.top_k, self.normalize)
+
+
+def route_top_k(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, then the k largest.
+
+    Args:
+        logits: [T, E] router logits (any float dtype).
+        top_k: experts per token.
+        normalize: rescale the k probabilities to sum to 1 (Mixtral; Qwen3-MoE's
+            ``norm_topk_prob``).
+
+    Returns:
+        (weights [T, k] float32, expert ids [T, k] int64), largest first.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights.
+
+    Parameters (loaded by ``model.weight_map`` through :meth:`checkpoint_names` and
+    :meth:`load_weight` from the per-expert checkpoint tensors):
+        gate_up_weight: [E, 2I, d] (each expert's gate rows, then its up rows).
+        down_weight: [E, d, I].
+
+    After :meth:`pack` on the CPU (fp32) each expert runs on prepacked GEMMs (the own GEMM with
+    the SwiGLU epilogue when available, else oneDNN) and the stacked parameters are dropped.
+
+    Raises:
+        ValueError: naming ``hidden_act`` for an activation the experts do not know.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        act: str,
+        dtype: torch.dtype,
+        names: MoeCheckpointNames,
+    ) -> None:
+        super().__init__()
+        activation_fn(act)  # validate early
+        self.num_experts = num_experts
+        self.inter = inter
+        self.act = act
+        self.names = names
+        self.gate_up_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False
+        )
+        self.down_weight = nn.Parameter(
+            torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False
+        )
+        self.packed_gate_up: nn.ModuleList | None = None
+        self.packed_down: nn.ModuleList | None = None
+        self.cpu_ops: CpuOps | None = None  # fused SiLU-and-mul when fused ops are on
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        """Per-expert checkpoint tensors of a stacked parameter, expert by expert
+        (``model.weight_map`` hook): gate_up_weight <- experts.e.{gate, up}.weight, down_weight
+        <- experts.e.down.weight, e = 0 .. E-1."""
+        n = self.names
+        base = f"{_layer_prefix(param_name)}{n.block}.experts."
+        parts = (n.gate, n.up) if param_name.endswith("gate_up_weight") else (n.down,)
+        return [f"{base}{e}.{p}.weight" for e in range(self.num_experts) for p in parts]
+
+    def load_weight(self, value: torch.Tensor) -> torch.Tensor:
+        """The stacked parameter from the concatenated per-expert tensors ([E * rows, cols] ->
+        [E, rows, cols])."""
+        return value.view(self.num_experts, -1, value.shape[-1])
+
+    @property
+    def packed(self) -> bool:
+        """Whether the experts run on prepacked GEMMs."""
+        return self.packed_down is not None
+
+    def pack(self, cpu_ops: CpuOps | None) -> int:
+        """Prepack every expert (``model.packed_linear``; call after loading, fp32 CPU only).
+        Returns the number of packed matrices."""
+        gemm = cpu_gemm_ops(cpu_ops, self.gate_up_weight.dtype)
+        fuse = gemm is not None and self.act == "silu" and self.inter % 8 == 0
+        gate_up: list[nn.Module] = [
+            PackedSwiGLU(w, gemm) if fuse and gemm is not None else PackedLinear(w, cpu_ops)
+            for w in self.gate_up_weight
+        ]
+        self.packed_gate_up = nn.ModuleList(gate_up)
+        self.packed_down = nn.ModuleList(PackedLinear(w, cpu_ops) for w in self.down_weight)
+        del self.gate_up_weight, self.down_weight  # the packed copies replace them
+        return 2 * self.num_experts
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert`` over its rows: down(act(gate(x)) * up(x)).
+
+        Args:
+            expert: expert index in [0, E).
+            x: [n, d] the rows routed to it.
+
+        Returns:
+            [n, d], x's dtype.
+        """
+        if self.packed_gate_up is not None and self.packed_down is not None:
+            gate_up = self.packed_gate_up[expert]
+            h = gate_up(x)
+            if not getattr(gate_up, "fused_activation", False):
+                h = gated_activation(h, self.inter, self.act, self.cpu_ops)
+            out: torch.Tensor = self.packed_down[expert](h)
+            return out
+        h = gated_activation(
+            F.linear(x, self.gate_up_weight[expert]), self.inter, self.act, self.cpu_ops
+        )
+        return F.linear(h, self.down_weight[expert])
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE feed-forward block of one decoder layer (replaces the dense ``GatedMLP``).
+
+    Args:
+        hidden: model width d.
+        inter: one expert's intermediate width I.
+        num_experts: E.
+        top_k: k, experts per token.
+        normalize: renormalise the k routing weights (Mixtral: always; Qwen3-MoE:
+            ``norm_topk_prob``).
+        act: Hugging Face activation name of the experts ("silu").
+        dtype: parameter dtype.
+        names: the checkpoint's tensor names (:data:`MIXTRAL_NAMES`, :data:`QWEN_MOE_NAMES`).
+        group: tensor-parallel group or None. Under tensor parallelism every rank holds a
+            1 / tp slice of every expert's intermediate width (``inter`` is this rank's share;
+            Megatron-LM column / row split per expert), routes all tokens itself (the router is
+            replicated) and the partial outputs are summed by one all-reduce.
+
+    Forward: x [T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the
+    result is added into it in place and ``residual`` is returned (as ``GatedMLP``).
+
+    Raises:
+        ValueError: naming ``num_experts_per_tok`` when k is not in [1, E].
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool,
+        act: str,
+        dtype: torch.dtype,
+        names: MoeCheckpointNames,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]"
+            )
+        self.gate = MoeRouter(hidden, num_experts, top_k, normalize, dtype, names)
+        self.experts = StackedExperts(hidden, inter, num_experts, act, dtype, names)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [T, k]
+        k = ids.shape[1]
+        flat = ids.reshape(-1)  # assignment a = t * k + j
+        # Group the assignments by expert (stable: within an expert, tokens stay in order).
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
+        rows = order // k  # the token of each grouped assignment
+        grouped = x.index_select(0, rows)  # [T * k, d], expert 0's rows first
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:  # unrouted experts are skipped
+                out[start : start + n] = self.experts(expert, grouped[start : start + n])
+                start += n
+        out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
+        # Sum into zeros first (as the reference does), then add the residual: same rounding.
+        moe = torch.zeros_like(x).index_add_(0, rows, out)
+        if self.group is not None:
+            moe = self.group.all_reduce(moe)  # sum of the ranks' intermediate slices
+        return moe if residual is None else residual.add_(moe)
+
+    def forward_per_token(self, x: torch.Tensor) -> torch.Tensor:
+        """The naive baseline: every token runs its k experts on its own row (T * k expert
+        calls instead of at most E). Same result as :meth:`forward` up to rounding; for
+        ``benchmarks/moe_step.py`` and the tests."""
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for t, (w_row, id_row) in enumerate(zip(weights.tolist(), ids.tolist(), strict=True)):
+            for w, expert in zip(w_row, id_row, strict=True):
+                out[t] += self.experts(expert, x[t : t + 1])[0] * w
+        return out if self.group is None else self.group.all_reduce(out)

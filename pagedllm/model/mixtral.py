@@ -1,0 +1,92 @@
+"""Mixtral (Jiang et al. 2024, "Mixtral of Experts"): Mistral's attention (grouped-query, RoPE,
+sliding window when ``sliding_window`` is set) with every MLP replaced by a sparse
+mixture-of-experts block: a router picks the top-k of E SwiGLU experts per token and renormalises
+their weights (``layers.moe``). Qwen3-MoE subclasses it.
+
+The experts of a step run grouped: each routed expert once over all the tokens routed to it
+(``layers.moe.SparseMoeBlock``). Under tensor parallelism every expert's intermediate width is
+split over the ranks (``model.sharding``), the router is replicated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.layers.moe import (
+    MIXTRAL_NAMES,
+    MoeCheckpointNames,
+    SparseMoeBlock,
+    StackedExperts,
+)
+from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedllm.model.sharding import TensorParallelShard
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Llama layers whose MLP is a :class:`SparseMoeBlock` in the layers
+    ``config.layer_is_moe`` names (a dense ``GatedMLP`` in the others).
+
+    Class attributes:
+        moe_names: how the checkpoint names the MoE tensors.
+    """
+
+    moe_names: ClassVar[MoeCheckpointNames] = MIXTRAL_NAMES
+
+    def make_layer(
+        self,
+        config: ModelArchConfig,
+        index: int,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None,
+        group: TensorParallelGroup | None,
+    ) -> nn.Module:
+        mlp = None
+        if config.layer_is_moe(index):
+            inter = config.moe_intermediate_size or config.intermediate_size
+            if shard is not None:
+                inter = shard.expert_intermediate[1] - shard.expert_intermediate[0]
+            mlp = SparseMoeBlock(
+                config.hidden_size,
+                inter,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                config.hidden_act,
+                dtype,
+                self.moe_names,
+                group,
+            )
+        return LlamaDecoderLayer(config, index, dtype, shard, group, mlp=mlp)
+
+    @classmethod
+    def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "num_experts": int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+            "norm_topk_prob": True,  # Mixtral always renormalises the top-k weights
+        }
+
+    def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
+        """The dense projections (``DecoderForCausalLM.pack_linears``) and every expert
+        (``StackedExperts.pack``); the routers stay on ``F.linear``."""
+        count = super().pack_linears(cpu_ops)
+        for m in self.modules():
+            if isinstance(m, StackedExperts):
+                count += m.pack(cpu_ops)
+        return count
+
+    def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:
+        """As ``DecoderForCausalLM.use_cpu_layer_ops``, plus the fused SiLU of the experts."""
+        super().use_cpu_layer_ops(ops)
+        if self.dtype == torch.float32:
+            for m in self.modules():
+                if isinstance(m, StackedExperts):
+                    m.cpu_ops = ops
