@@ -197,9 +197,10 @@ class StructuredOutputManager:
         rows = [i for i, (_, g) in enumerate(pairs) if g.request_id in self._requests]
         if not rows:
             return None
-        bitmask = torch.zeros(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
-        for k, i in enumerate(rows):
-            self._matcher_for(*pairs[i]).fill_bitmask(bitmask, k)
+        # One row per batch row (the fused kernel indexes both by row); only ``rows`` are read.
+        bitmask = torch.empty(len(pairs), bitmask_width(self.vocab_size), dtype=torch.int32)
+        for i in rows:
+            self._matcher_for(*pairs[i]).fill_bitmask(bitmask, i)
         return TokenBitmask(bitmask, rows)
 
     def _matcher_for(self, seq: Sequence, group: SequenceGroup) -> GrammarMatcher:
