@@ -8,11 +8,18 @@ import json
 import re
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 
 from pagedllm.entrypoints.openai.app import build_app
-from tests.entrypoints.server_utils import ServerThread, assert_error, healthy, sse_events
+from tests.entrypoints.server_utils import (
+    ServerThread,
+    assert_error,
+    healthy,
+    sse_events,
+    wait_idle,
+)
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 SCHEMA = {
@@ -34,6 +41,18 @@ def server(tiny_loaded):  # type: ignore[no-untyped-def]
     srv = ServerThread(app).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _idle_after(server):  # type: ignore[no-untyped-def]
+    yield
+    wait_idle(server.engine)  # no request left, every KV block free
 
 
 def _body(path: str, **extra: Any) -> dict[str, Any]:
