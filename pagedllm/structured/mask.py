@@ -76,14 +76,25 @@ def apply_token_bitmask_(
             logits[rows if rows is not None else slice(None), width:] = float("-inf")
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
         return logits
-    allowed = unpack_bitmask(bitmask, min(V, bitmask.shape[1] * _BITS))
+    return apply_token_bitmask_torch_(logits, bitmask, rows)
+
+
+def apply_token_bitmask_torch_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
+) -> torch.Tensor:
+    """:func:`apply_token_bitmask_` in plain torch (unpack the bits, one ``masked_fill_``): the
+    fallback without xgrammar, and its reference in tests. Same arguments and result."""
+    V = logits.shape[1]
+    idx = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    if idx is not None:
+        bitmask = bitmask.index_select(0, idx.to(bitmask.device))
+    allowed = unpack_bitmask(bitmask, min(V, bitmask.shape[1] * _BITS)).to(logits.device)
     if allowed.shape[1] < V:
         pad = torch.zeros(allowed.shape[0], V - allowed.shape[1], dtype=torch.bool)
         allowed = torch.cat([allowed, pad.to(allowed.device)], dim=1)
-    if rows is None:
+    if idx is None:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
-        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, idx, sub)
     return logits

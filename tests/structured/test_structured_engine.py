@@ -13,7 +13,12 @@ import torch
 
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.structured.mask import TokenBitmask, apply_token_bitmask_, unpack_bitmask
+from pagedllm.structured.mask import (
+    TokenBitmask,
+    apply_token_bitmask_,
+    apply_token_bitmask_torch_,
+    unpack_bitmask,
+)
 
 S = StructuredOutputsParams
 SCHEMA = {
@@ -39,16 +44,21 @@ def test_unpack_bitmask_bits() -> None:
         unpack_bitmask(bm, 65)
 
 
-def test_apply_bitmask_one_op_on_chosen_rows() -> None:
-    vocab = 100
-    logits = torch.randn(4, vocab)
+@pytest.mark.parametrize("apply", [apply_token_bitmask_, apply_token_bitmask_torch_])
+@pytest.mark.parametrize("vocab", [100, 96])
+def test_apply_bitmask_one_op_on_chosen_rows(apply, vocab) -> None:  # type: ignore[no-untyped-def]
+    logits = torch.randn(4, vocab + 5)  # padded logits: columns past the bitmask are disallowed
     bm = _random_bitmask(4, vocab, 0)
-    out = apply_token_bitmask_(logits.clone(), bm, [1, 3])
+    out = apply(logits.clone(), bm, [1, 3])
     allowed = unpack_bitmask(bm, vocab)
     for row in [1, 3]:
-        expect = logits[row].masked_fill(~allowed[row], float("-inf"))
-        assert torch.equal(out[row], expect)
+        expect = logits[row, :vocab].masked_fill(~allowed[row], float("-inf"))
+        assert torch.equal(out[row, :vocab], expect)
+        width = bm.shape[1] * 32
+        assert torch.isinf(out[row, width:]).all()
     assert torch.equal(out[[0, 2]], logits[[0, 2]])  # unconstrained rows untouched
+    out_all = apply(logits.clone(), bm)
+    assert torch.equal(out_all[:, :vocab], logits[:, :vocab].masked_fill(~allowed, float("-inf")))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
