@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jsonschema
 import openai
@@ -92,14 +92,16 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=120)
 
 
+# Every string and list is bounded (as real apps bound what they ask for): a 135M model may
+# otherwise write one string, or the digits of one float, until max_tokens.
 class Sentiment(BaseModel):
     label: Literal["positive", "negative", "neutral"]
-    confidence: float = Field(ge=0, le=1)
+    confidence_percent: int = Field(ge=0, le=100)
 
 
 class TodoList(BaseModel):
     title: str = Field(max_length=40)
-    items: list[str] = Field(max_length=4)
+    items: list[Annotated[str, Field(max_length=40)]] = Field(max_length=4)
 
 
 class Animal(BaseModel):

@@ -119,6 +119,17 @@ def test_eos_only_when_grammar_accepts(tiny_llm_factory) -> None:
     assert c.finish_reason == "length" and re.fullmatch("[0-9]+", c.text)
 
 
+def test_ignore_eos_goes_on_unconstrained_after_the_grammar_ends(tiny_llm_factory) -> None:
+    llm = tiny_llm_factory()
+    eos = llm.engine.eos_token_ids
+    c = llm.generate("hi", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                          structured_outputs=S(regex="ab")),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 8
+    first_eos = next(k for k, t in enumerate(c.token_ids) if t in eos)  # the grammar's ending
+    assert llm.get_tokenizer().decode(c.token_ids[:first_eos]) == "ab"
+
+
 PREEMPT_PROMPTS = [list(range(10, 42)) + list(range(100 + 8 * i, 108 + 8 * i)) for i in range(4)]
 
 
