@@ -277,6 +277,8 @@ class Sampler:
             self._apply_penalties(processed, batch, pen_rows)
         if grammar is not None:
             apply_token_bitmask_(processed, grammar.bitmask, grammar.rows)
+            if min_tok_rows:
+                self._unblock_grammar_rows(processed, raw, grammar)
 
         # Greedy rows keep ``sampled``; ``lse`` (logsumexp of the raw rows) serves the logprobs.
         sampled, lse = self._argmax_and_lse(raw, processed)
@@ -329,6 +331,18 @@ class Sampler:
             raise ValueError(f"stop_token_ids / eos_token_ids must be in [0, {V})")
         dev = logits.device
         logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+
+    def _unblock_grammar_rows(
+        self, processed: torch.Tensor, raw: torch.Tensor, grammar: TokenBitmask
+    ) -> None:
+        """A grammar row left with no token (its grammar allows only EOS, which ``min_tokens``
+        masks) takes the grammar's mask alone: the grammar wins over ``min_tokens``."""
+        rows = torch.tensor(grammar.rows, device=processed.device)
+        dead = torch.isneginf(processed.index_select(0, rows)).all(dim=-1)
+        if bool(dead.any()):
+            for r in rows[dead].tolist():
+                processed[r] = raw[r]
+                apply_token_bitmask_(processed, grammar.bitmask, [r])
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> None:
         V = self.vocab_size

@@ -77,6 +77,16 @@ def test_sampler_respects_mask(temperature: float) -> None:
     assert masked.sampled_logprobs[1] == pytest.approx(float(logits[1].log_softmax(-1)[37]))
 
 
+def test_grammar_wins_over_min_tokens_when_only_eos_is_left() -> None:
+    vocab = 64
+    logits = torch.randn(1, vocab)
+    bm = torch.zeros(1, 2, dtype=torch.int32)
+    bm[0, 0] = 1 << 2  # the grammar allows only EOS (id 2) now
+    batch = SamplingBatch([SamplingParams(temperature=1.0, min_tokens=5)], [1], [[7]], [[1]], [2],
+                          token_bitmask=TokenBitmask(bm, [0]))
+    assert Sampler(vocab)(logits, batch).sampled_token_ids == [2]
+
+
 def _texts(llm, prompts, sp):  # type: ignore[no-untyped-def]
     return [[(c.text, c.finish_reason) for c in o.outputs]
             for o in llm.generate(prompts, sp, use_tqdm=False)]
