@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
@@ -153,6 +154,9 @@ class Scheduler:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self._scheduled_seqs: dict[int, Sequence] = {}
+        # Whether a waiting group may be admitted now (the engine sets it: structured outputs
+        # wait for their grammar); skipped groups keep their place in the queue.
+        self.is_ready: Callable[[SequenceGroup], bool] = lambda group: True
 
     # ---- queue management ----------------------------------------------------------------
     @staticmethod
@@ -258,10 +262,14 @@ class Scheduler:
         # 3. Waiting groups in FCFS order, only when nothing is swapped out or preempted.
         if not out.preempted and not out.length_capped and not self.swapped:
             num_seqs = sum(self._width(g) for g in self.running)
-            while (
-                self.waiting and budget > 0 and self._can_admit(self.waiting[0], budget, num_seqs)
-            ):
-                group = self.waiting.popleft()
+            for group in list(self.waiting):
+                if budget <= 0:
+                    break
+                if not self.is_ready(group):
+                    continue  # e.g. its grammar still compiles: the ones behind it may go
+                if not self._can_admit(group, budget, num_seqs):
+                    break
+                self.waiting.remove(group)
                 num_seqs += self._width(group)
                 budget -= self._admit(group, group.unfinished_seqs(), budget, out)
 
@@ -306,9 +314,9 @@ class Scheduler:
         waiting group cannot be admitted and a less urgent group runs, preempt the least urgent
         running group whole (vLLM's priority preemption). The token budget counts the running
         groups' pending tokens (one per decode)."""
-        if not self.waiting:
+        head = self._first_ready_waiting()
+        if head is None:
             return
-        head = self.waiting[0]
         key = self.order_key(head)
         while self.running and self.order_key(self.running[-1]) > key:
             pending = sum(
@@ -326,8 +334,11 @@ class Scheduler:
         returns the budget left."""
         num_seqs = sum(self._width(g) for g in self.running)
         preempted = set(out.preempted)
-        while budget > 0 and (self.swapped or self.waiting):
-            cands = [q[0] for q in (self.swapped, self.waiting) if q]
+        while budget > 0:
+            ready = self._first_ready_waiting()
+            cands = [g for g in (self.swapped[0] if self.swapped else None, ready) if g]
+            if not cands:
+                break
             group = min(cands, key=self.order_key)
             if group.request_id in preempted:
                 break
@@ -339,10 +350,14 @@ class Scheduler:
             else:
                 if not self._can_admit(group, budget, num_seqs):
                     break
-                self.waiting.popleft()
+                self.waiting.remove(group)
                 num_seqs += self._width(group)
                 budget -= self._admit(group, group.unfinished_seqs(), budget, out)
         return budget
+
+    def _first_ready_waiting(self) -> SequenceGroup | None:
+        """The first waiting group (queue order) that ``is_ready`` admits now, or None."""
+        return next((g for g in self.waiting if self.is_ready(g)), None)
 
     @staticmethod
     def _width(group: SequenceGroup) -> int:

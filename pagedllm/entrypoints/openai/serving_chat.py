@@ -1,8 +1,8 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template
 (``chat_render.py``), text-only content, chat logprobs, ``echo`` and SSE streaming.
 
-Refused with 400 (no support in the engine): non-text content parts, ``response_format`` other
-than ``text``, ``tools`` unless ``tool_choice="none"``, ``tool_choice`` ``required`` or a
+``response_format`` / ``structured_outputs`` / ``guided_*`` constrain the reply
+(``structured.py``). Refused with 400 (no support in the engine): non-text content parts, ``tools`` unless ``tool_choice="none"``, ``tool_choice`` ``required`` or a
 function, and the fields and messages ``validation.py`` refuses (unknown roles, null contents,
 legacy ``functions``, ``stream_options`` without ``stream``, ...).
 """
@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     OpenAIServing,
     RequestContext,
 )
+from pagedllm.entrypoints.openai.structured import structured_field
 from pagedllm.entrypoints.openai.validation import (
     check_common,
     check_messages,
@@ -33,13 +34,6 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
     """Raises: APIError 400 naming a field this server cannot honour."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(
-            400,
-            f"response_format {req.response_format.type!r} is not supported (no guided "
-            "decoding); use 'text'",
-            param="response_format",
-        )
     if req.tools and req.tool_choice != "none":
         raise APIError(
             400,
@@ -71,7 +65,12 @@ async def create_chat_completion(
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, mt_name = req.max_tokens, "max_tokens"
-    rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": mt_name}
+    rename = {
+        "prompt": "messages",
+        "logprobs": "top_logprobs",
+        "max_tokens": mt_name,
+        "structured_outputs": structured_field(req),
+    }
     try:
         params = serving.sampling_params(
             req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None
