@@ -209,15 +209,18 @@ def apply_chat_template(
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template.
+    """Token ids of a conversation rendered with the tokenizer's chat template (or
+    ``chat_template`` when given), which receives ``tools`` (OpenAI-shaped dicts) when given.
 
     Raises:
         ValueError: naming ``messages`` if the template cannot render them, or if the model has
             no chat template (a base model such as gemma-3-270m): the message says to pass
             ``--chat-template`` (the server answers 400 with it).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "messages cannot be rendered: this model has no chat template (a base model); pass "
             "one with --chat-template FILE (LLM(chat_template=...)) or use completions instead"
@@ -228,6 +231,8 @@ def apply_chat_template(
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template=chat_template,
         )
     except Exception as e:  # jinja errors, bad roles
         raise ValueError(f"messages could not be rendered by the chat template: {e}") from e

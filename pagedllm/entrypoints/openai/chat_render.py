@@ -20,6 +20,7 @@ from typing import Any
 from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.errors import APIError, value_error
 from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.tool_calls.template import template_override, tool_message_fields
 from pagedllm.entrypoints.openai.validation import check_generation_prompt
 
 
@@ -45,7 +46,8 @@ def message_text(m: ChatMessage, i: int) -> str:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The ``{"role", "content"[, "name"]}`` dicts the chat template takes.
+    """The ``{"role", "content"[, "name", "tool_calls", "tool_call_id"]}`` dicts the chat
+    template takes (tool fields: ``tool_calls/template.py``).
 
     Raises:
         APIError: 400 (``param="messages"``) for a content part that is not text.
@@ -55,6 +57,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
         if m.name is not None:
             d["name"] = m.name
+        d.update(tool_message_fields(m, i))
         out.append(d)
     return out
 
@@ -88,7 +91,11 @@ class _Markers:
 
 
 def _render_text(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, cont: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    cont: bool,
+    template_kwargs: dict[str, Any],
 ) -> str:
     try:
         return str(
@@ -97,6 +104,7 @@ def _render_text(
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not cont,
                 continue_final_message=cont,
+                **template_kwargs,
             )
         )
     except Exception as e:  # jinja errors, bad roles
@@ -111,9 +119,12 @@ def render_messages(
     add_generation_prompt: bool,
     continue_final_message: bool,
     allow_special_tokens_in_content: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template; special-token strings inside
-    the messages are plain text unless ``allow_special_tokens_in_content``.
+    the messages are plain text unless ``allow_special_tokens_in_content``. ``tools``
+    (OpenAI-shaped) go to the template; when tools are involved and the model's template does
+    not know them, the shipped tool template renders instead (``tool_calls/template.py``).
 
     Raises:
         APIError: 400 (``param="messages"``) for an empty list, a non-text part, or what the
@@ -122,6 +133,10 @@ def render_messages(
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     dicts = message_dicts(messages)
+    template_kwargs: dict[str, Any] = {
+        "tools": tools,
+        "chat_template": template_override(tokenizer, tools, messages),
+    }
     specials = special_token_strings(tokenizer)
     markers = _Markers(specials) if specials and not allow_special_tokens_in_content else None
     if markers is not None:
@@ -132,11 +147,13 @@ def render_messages(
     if markers is None or not markers.originals:
         try:
             return apply_chat_template(
-                tokenizer, dicts, add_generation_prompt, continue_final_message
+                tokenizer, dicts, add_generation_prompt, continue_final_message, **template_kwargs
             )
         except ValueError as e:
             raise value_error(e) from None
-    text = _render_text(tokenizer, dicts, add_generation_prompt, continue_final_message)
+    text = _render_text(
+        tokenizer, dicts, add_generation_prompt, continue_final_message, template_kwargs
+    )
     # The template's own special tokens stay control tokens; the text between them (where the
     # markers are) is tokenized as plain text, as the tokenizer would tokenize it.
     ids: list[int] = []
@@ -149,12 +166,15 @@ def render_messages(
     return ids
 
 
-def render_request_messages(tokenizer: Any, req: Any) -> list[int]:
+def render_request_messages(
+    tokenizer: Any, req: Any, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Prompt token ids of a chat or tokenize request's ``messages``: its generation-prompt
     flags checked (``check_generation_prompt``), then ``render_messages``.
 
     Args:
         req: a ``ChatCompletionRequest`` or ``TokenizeRequest`` with ``messages`` set.
+        tools: the tools to show the template (``ToolConfig.tools``), if any.
 
     Raises:
         APIError: 400 naming ``continue_final_message`` or the faulty message field.
@@ -168,4 +188,5 @@ def render_request_messages(tokenizer: Any, req: Any) -> list[int]:
         add_gp,
         req.continue_final_message,
         req.allow_special_tokens_in_content,
+        tools,
     )

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from pagedllm.config import add_engine_args, served_model_name
+from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 
 for _mod in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_mod) is None:
@@ -65,6 +66,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="serve the KV-cache dashboard (/dashboard, /debug/kv) on a non-loopback --host too "
         "(it is always on for 127.0.0.1 / localhost; it needs --api-key when one is set)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="format of the model's tool calls under tool_choice=auto (default: from the chat "
+        "template; hermes for the shipped tool template)",
     )
     p.add_argument(
         "--uvicorn-log-level",

@@ -1,0 +1,164 @@
+"""Scanning JSON text that may still be arriving: where a value ends, or that it has not ended
+yet, without parsing it. The tool-call parsers use it to cut a model's output into calls while
+it streams.
+
+Every function takes the text seen so far and a start index, and answers ``None`` when the text
+ends before the value does (more may come), or raises ``Malformed`` when no continuation can make
+it valid JSON. They never look past the end of the value, so a scan of a prefix agrees with the
+scan of the whole text (the streaming parsers rely on that). JSON grammar: RFC 8259.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+WHITESPACE = " \t\r\n"
+_LITERAL_CHARS = set("0123456789+-.eEtruefalsn")
+
+
+class Malformed(ValueError):
+    """The text cannot be the start of a valid JSON value (at ``index``)."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(f"{message} at character {index}")
+        self.index = index
+
+
+def skip_ws(text: str, i: int) -> int:
+    """The index of the first non-whitespace character at or after ``i`` (``len(text)`` if none)."""
+    n = len(text)
+    while i < n and text[i] in WHITESPACE:
+        i += 1
+    return i
+
+
+def string_end(text: str, i: int) -> int | None:
+    """The index just past the JSON string starting at ``text[i] == '"'``, or None if unfinished."""
+    j = i + 1
+    n = len(text)
+    while j < n:
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def value_end(text: str, i: int) -> int | None:
+    """The index just past the JSON value starting at ``text[i]`` (no leading whitespace), or
+    None when the text ends first. A number or literal at the very end of ``text`` counts as
+    unfinished (another digit may follow).
+
+    Raises:
+        Malformed: a character no JSON value can hold there, or unbalanced brackets.
+    """
+    n = len(text)
+    if i >= n:
+        return None
+    c = text[i]
+    if c == '"':
+        return string_end(text, i)
+    if c in "{[":
+        stack = [c]
+        j = i + 1
+        while j < n:
+            c = text[j]
+            if c == '"':
+                end = string_end(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                stack.append(c)
+            elif c in "}]":
+                if (stack[-1] == "{") != (c == "}"):
+                    raise Malformed(f"unbalanced {c!r}", j)
+                stack.pop()
+                if not stack:
+                    return j + 1
+            j += 1
+        return None
+    if c not in _LITERAL_CHARS:
+        raise Malformed(f"unexpected {c!r}", i)
+    j = i
+    while j < n and text[j] in _LITERAL_CHARS:
+        j += 1
+    if j == n:
+        return None
+    try:
+        json.loads(text[i:j])
+    except ValueError:
+        raise Malformed("invalid number or literal", i) from None
+    return j
+
+
+@dataclass
+class CallScan:
+    """What the text of one call object ``{"name": ..., "arguments": ...}`` shows so far.
+
+    ``name`` is set once its string is complete; ``args_start`` / ``args_end`` index the
+    arguments value in the scanned text (``args_end`` None while it is unfinished); ``end`` is
+    the index just past the object's ``}`` (None while unfinished).
+    """
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+    end: int | None = None
+
+
+def scan_call(text: str, i: int, args_keys: tuple[str, ...]) -> CallScan:
+    """Scan the call object starting at ``text[i] == '{'``: its ``name`` and the span of the value
+    of the first key of ``args_keys`` present (``arguments``, or Llama 3's ``parameters``).
+
+    Raises:
+        Malformed: not an object, a non-string ``name``, or invalid JSON so far.
+    """
+    scan = CallScan()
+    if text[i] != "{":
+        raise Malformed("a tool call must be a JSON object", i)
+    j = skip_ws(text, i + 1)
+    if j < len(text) and text[j] == "}":
+        scan.end = j + 1
+        return scan
+    while True:
+        if j >= len(text):
+            return scan
+        if text[j] != '"':
+            raise Malformed("expected a key", j)
+        kend = string_end(text, j)
+        if kend is None:
+            return scan
+        key = json.loads(text[j:kend])
+        j = skip_ws(text, kend)
+        if j >= len(text):
+            return scan
+        if text[j] != ":":
+            raise Malformed("expected ':'", j)
+        v = skip_ws(text, j + 1)
+        if v >= len(text):
+            return scan
+        vend = value_end(text, v)
+        if key == "name" and scan.name is None:
+            if text[v] != '"':
+                raise Malformed("the tool name must be a string", v)
+            if vend is not None:
+                scan.name = json.loads(text[v:vend])
+        elif key in args_keys and scan.args_start is None:
+            scan.args_start, scan.args_end = v, vend
+        if vend is None:
+            return scan
+        j = skip_ws(text, vend)
+        if j >= len(text):
+            return scan
+        if text[j] == "}":
+            scan.end = j + 1
+            return scan
+        if text[j] != ",":
+            raise Malformed("expected ',' or '}'", j)
+        j = skip_ws(text, j + 1)
