@@ -39,6 +39,88 @@ def _as_float(name: str, value: Any) -> float:
     return f
 
 
+#: Fields of :class:`StructuredOutputsParams` that name a constraint (exactly one is set).
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (constrained decoding), shaped like vLLM's object.
+
+    Exactly one of the constraint fields is set:
+
+    Attributes:
+        json: a JSON schema (``dict``, or its JSON text) the output must validate against.
+        json_object: True = any syntactically valid JSON object (OpenAI ``json_object`` mode).
+        regex: a regular expression the whole output must match.
+        choice: a non-empty list of strings; the output is exactly one of them.
+        grammar: a context-free grammar (EBNF / GBNF text) the output must derive from.
+        disable_any_whitespace: JSON modes only: no whitespace at all between JSON tokens
+            (the default allows a short bounded run, never an unbounded one).
+        whitespace_pattern: JSON modes only: a regex for the whitespace allowed between JSON
+            tokens (overrides the bounded default); None = the default.
+
+    Raises:
+        ValueError: from ``__post_init__``: message starting with ``structured_outputs`` and
+            naming the field when none or several constraints are set or one has the wrong type.
+            Whether a schema / regex / grammar compiles is checked later, when it is compiled
+            (also a ValueError).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [k for k in STRUCTURED_OUTPUT_KINDS if self._is_set(k)]
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                f"{', '.join(set_fields) if set_fields else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (object or JSON text), "
+                f"got {type(self.json).__name__}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise ValueError(
+                f"structured_outputs.json_object must be a boolean, got {self.json_object!r}"
+            )
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            choice = list(self.choice) if isinstance(self.choice, (list, tuple)) else None
+            if not choice or not all(isinstance(c, str) for c in choice):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of strings, "
+                    f"got {self.choice!r}"
+                )
+            self.choice = choice
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a boolean, "
+                f"got {self.disable_any_whitespace!r}"
+            )
+
+    def _is_set(self, name: str) -> bool:
+        v = getattr(self, name)
+        return v is not False and v is not None
+
+    @property
+    def kind(self) -> str:
+        """The one constraint field that is set: ``"json"``, ``"json_object"``, ``"regex"``,
+        ``"choice"`` or ``"grammar"``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if self._is_set(k))
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request (defaults and meaning as in vLLM / the OpenAI API).
@@ -76,6 +158,8 @@ class SamplingParams:
         length_penalty: beam-search length penalty exponent (finite).
         early_stopping: beam-search stopping rule: True, False or ``"never"``.
         detokenize: produce output text (False = token ids only).
+        structured_outputs: constrain the output to a JSON schema / regex / choice / grammar
+            (:class:`StructuredOutputsParams`); None = unconstrained. Not allowed with beam search.
 
     Raises:
         ValueError: from ``__post_init__`` when a field is invalid; the message starts with the
@@ -107,6 +191,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # ---- counts -------------------------------------------------------------------------
@@ -226,6 +311,20 @@ class SamplingParams:
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )
+
+        # ---- structured outputs -------------------------------------------------------------
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = set(so) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}")
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
+            )
+        if so is not None and self.use_beam_search:
+            raise ValueError("structured_outputs is not supported with use_beam_search")
 
     # ------------------------------------------------------------------------------------------
     def verify_token_ids(self, vocab_size: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_manager import KVManager
@@ -135,6 +136,9 @@ class Scheduler:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self._scheduled_seqs: dict[int, Sequence] = {}
+        # Whether a waiting group may be admitted now (the engine sets it: structured outputs
+        # wait for their grammar); skipped groups keep their place in the queue.
+        self.is_ready: Callable[[SequenceGroup], bool] = lambda group: True
 
     # ---- queue management ----------------------------------------------------------------
     def add_seq_group(self, group: SequenceGroup) -> None:
@@ -233,8 +237,11 @@ class Scheduler:
         # 3. Waiting groups in FCFS order, only when nothing is swapped out or preempted.
         if not out.preempted and not out.length_capped and not self.swapped:
             num_seqs = sum(self._width(g) for g in self.running)
-            while self.waiting and budget > 0:
-                group = self.waiting[0]
+            for group in list(self.waiting):
+                if budget <= 0:
+                    break
+                if not self.is_ready(group):
+                    continue  # e.g. its grammar still compiles: the ones behind it may go
                 seqs = group.unfinished_seqs()
                 width = self._width(group)
                 if num_seqs + width > self.config.max_num_seqs:
@@ -243,7 +250,7 @@ class Scheduler:
                     break
                 if not self.block_manager.can_allocate(seqs, watermark=bool(self.running)):
                     break
-                self.waiting.popleft()
+                self.waiting.remove(group)
                 budget -= self._admit(group, seqs, budget, out)
                 num_seqs += width
 

@@ -36,7 +36,7 @@ from typing import Any
 from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +289,16 @@ class AsyncLLMEngine:
             ValueError / ContextLengthExceededError: naming the offending field first.
         """
         return self.engine.validate_request(prompt_token_ids, params)
+
+    async def compile_structured(self, spec: StructuredOutputsParams | None) -> None:
+        """Compile a structured-output constraint in the grammar threads (cached), without
+        blocking the event loop or the engine thread; no-op for None.
+
+        Raises:
+            ValueError: naming ``structured_outputs.<field>`` when it does not compile.
+        """
+        if spec is not None:
+            await asyncio.wrap_future(self.engine.structured.compile_future(spec))
 
     async def add_request(
         self,

@@ -15,6 +15,7 @@ The core returns the requests that made progress; ``LLMEngine`` turns them into
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,9 @@ from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sequence import Sequence, SequenceGroup
+from pagedllm.structured.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -44,6 +48,7 @@ class EngineCore:
         eos_token_ids: the model's end-of-sequence ids (the sampler's ``min_tokens``).
         seq_ids: the engine's sequence-id counter (shared with the input processor).
         check_invariants: run ``kv.check_invariants()`` after every step (tests).
+        structured: the structured-output manager (grammar compiles and matchers), or None.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class EngineCore:
         eos_token_ids: list[int],
         seq_ids: Iterator[int],
         check_invariants: bool = False,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
@@ -70,6 +76,9 @@ class EngineCore:
         self._check_invariants = check_invariants
         self.requests: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        self.structured = structured
+        if structured is not None:
+            scheduler.is_ready = structured.is_ready
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
@@ -83,6 +92,8 @@ class EngineCore:
         self.requests[group.request_id] = group
         for seq in group.seqs:
             self._seqs[seq.seq_id] = (seq, group)
+        if self.structured is not None:
+            self.structured.submit(group)  # compiles off this thread; scheduled once ready
         self.scheduler.add_seq_group(group)
 
     def abort_request(self, request_id: str) -> bool:
@@ -99,6 +110,8 @@ class EngineCore:
         self.requests.pop(group.request_id, None)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
+        if self.structured is not None:
+            self.structured.release(group)
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -108,8 +121,10 @@ class EngineCore:
         """Run one iteration; returns every request that made progress, in batch order, after
         those the scheduler finished by length (the finished ones are already freed and
         forgotten). An empty list: nothing could be scheduled."""
-        sched = self.scheduler.schedule()
         touched: dict[str, SequenceGroup] = {}
+        if self.structured is not None:
+            self._fail_bad_grammars(touched)
+        sched = self.scheduler.schedule()
         for request_id in sched.length_capped:
             # Finished by length by the scheduler (no room to grow even alone in the pool).
             group = self.requests[request_id]
@@ -118,6 +133,8 @@ class EngineCore:
         if sched.is_empty:
             if touched:
                 self._free_finished()
+            elif self.structured is not None and self.structured.has_pending:
+                self.structured.wait_pending(0.01)  # idle until a grammar is ready, no spinning
             return list(touched.values())
         now = time.monotonic()
         result = self.executor.execute_model(sched)
@@ -144,6 +161,19 @@ class EngineCore:
             self.stats_observer.after_step(self.kv, self.scheduler, sched)
         self._free_finished()
         return list(touched.values())
+
+    def _fail_bad_grammars(self, touched: dict[str, SequenceGroup]) -> None:
+        """Finish (as aborted) the requests whose grammar failed to compile; the error is
+        logged, the engine goes on. (Front ends validate first, so this is a fallback.)"""
+        assert self.structured is not None
+        for request_id, exc in self.structured.take_failed():
+            group = self.scheduler.abort(request_id)
+            if group is None:
+                continue
+            logger.warning("request %s: structured output rejected: %s", request_id, exc)
+            self.forget(group)
+            group.metrics.finished_time = time.monotonic()
+            touched[request_id] = group
 
     def _free_finished(self) -> None:
         """Free and forget the finished requests, then check the pool (``check_invariants``)."""
@@ -195,6 +225,7 @@ class EngineCore:
             output_token_ids=[s.output_token_ids for s, _ in pairs],
             prompt_token_ids=[s.prompt_token_ids for s, _ in pairs],
             eos_token_ids=self.eos_token_ids,
+            token_bitmask=self.structured.fill_bitmask(pairs) if self.structured else None,
         )
         out = self.sampler(logits, batch)
         now = time.monotonic()

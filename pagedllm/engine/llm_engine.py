@@ -30,6 +30,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceGroup
+from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
 
 # Re-exported: callers import them from here.
@@ -152,6 +153,7 @@ class LLMEngine:
             seq_ids,
         )
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, eos_token_ids)
         self.engine_core = EngineCore(
             self.scheduler,
             self.block_manager,
@@ -162,10 +164,12 @@ class LLMEngine:
             eos_token_ids,
             seq_ids,
             check_invariants=config.check_invariants,
+            structured=self.structured,
         )
 
     def shutdown(self) -> None:
         """Stop the executor's workers (no process is left behind); idempotent."""
+        self.structured.shutdown()
         self._finalizer()
 
     def enable_kv_stats(self, enabled: bool = True) -> None:
@@ -199,6 +203,7 @@ class LLMEngine:
         self.input_processor.eos_token_ids = ids
         self.output_processor.eos_token_ids = ids
         self.engine_core.eos_token_ids = ids
+        self.structured.stop_token_ids = list(ids)  # read when the grammar tables are built
 
     # ---- requests --------------------------------------------------------------------------
     @property
@@ -218,10 +223,16 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request before it enters the engine; returns its effective max_tokens.
 
+        A ``structured_outputs`` constraint is compiled here (waiting for it; cached, so the
+        engine finds it ready; the server awaits ``structured.compile_future`` first instead).
+
         Raises:
-            ValueError / ContextLengthExceededError: see ``InputProcessor.validate``.
+            ValueError / ContextLengthExceededError: see ``InputProcessor.validate``; a
+                constraint that does not compile names ``structured_outputs.<field>``.
         """
-        return self.input_processor.validate(prompt_token_ids, params)
+        max_tokens = self.input_processor.validate(prompt_token_ids, params)
+        self.structured.validate(params.structured_outputs)
+        return max_tokens
 
     def add_request(
         self,

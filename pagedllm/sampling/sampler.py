@@ -8,6 +8,8 @@ Processing order for one decoding step (like vLLM):
 3. ``min_tokens``: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` are set to ``-inf``
    while fewer than ``min_tokens`` tokens have been generated;
 4. penalties: repetition (tokens seen in prompt OR output), frequency and presence (output only);
+   then the structured-output grammar mask (``SamplingBatch.token_bitmask``): disallowed tokens
+   of the constrained rows get ``-inf``, the whole batch in one op;
 5. greedy rows take the argmax of the processed logits;
 6. random rows are divided by their temperature, truncated by top-k, top-p then min-p, and
    sampled with the exponential race ``argmax(probs / E)``, ``E = -log(u)``, where the uniforms
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.structured.mask import TokenBitmask, apply_token_bitmask_
 
 if TYPE_CHECKING:
     from pagedllm.ops import CpuOps
@@ -150,6 +153,8 @@ class SamplingBatch:
         prompt_token_ids: [B] prompt tokens per row (used by the repetition penalty).
         eos_token_ids: model-wide EOS ids, masked while ``len(output) < min_tokens`` unless the
             row has ``ignore_eos``.
+        token_bitmask: the allowed next tokens of the rows under a grammar (structured
+            outputs), or None.
     """
 
     params: list[SamplingParams]
@@ -157,6 +162,7 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     prompt_token_ids: list[list[int]]
     eos_token_ids: list[int]
+    token_bitmask: TokenBitmask | None = None
 
 
 @dataclass
@@ -259,7 +265,9 @@ class Sampler:
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         min_tok_rows = [i for i, p in enumerate(params) if len(outs[i]) < p.min_tokens]
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
-        processed = raw.clone() if (bias_rows or min_tok_rows or pen_rows) else raw
+        grammar = batch.token_bitmask
+        modified = bias_rows or min_tok_rows or pen_rows or grammar is not None
+        processed = raw.clone() if modified else raw
 
         if bias_rows:
             self._apply_logit_bias(processed, params, bias_rows)
@@ -267,6 +275,8 @@ class Sampler:
             self._apply_min_tokens(processed, batch, min_tok_rows)
         if pen_rows:
             self._apply_penalties(processed, batch, pen_rows)
+        if grammar is not None:
+            apply_token_bitmask_(processed, grammar.bitmask, grammar.rows)
 
         # Greedy rows keep ``sampled``; ``lse`` (logsumexp of the raw rows) serves the logprobs.
         sampled, lse = self._argmax_and_lse(raw, processed)

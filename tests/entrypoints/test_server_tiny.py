@@ -314,7 +314,7 @@ C22_CASES = [
     (CH, {"messages": [{"content": "no role"}]}, "messages"),
     (CH, {"temperature": -1}, "temperature"),
     (CH, {"stop": [""]}, "stop"),
-    (CH, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CH, {"response_format": {"type": "json_schema"}}, "response_format"),
     (CH, {"response_format": {"type": "yaml"}}, "response_format"),
     (CH, {"response_format": "json"}, "response_format"),
     (CH, {"tools": [{"type": "function"}]}, "tools"),

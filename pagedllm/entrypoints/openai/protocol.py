@@ -46,6 +46,14 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class ResponseFormat(OpenAIBaseModel):
+    """``response_format``: ``text`` (unconstrained), ``json_object`` or ``json_schema``
+    (``json_schema`` = ``{"name", "schema", "strict"}``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingExtensions(OpenAIBaseModel):
     """vLLM's extensions to the OpenAI sampling fields (sent with ``extra_body`` by the client)."""
 
@@ -60,6 +68,15 @@ class SamplingExtensions(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     #: Add the generated token ids (``token_ids``) to every choice (and chunk).
     return_token_ids: bool = False
+    # Structured output (see ``structured.py``): OpenAI's response_format, vLLM's object and
+    # its legacy guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
@@ -122,13 +139,6 @@ class ChatTool(OpenAIBaseModel):
     function: FunctionDefinition
 
 
-class ResponseFormat(OpenAIBaseModel):
-    """``response_format`` (only ``text`` is served)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingExtensions):
     """The body of ``POST /v1/chat/completions``."""
 
@@ -150,7 +160,6 @@ class ChatCompletionRequest(SamplingExtensions):
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     user: str | None = None
-    response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
     #: ``none``, ``auto``, ``required`` or ``{"type": "function", "function": {"name": ...}}``;
     #: the legacy ``functions`` / ``function_call`` (kept as extra fields) map onto these.

@@ -1,10 +1,11 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template
 (``chat_render.py``), text-only content, chat logprobs, ``echo`` and SSE streaming.
 
-Tool calling (``tools``, ``tool_choice``, legacy ``functions``) is in ``tool_calls/``.
-Refused with 400 (no support in the engine): non-text content parts, ``response_format`` other
-than ``text``, and the fields and messages ``validation.py`` refuses (unknown roles, null
-contents, ``stream_options`` without ``stream``, ...).
+``response_format`` / ``structured_outputs`` / ``guided_*`` constrain the reply
+(``structured.py``); tool calling (``tools``, ``tool_choice``, legacy ``functions``) is in
+``tool_calls/``. Refused with 400 (no support in the engine): non-text content parts, and the
+fields and messages ``validation.py`` refuses (unknown roles, null contents, ``stream_options``
+without ``stream``, ...).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     OpenAIServing,
     RequestContext,
 )
+from pagedllm.entrypoints.openai.structured import structured_field
 from pagedllm.entrypoints.openai.tool_calls.schema import resolve_tools
 from pagedllm.entrypoints.openai.tool_calls.serving import ToolOutput
 from pagedllm.entrypoints.openai.tool_calls.serving import setup as tool_setup
@@ -36,13 +38,6 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
     """Raises: APIError 400 naming a field this server cannot honour."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(
-            400,
-            f"response_format {req.response_format.type!r} is not supported (no guided "
-            "decoding); use 'text'",
-            param="response_format",
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -69,7 +64,12 @@ async def create_chat_completion(
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, mt_name = req.max_tokens, "max_tokens"
-    rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": mt_name}
+    rename = {
+        "prompt": "messages",
+        "logprobs": "top_logprobs",
+        "max_tokens": mt_name,
+        "structured_outputs": structured_field(req),
+    }
     try:
         params = serving.sampling_params(
             req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None

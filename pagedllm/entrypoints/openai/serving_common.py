@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.errors import APIError, engine_failure, value_e
 from pagedllm.entrypoints.openai.logprobs import TokenFormatter
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -136,6 +137,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             logit_bias=req.logit_bias,  # type: ignore[arg-type]  # str keys are parsed
+            structured_outputs=structured_outputs_from_request(req),
         )
 
     async def add_all(
@@ -154,6 +156,8 @@ class OpenAIServing:
                 engine cannot take it.
         """
         try:
+            for sp in params:  # compile off the event loop (cached) before validating
+                await self.async_engine.compile_structured(sp.structured_outputs)
             for ids, sp in zip(prompts, params, strict=True):
                 self.async_engine.validate_request(ids, sp)
         except ValueError as e:

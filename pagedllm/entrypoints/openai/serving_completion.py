@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     OpenAIServing,
     RequestContext,
 )
+from pagedllm.entrypoints.openai.structured import structured_field
 from pagedllm.entrypoints.openai.validation import check_common
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -86,7 +87,7 @@ async def create_completion(
         # Echo of the prompt alone: run one step for the prompt logprobs, drop the token.
         echo_only, max_tokens = True, 1
     want_plp = req.echo and req.logprobs is not None
-    rename = {"prompt_logprobs": "logprobs"}
+    rename = {"prompt_logprobs": "logprobs", "structured_outputs": structured_field(req)}
     try:
         params = serving.sampling_params(
             req, max_tokens, req.logprobs, req.logprobs if want_plp else None

@@ -37,17 +37,11 @@ def _not_text(v: Any) -> bool:
     return v is not None and v != ["text"]
 
 
-_GUIDED = "guided decoding is not supported by this server"
 
 #: Known fields this server does not implement: name -> (whether a value asks for the feature,
 #: why it is refused). Checked on both generation endpoints.
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_set, "beam search is not served over HTTP (use the LLM API)"),
-    "guided_json": (_set, _GUIDED),
-    "guided_regex": (_set, _GUIDED),
-    "guided_choice": (_set, _GUIDED),
-    "guided_grammar": (_set, _GUIDED),
-    "structured_outputs": (_set, _GUIDED),
     "prompt_logprobs": (_set, "prompt_logprobs is not supported (use echo with logprobs)"),
     "allowed_token_ids": (_set, "allowed_token_ids is not supported"),
     "bad_words": (_set, "bad_words is not supported"),

@@ -23,7 +23,7 @@ from pagedllm.entrypoints.openai.tool_calls.parsers import (
 )
 from pagedllm.entrypoints.openai.tool_calls.schema import ToolConfig, forced_schema
 from pagedllm.entrypoints.openai.tool_calls.template import template_has_tools
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def default_parser_name(tokenizer: Any) -> str:
@@ -36,19 +36,17 @@ def _constrained(params: SamplingParams, schema: dict[str, Any]) -> SamplingPara
     """``params`` with the grammar forcing JSON that validates against ``schema``.
 
     Raises:
-        APIError: 400 (``param="tool_choice"``) when this build has no structured outputs.
+        APIError: 400 (``param="tool_choice"``) when the request already constrains its output
+            (``response_format``, ``structured_outputs``, ``guided_*``).
     """
-    try:
-        from pagedllm.sampling_params import StructuredOutputsParams  # type: ignore[attr-defined]
-    except ImportError:
+    if params.structured_outputs is not None:
         raise APIError(
             400,
-            "tool_choice 'required' or a named function needs structured outputs, which this "
-            "build lacks; use 'auto'",
+            "tool_choice 'required' or a named function cannot be combined with "
+            "response_format / structured_outputs / guided_*",
             param="tool_choice",
-        ) from None
-    fields = {"structured_outputs": StructuredOutputsParams(json=schema)}
-    return dataclasses.replace(params, **fields)
+        )
+    return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
 
 def setup(
