@@ -10,15 +10,18 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from pagedllm.entrypoints.openai.app import build_app
-from tests.entrypoints.server_utils import ServerThread, healthy
+from tests.entrypoints import test_server_smollm as smol_server
+from tests.entrypoints.server_utils import healthy
+
+# The server (and client) fixtures of the SmolLM2 server tests, one server for this module.
+server = smol_server.server
+oai = smol_server.oai
+MODEL = smol_server.MODEL
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smol"
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {
@@ -54,23 +57,6 @@ TOOLS = [
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server(smollm):
-    app = build_app(
-        {"max_model_len": 2048, "kv_cache_memory": 96 << 20},
-        loaded=smollm,
-        served_model_name=MODEL,
-    )
-    srv = ServerThread(app).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
 
 
 def _ask(oai, tool_choice, stream, **kw):

@@ -4,7 +4,9 @@ it streams.
 
 Every function takes the text seen so far and a start index, and answers ``None`` when the text
 ends before the value does (more may come), or raises ``Malformed`` when no continuation can make
-it valid JSON. They never look past the end of the value, so a scan of a prefix agrees with the
+it valid JSON as far as the scan checks: strings, bracket balance, the literals and numbers
+outside containers, and the keys of a call object (not every rule inside an arguments object,
+which the grammar guarantees when a call is forced). They never look past the end of the value, so a scan of a prefix agrees with the
 scan of the whole text (the streaming parsers rely on that). JSON grammar: RFC 8259.
 """
 
