@@ -13,6 +13,7 @@ scan of the whole text (the streaming parsers rely on that). JSON grammar: RFC 8
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\r\n"
@@ -35,28 +36,25 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
+#: A complete JSON string (escapes skipped), a bracket, or a lone quote (an unfinished string).
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_CONTAINER_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]|"', re.S)
+
+
 def string_end(text: str, i: int) -> int | None:
     """The index just past the JSON string starting at ``text[i] == '"'``, or None if unfinished."""
-    j = i + 1
-    n = len(text)
-    while j < n:
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    m = _STRING.match(text, i)
+    return m.end() if m else None
 
 
 def value_end(text: str, i: int) -> int | None:
     """The index just past the JSON value starting at ``text[i]`` (no leading whitespace), or
     None when the text ends first. A number or literal at the very end of ``text`` counts as
-    unfinished (another digit may follow).
+    unfinished (another digit may follow). Containers are scanned for strings and brackets
+    only (with one regular expression, so a long value costs little to rescan).
 
     Raises:
-        Malformed: a character no JSON value can hold there, or unbalanced brackets.
+        Malformed: a character no JSON value can start with, or unbalanced brackets.
     """
     n = len(text)
     if i >= n:
@@ -66,24 +64,20 @@ def value_end(text: str, i: int) -> int | None:
         return string_end(text, i)
     if c in "{[":
         stack = [c]
-        j = i + 1
-        while j < n:
-            c = text[j]
-            if c == '"':
-                end = string_end(text, j)
-                if end is None:
-                    return None
-                j = end
+        for m in _CONTAINER_TOKEN.finditer(text, i + 1):
+            tok = m.group()
+            if tok == '"':
+                return None  # a string still open at the end of the text
+            if tok[0] == '"':
                 continue
-            if c in "{[":
-                stack.append(c)
-            elif c in "}]":
-                if (stack[-1] == "{") != (c == "}"):
-                    raise Malformed(f"unbalanced {c!r}", j)
-                stack.pop()
-                if not stack:
-                    return j + 1
-            j += 1
+            if tok in "{[":
+                stack.append(tok)
+                continue
+            if (stack[-1] == "{") != (tok == "}"):
+                raise Malformed(f"unbalanced {tok!r}", m.start())
+            stack.pop()
+            if not stack:
+                return m.end()
         return None
     if c not in _LITERAL_CHARS:
         raise Malformed(f"unexpected {c!r}", i)
