@@ -154,3 +154,24 @@ def test_tool_result_flows_into_the_next_prompt(oai, server, smollm):
     args = json.loads(call.function.arguments)
     assert json.dumps({"name": "get_weather", "arguments": args}) in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_required_with_n2_sampled_gives_valid_calls_in_every_choice(oai, server):
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        n=2,
+        temperature=0.8,
+        seed=0,
+        max_tokens=120,
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        calls = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in choice.message.tool_calls
+        ]
+        _check_calls(calls, {"get_weather", "get_time"})

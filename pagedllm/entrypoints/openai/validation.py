@@ -37,7 +37,6 @@ def _not_text(v: Any) -> bool:
     return v is not None and v != ["text"]
 
 
-
 #: Known fields this server does not implement: name -> (whether a value asks for the feature,
 #: why it is refused). Checked on both generation endpoints.
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 WHITESPACE = " \t\r\n"
@@ -41,17 +42,53 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _CONTAINER_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]|"', re.S)
 
 
+#: Container scans of a text that only grows, kept by a streaming caller (``ToolCallStream``):
+#: start index -> (index to resume at, brackets still open). Unset: every scan starts afresh.
+container_memo: ContextVar[dict[int, tuple[int, list[str]]] | None] = ContextVar(
+    "container_memo", default=None
+)
+
+
 def string_end(text: str, i: int) -> int | None:
     """The index just past the JSON string starting at ``text[i] == '"'``, or None if unfinished."""
     m = _STRING.match(text, i)
     return m.end() if m else None
 
 
+def _container_end(text: str, i: int) -> int | None:
+    """``value_end`` of the object or array at ``text[i]``, resuming from ``container_memo``."""
+    memo = container_memo.get()
+    pos, stack = memo[i] if memo is not None and i in memo else (i + 1, [text[i]])
+    stack = list(stack)
+    if not stack:
+        return pos
+    end: int | None = None
+    for m in _CONTAINER_TOKEN.finditer(text, pos):
+        tok = m.group()
+        if tok == '"':
+            break  # a string still open at the end of the text
+        pos = m.end()
+        if tok[0] == '"':
+            continue
+        if tok in "{[":
+            stack.append(tok)
+            continue
+        if (stack[-1] == "{") != (tok == "}"):
+            raise Malformed(f"unbalanced {tok!r}", m.start())
+        stack.pop()
+        if not stack:
+            end = pos
+            break
+    if memo is not None:
+        memo[i] = (pos, stack)
+    return end
+
+
 def value_end(text: str, i: int) -> int | None:
     """The index just past the JSON value starting at ``text[i]`` (no leading whitespace), or
     None when the text ends first. A number or literal at the very end of ``text`` counts as
     unfinished (another digit may follow). Containers are scanned for strings and brackets
-    only (with one regular expression, so a long value costs little to rescan).
+    only, with one regular expression; a streaming caller resumes them (``container_memo``).
 
     Raises:
         Malformed: a character no JSON value can start with, or unbalanced brackets.
@@ -63,22 +100,7 @@ def value_end(text: str, i: int) -> int | None:
     if c == '"':
         return string_end(text, i)
     if c in "{[":
-        stack = [c]
-        for m in _CONTAINER_TOKEN.finditer(text, i + 1):
-            tok = m.group()
-            if tok == '"':
-                return None  # a string still open at the end of the text
-            if tok[0] == '"':
-                continue
-            if tok in "{[":
-                stack.append(tok)
-                continue
-            if (stack[-1] == "{") != (tok == "}"):
-                raise Malformed(f"unbalanced {tok!r}", m.start())
-            stack.pop()
-            if not stack:
-                return m.end()
-        return None
+        return _container_end(text, i)
     if c not in _LITERAL_CHARS:
         raise Malformed(f"unexpected {c!r}", i)
     j = i

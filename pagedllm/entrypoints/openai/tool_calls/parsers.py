@@ -25,6 +25,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.tool_calls.json_scan import (
     CallScan,
     Malformed,
+    container_memo,
     scan_call,
     skip_ws,
     value_end,
@@ -306,6 +307,7 @@ class ToolCallStream:
         self.content_sent = 0
         self.ids: list[str] = []
         self.args_sent: list[int] = []
+        self._scans: dict[int, tuple[int, list[str]]] = {}
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The non-streamed ``content`` (None when empty and there are calls) and ``tool_calls``
@@ -324,7 +326,11 @@ class ToolCallStream:
     def delta(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """What ``text`` (everything generated so far) adds to what was sent: a content piece and
         ``tool_calls`` delta entries (id, type and name once, then argument fragments)."""
-        res = self.parser.parse(text, final)
+        token = container_memo.set(self._scans)  # text only grows: resume container scans
+        try:
+            res = self.parser.parse(text, final)
+        finally:
+            container_memo.reset(token)
         content = res.content[self.content_sent :]
         self.content_sent = max(self.content_sent, len(res.content))
         out: list[dict[str, Any]] = []
