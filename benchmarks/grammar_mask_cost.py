@@ -101,14 +101,14 @@ def bench_llguidance(tok: Any, ids: list[int], vocab: int) -> dict[str, float]:
 def bench_apply(vocab: int, rows: int = 32) -> dict[str, float]:
     import xgrammar as xgr
 
-    from pagedllm.structured.mask import apply_token_bitmask_
+    from pagedllm.structured.mask import apply_token_bitmask_torch_
 
     logits = torch.randn(rows, vocab)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
     out = {}
     for name, fn in (
         ("xgrammar_apply_us", lambda: xgr.apply_token_bitmask_inplace(logits, bitmask)),
-        ("torch_apply_us", lambda: apply_token_bitmask_(logits, bitmask)),
+        ("torch_apply_us", lambda: apply_token_bitmask_torch_(logits, bitmask)),
     ):
         ts = []
         for _ in range(50):

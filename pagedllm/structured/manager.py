@@ -197,9 +197,15 @@ class StructuredOutputManager:
         rows = [i for i, (_, g) in enumerate(pairs) if g.request_id in self._requests]
         if not rows:
             return None
-        bitmask = torch.zeros(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
-        for k, i in enumerate(rows):
-            self._matcher_for(*pairs[i]).fill_bitmask(bitmask, k)
+        # One row per batch row (the fused kernel indexes both by row); only ``rows`` are read.
+        bitmask = torch.empty(len(pairs), bitmask_width(self.vocab_size), dtype=torch.int32)
+        for i in rows:
+            matcher = self._matcher_for(*pairs[i])
+            if matcher.is_terminated():
+                # Past the grammar's end (EOS accepted, but ``ignore_eos`` goes on): unconstrained.
+                bitmask[i] = -1
+            else:
+                matcher.fill_bitmask(bitmask, i)
         return TokenBitmask(bitmask, rows)
 
     def _matcher_for(self, seq: Sequence, group: SequenceGroup) -> GrammarMatcher:
@@ -212,6 +218,9 @@ class StructuredOutputManager:
             )
         start = seq.num_prompt_tokens + state.num_accepted
         for tid in seq.token_ids[start:]:
+            if state.matcher.is_terminated():  # ``ignore_eos`` went past the grammar's end
+                state.num_accepted = seq.num_output_tokens
+                break
             if not state.matcher.accept_token(tid):
                 # Cannot happen for sampled tokens (they were masked); never kill the step.
                 logger.error("seq %d: token %d rejected by its grammar", seq.seq_id, tid)

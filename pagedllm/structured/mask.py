@@ -42,8 +42,8 @@ class TokenBitmask:
     """The allowed next tokens of the constrained rows of a batch.
 
     Attributes:
-        bitmask: [R, ceil(V / 32)] int32, row ``k`` for logits row ``rows[k]``.
-        rows: [R] logits rows (ascending, distinct).
+        bitmask: [B, ceil(V / 32)] int32, one row per logits row (only ``rows`` are read).
+        rows: the constrained logits rows (ascending, distinct).
     """
 
     bitmask: torch.Tensor
@@ -58,9 +58,8 @@ def apply_token_bitmask_(
     Args:
         logits: [B, V'] float logits; only the first ``min(V', 32 * W)`` columns are masked by
             the bits, any column past the bitmask is disallowed.
-        bitmask: [R, W] int32, one row per masked logits row.
-        rows: [R] distinct indices of the logits rows the bitmask rows belong to; None = all
-            rows (then R == B).
+        bitmask: [B, W] int32, row ``i`` for logits row ``i``.
+        rows: the distinct rows to mask; None = all rows.
 
     Returns:
         ``logits`` (modified).
@@ -74,17 +73,28 @@ def apply_token_bitmask_(
 
         width = min(V, bitmask.shape[1] * _BITS)
         if width < V:
-            logits[:, width:] = float("-inf")
+            logits[rows if rows is not None else slice(None), width:] = float("-inf")
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
         return logits
-    allowed = unpack_bitmask(bitmask, min(V, bitmask.shape[1] * _BITS))
+    return apply_token_bitmask_torch_(logits, bitmask, rows)
+
+
+def apply_token_bitmask_torch_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
+) -> torch.Tensor:
+    """:func:`apply_token_bitmask_` in plain torch (unpack the bits, one ``masked_fill_``): the
+    fallback without xgrammar, and its reference in tests. Same arguments and result."""
+    V = logits.shape[1]
+    idx = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    if idx is not None:
+        bitmask = bitmask.index_select(0, idx.to(bitmask.device))
+    allowed = unpack_bitmask(bitmask, min(V, bitmask.shape[1] * _BITS)).to(logits.device)
     if allowed.shape[1] < V:
         pad = torch.zeros(allowed.shape[0], V - allowed.shape[1], dtype=torch.bool)
         allowed = torch.cat([allowed, pad.to(allowed.device)], dim=1)
-    if rows is None:
+    if idx is None:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
-        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, idx, sub)
     return logits
