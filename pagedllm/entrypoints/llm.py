@@ -252,10 +252,12 @@ def apply_chat_template(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template (or
     ``chat_template``, a Jinja template given for this call), ``template_kwargs`` passed to the
-    template as extra variables.
+    template as extra variables; the template receives ``tools`` (OpenAI-shaped dicts) when
+    given.
 
     Raises:
         ValueError: naming ``messages`` if the template cannot render them, or if the model has
@@ -273,6 +275,7 @@ def apply_chat_template(
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            tools=tools,
             chat_template=chat_template,
             **(template_kwargs or {}),
         )

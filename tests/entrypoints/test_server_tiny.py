@@ -317,7 +317,6 @@ C22_CASES = [
     (CH, {"response_format": {"type": "json_schema"}}, "response_format"),
     (CH, {"response_format": {"type": "yaml"}}, "response_format"),
     (CH, {"response_format": "json"}, "response_format"),
-    (CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CH, {"tools": [{"type": "function"}]}, "tools"),
     (CH, {"tools": "nope"}, "tools"),
     (CH, {"tool_choice": "sometimes"}, "tool_choice"),

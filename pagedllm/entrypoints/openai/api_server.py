@@ -84,6 +84,7 @@ def run_server(args: Any) -> int:
             max_body_bytes=args.max_body_bytes,
             log_stats_interval=args.log_stats_interval,
             enable_dashboard=_dashboard_enabled(args),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
         )
     except (ValueError, FileNotFoundError) as e:
         logger.error("could not start the engine: %s", e)

@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.middleware import (
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.openai.routes import make_router, server_version
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     enable_dashboard: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine``; its lifespan starts and stops the engine thread.
 
@@ -128,11 +130,21 @@ def create_app(
             ``Authorization: Bearer <api_key>``.
         max_body_bytes: larger request bodies get 413.
         enable_dashboard: also serve the KV-cache dashboard (``/dashboard``, ``/debug/kv*``).
+        tool_call_parser: the format of the model's tool calls under ``tool_choice="auto"``
+            (``hermes``, ``qwen``, ``llama3``, ``mistral``; default: from the chat template).
+
+    Raises:
+        ValueError: naming ``tool_call_parser`` when it is not a known parser.
 
     ``app.state.serving`` holds the ``OpenAIServing``, ``app.state.async_engine`` the engine,
     ``app.state.lifecycle`` the ``ServerLifecycle`` (set ``draining`` to refuse new requests).
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}"
+        )
     serving = OpenAIServing(async_engine, served_model_name)
+    serving.tool_call_parser = tool_call_parser
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -173,6 +185,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_stats_interval: float = 5.0,
     enable_dashboard: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the engine from ``EngineConfig`` keyword arguments and return its app.
 
@@ -181,7 +194,7 @@ def build_app(
         loaded: a ``LoadedModel`` to reuse instead of loading ``engine_args["model"]``.
         served_model_name: default: ``pagedllm.config.served_model_name(model)`` (a folder's
             base name, a GGUF file's stem, "SmolLM2-135M-Instruct" for the bundled model).
-        api_key / max_body_bytes / enable_dashboard: see ``create_app``.
+        api_key / max_body_bytes / enable_dashboard / tool_call_parser: see ``create_app``.
         log_stats_interval: seconds between throughput log lines while busy (0 = never).
 
     Raises:
@@ -207,4 +220,5 @@ def build_app(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         enable_dashboard=enable_dashboard,
+        tool_call_parser=tool_call_parser,
     )

@@ -20,6 +20,7 @@ from typing import Any
 from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.errors import APIError, value_error
 from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.tool_calls.template import template_override, tool_message_fields
 from pagedllm.entrypoints.openai.validation import check_generation_prompt
 
 
@@ -45,7 +46,8 @@ def message_text(m: ChatMessage, i: int) -> str:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The ``{"role", "content"[, "name"]}`` dicts the chat template takes.
+    """The ``{"role", "content"[, "name", "tool_calls", "tool_call_id"]}`` dicts the chat
+    template takes (tool fields: ``tool_calls/template.py``).
 
     Raises:
         APIError: 400 (``param="messages"``) for a content part that is not text.
@@ -55,6 +57,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
         if m.name is not None:
             d["name"] = m.name
+        d.update(tool_message_fields(m, i))
         out.append(d)
     return out
 
@@ -137,6 +140,7 @@ def _render_text(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     cont: bool,
+    template_kwargs: dict[str, Any],
     options: TemplateOptions,
 ) -> str:
     try:
@@ -146,8 +150,7 @@ def _render_text(
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not cont,
                 continue_final_message=cont,
-                chat_template=options.template,
-                **options.kwargs,
+                **template_kwargs,
             )
         )
     except Exception as e:  # jinja errors, bad roles
@@ -161,10 +164,13 @@ def render_messages(
     continue_final_message: bool,
     allow_special_tokens_in_content: bool = False,
     options: TemplateOptions | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (``options``: the request's
     own template and variables); special-token strings inside the messages are plain text
-    unless ``allow_special_tokens_in_content``.
+    unless ``allow_special_tokens_in_content``. ``tools`` (OpenAI-shaped) go to the template;
+    when tools are involved, the request brought no template and the model's template does not
+    know them, the shipped tool template renders instead (``tool_calls/template.py``).
 
     Raises:
         APIError: 400 (``param="messages"``) for an empty list, a non-text part, or what the
@@ -174,6 +180,7 @@ def render_messages(
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     dicts = message_dicts(messages)
+    template = options.template or template_override(tokenizer, tools, messages)
     specials = special_token_strings(tokenizer)
     markers = _Markers(specials) if specials and not allow_special_tokens_in_content else None
     if markers is not None:
@@ -188,12 +195,20 @@ def render_messages(
                 dicts,
                 add_generation_prompt,
                 continue_final_message,
-                options.template,
+                template,
                 options.kwargs,
+                tools,
             )
         except ValueError as e:
             raise (options.failure(e) if options.template else value_error(e)) from None
-    text = _render_text(tokenizer, dicts, add_generation_prompt, continue_final_message, options)
+    text = _render_text(
+        tokenizer,
+        dicts,
+        add_generation_prompt,
+        continue_final_message,
+        {"tools": tools, "chat_template": template, **options.kwargs},
+        options,
+    )
     # The template's own special tokens stay control tokens; the text between them (where the
     # markers are) is tokenized as plain text, as the tokenizer would tokenize it.
     ids: list[int] = []
@@ -206,12 +221,15 @@ def render_messages(
     return ids
 
 
-def render_request_messages(tokenizer: Any, req: Any) -> list[int]:
+def render_request_messages(
+    tokenizer: Any, req: Any, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Prompt token ids of a chat or tokenize request's ``messages``: its generation-prompt
     flags checked (``check_generation_prompt``), then ``render_messages``.
 
     Args:
         req: a ``ChatCompletionRequest`` or ``TokenizeRequest`` with ``messages`` set.
+        tools: the tools to show the template (``ToolConfig.tools``), if any.
 
     Raises:
         APIError: 400 naming ``continue_final_message`` or the faulty message field.
@@ -226,4 +244,5 @@ def render_request_messages(tokenizer: Any, req: Any) -> list[int]:
         req.continue_final_message,
         req.allow_special_tokens_in_content,
         TemplateOptions(req.chat_template, req.chat_template_kwargs),
+        tools,
     )

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from pagedllm.config import add_engine_args, served_model_name
+from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 
 for _mod in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_mod) is None:
@@ -84,6 +85,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM / SIGINT: refuse new requests (503) and let in-flight ones finish for "
         "up to this long, then abort the rest and exit; 0 = abort at once (default: 30)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="format of the model's tool calls under tool_choice=auto (default: from the chat "
+        "template; hermes for the shipped tool template)",
     )
     p.add_argument(
         "--uvicorn-log-level",

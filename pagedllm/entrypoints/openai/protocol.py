@@ -129,10 +129,15 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: An assistant message's tool calls (``{"id", "type": "function", "function": {"name",
+    #: "arguments"}}``); checked in ``tool_calls/template.py``.
+    tool_calls: list[Any] | None = None
+    #: A ``tool`` message: the id of the call it answers.
+    tool_call_id: str | None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
-    """A tool's function (accepted for validation; tools are refused unless unused)."""
+    """A tool's function: its name, description and ``parameters`` (a JSON schema)."""
 
     name: str
     description: str | None = None
@@ -168,6 +173,8 @@ class ChatCompletionRequest(SamplingExtensions):
     seed: int | None = None
     user: str | None = None
     tools: list[ChatTool] | None = None
+    #: ``none``, ``auto``, ``required`` or ``{"type": "function", "function": {"name": ...}}``;
+    #: the legacy ``functions`` / ``function_call`` (kept as extra fields) map onto these.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extensions for the template
@@ -211,6 +218,8 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    #: Tools offered to the chat template (as in a chat request).
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+from pagedllm.entrypoints.openai.tool_calls.schema import resolve_tools
 from pagedllm.entrypoints.openai.validation import check_messages
 
 
@@ -135,7 +136,8 @@ def make_router(serving: OpenAIServing) -> APIRouter:
         serving.check_model(req.model)
         if req.messages is not None:
             check_messages(req.messages, "tokenize")
-            ids = render_request_messages(serving.tokenizer, req)
+            tools = resolve_tools(req).tools or None
+            ids = render_request_messages(serving.tokenizer, req, tools)
         elif req.prompt is not None:
             ids = serving.tokenize(req.prompt, req.add_special_tokens)
         else:

@@ -2,9 +2,10 @@
 (``chat_render.py``), text-only content, chat logprobs, ``echo`` and SSE streaming.
 
 ``response_format`` / ``structured_outputs`` / ``guided_*`` constrain the reply
-(``structured.py``). Refused with 400 (no support in the engine): non-text content parts, ``tools`` unless ``tool_choice="none"``, ``tool_choice`` ``required`` or a
-function, and the fields and messages ``validation.py`` refuses (unknown roles, null contents,
-legacy ``functions``, ``stream_options`` without ``stream``, ...).
+(``structured.py``); tool calling (``tools``, ``tool_choice``, legacy ``functions``) is in
+``tool_calls/``. Refused with 400 (no support in the engine): non-text content parts, and the
+fields and messages ``validation.py`` refuses (unknown roles, null contents, ``stream_options``
+without ``stream``, ...).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pagedllm.entrypoints.openai.serving_common import (
     RequestContext,
 )
 from pagedllm.entrypoints.openai.structured import structured_field
+from pagedllm.entrypoints.openai.tool_calls.schema import resolve_tools
+from pagedllm.entrypoints.openai.tool_calls.serving import ToolOutput
+from pagedllm.entrypoints.openai.tool_calls.serving import setup as tool_setup
 from pagedllm.entrypoints.openai.validation import (
     check_common,
     check_messages,
@@ -34,14 +38,6 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
     """Raises: APIError 400 naming a field this server cannot honour."""
-    if req.tools and req.tool_choice != "none":
-        raise APIError(
-            400,
-            "tools are not supported by this server (use tool_choice='none')",
-            param="tools",
-        )
-    if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
-        raise APIError(400, "tool_choice requires tool support", param="tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -59,7 +55,10 @@ async def create_chat_completion(
     check_messages(req.messages, "chat")
     check_common(req, "chat")
     _check_unsupported(req)
-    ids = render_request_messages(serving.tokenizer, req)
+    tool_config = resolve_tools(req)
+    ids = render_request_messages(
+        serving.tokenizer, req, tool_config.tools if tool_config.active else None
+    )
     max_tokens: int | None
     if req.max_completion_tokens is not None:
         max_tokens, mt_name = req.max_completion_tokens, "max_completion_tokens"
@@ -77,11 +76,17 @@ async def create_chat_completion(
         )
     except ValueError as e:
         raise value_error(e, rename) from None
+    params, tool_parser = tool_setup(
+        tool_config, params, serving.tool_call_parser, serving.tokenizer
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.add_all(
         request_id, [ids], [params], arrival, rename, priority=req.priority, timeout=req.timeout
     )
-    return await ChatContext(serving, req, ids, request_id).respond(streams, raw)
+    ctx = ChatContext(serving, req, ids, request_id)
+    if tool_parser is not None:
+        ctx.tools = ToolOutput(tool_parser, tool_config.parallel)
+    return await ctx.respond(streams, raw)
 
 
 class ChatContext(RequestContext):
@@ -99,6 +104,8 @@ class ChatContext(RequestContext):
         self.k = (req.top_logprobs or 0) if req.logprobs else None
         #: ``echo``: the last message's content when it is the assistant's (as vLLM does).
         self.echo = ""
+        #: The tool calls of the choices, when the model may call tools.
+        self.tools: ToolOutput | None = None
         last = req.messages[-1]
         if req.echo and last.role == "assistant":
             self.echo = message_text(last, len(req.messages) - 1)
@@ -109,12 +116,16 @@ class ChatContext(RequestContext):
             lp = None
             if self.k is not None:
                 lp = {"content": self.tokens.chat_logprobs(c.token_ids, c.logprobs or [], self.k)}
+            message: dict[str, Any] = {"role": "assistant", "content": self.echo + c.text}
+            finish = c.finish_reason
+            if self.tools is not None:
+                message, finish = self.tools.message(c.text, self.echo, finish)
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": self.echo + c.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -142,7 +153,11 @@ class ChatContext(RequestContext):
         new_text, new_ids, new_entries = st.pending(c)
         finished = c.finish_reason is not None
         want_lp = self.k is not None and bool(new_ids)
-        if not new_text and not finished and not want_lp:
+        delta: dict[str, Any] = {"content": new_text} if new_text else {}
+        finish = c.finish_reason
+        if self.tools is not None:
+            delta, finish = self.tools.delta(c.index, c.text, finish)
+        if not delta and not finished and not want_lp:
             return None
         lp = None
         if self.k is not None:
@@ -150,9 +165,9 @@ class ChatContext(RequestContext):
         st.commit(c)
         choice: dict[str, Any] = {
             "index": c.index,
-            "delta": {"content": new_text} if new_text else {},
+            "delta": delta,
             "logprobs": lp,
-            "finish_reason": c.finish_reason if finished else None,
+            "finish_reason": finish if finished else None,
         }
         if self.req.return_token_ids:
             choice["token_ids"] = list(new_ids)

@@ -96,6 +96,8 @@ class OpenAIServing:
         self.tokenizer = async_engine.tokenizer
         self.tokens = TokenFormatter(self.tokenizer)
         self.metrics = ServerMetrics(async_engine, self.model_name)
+        #: ``--tool-call-parser`` (None: chosen from the chat template).
+        self.tool_call_parser: str | None = None
 
     def check_model(self, model: str | None) -> None:
         """Raises: APIError 404 ``model_not_found`` when ``model`` is given and not served."""

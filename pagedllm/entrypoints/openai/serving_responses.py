@@ -172,7 +172,7 @@ async def create_response(
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     ids = render_messages(
-        serving.tokenizer, [ChatMessage(**m) for m in system + conversation], True, False
+        serving.tokenizer, [ChatMessage.model_validate(m) for m in system + conversation], True, False
     )
     rename = {"prompt": "input", "max_tokens": "max_output_tokens"}
     try:

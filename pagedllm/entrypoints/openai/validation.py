@@ -20,11 +20,12 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from pagedllm.entrypoints.openai.tool_calls.template import tool_message_fields
 
 logger = logging.getLogger(__name__)
 
-#: Chat roles served (OpenAI's, less ``tool`` / ``function``, which need tool calling).
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+#: Chat roles served (OpenAI's; ``function`` is the legacy form of ``tool``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _set(v: Any) -> bool:
@@ -35,8 +36,6 @@ def _set(v: Any) -> bool:
 def _not_text(v: Any) -> bool:
     return v is not None and v != ["text"]
 
-
-_TOOLS = "tool calling is not supported by this server"
 
 #: Known fields this server does not implement: name -> (whether a value asks for the feature,
 #: why it is refused). Checked on both generation endpoints.
@@ -53,8 +52,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 #: Known chat-only fields this server does not implement (same shape).
 UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "functions": (lambda v: v is not None, _TOOLS + " (legacy functions)"),
-    "function_call": (lambda v: v is not None, _TOOLS + " (legacy function_call)"),
     "audio": (_set, "audio output is not supported"),
     "modalities": (_not_text, "only the text modality is supported"),
     "prediction": (_set, "predicted outputs are not supported"),
@@ -139,8 +136,8 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, where: str) -> 
 
 def check_messages(messages: list[ChatMessage], where: str) -> None:
     """Roles and contents of chat messages: a known role, a content on every message (null is
-    OpenAI's form only for an assistant message with tool calls, which are not supported);
-    logs unknown message fields.
+    OpenAI's form only for an assistant message with tool calls), well-formed tool calls and
+    tool messages (``tool_calls/template.py``); logs unknown message fields.
 
     Raises:
         APIError: 400 (``param="messages"``) naming the message and the problem.
@@ -148,19 +145,14 @@ def check_messages(messages: list[ChatMessage], where: str) -> None:
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function"):
-            raise APIError(400, f"messages[{i}].role {m.role!r}: {_TOOLS}", param="messages")
         if m.role not in CHAT_ROLES:
             raise APIError(
                 400,
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
                 param="messages",
             )
-        extra = m.model_extra or {}
-        for name in ("tool_calls", "function_call"):
-            if extra.get(name) is not None:
-                raise APIError(400, f"messages[{i}].{name}: {_TOOLS}", param="messages")
-        if m.content is None:
+        calls = tool_message_fields(m, i).get("tool_calls")
+        if m.content is None and not calls:
             raise APIError(
                 400,
                 f"messages[{i}].content must be a string or a list of text parts (null is "

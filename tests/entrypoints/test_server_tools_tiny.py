@@ -1,0 +1,198 @@
+"""Tool calling over HTTP on the tiny random Llama: the request fields and their 400s (naming the
+field, server healthy after), the shipped tool template (tools, tool calls and tool results in
+the prompt, checked through /tokenize) and ``tool_choice="auto"`` answers. Grammar-forced choices
+and the official-client round trip run on the bundled model (test_server_tools_smollm.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.entrypoints.openai.tool_calls.template import tool_template
+from tests.entrypoints.server_utils import (
+    ServerThread,
+    assert_error,
+    check_chunk_shape,
+    healthy,
+    sse_events,
+)
+
+CH = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hello world"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_loaded):
+    app = build_app(
+        {"max_model_len": 512, "kv_cache_memory": 1 << 22, "check_invariants": True},
+        loaded=tiny_loaded,
+        served_model_name="tiny",
+    )
+    srv = ServerThread(app).start()
+    yield srv
+    srv.stop()
+
+
+def _tokenized_text(client, tok, body):
+    r = client.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return tok.decode(r.json()["tokens"])
+
+
+BAD = [
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+        "tools",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": "nope"}, "tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),
+    ({"functions": "f"}, "functions"),
+    ({"functions": [{"name": ""}]}, "functions"),
+    ({"functions": [WEATHER["function"]], "function_call": "required"}, "function_call"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "other"}}, "function_call"),
+    ({"tools": [WEATHER], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD, ids=lambda x: str(x)[:50])
+def test_bad_tool_fields_are_400_naming_the_field(client, server, extra, param):
+    for stream in (False, True):
+        body = {"messages": MSG, "max_tokens": 2, "stream": stream, **extra}
+        assert_error(client.post(CH, json=body), 400, param)
+    healthy(server, client)
+
+
+BAD_MESSAGES = [
+    [{"role": "tool", "content": "42"}],  # no tool_call_id
+    [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}],
+    [{"role": "assistant", "content": None, "tool_calls": "x"}],
+    [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{not json"}}],
+        }
+    ],
+    [{"role": "user", "content": "hi", "tool_calls": []}],
+    [{"role": "assistant", "content": None, "tool_calls": []}],
+]
+
+
+@pytest.mark.parametrize("messages", BAD_MESSAGES, ids=range(len(BAD_MESSAGES)))
+def test_bad_tool_messages_are_400(client, server, messages):
+    err = assert_error(
+        client.post(CH, json={"messages": messages, "max_tokens": 2}), 400, "messages"
+    )
+    assert err["message"].startswith(("messages[0]", "messages.0"))
+    assert_error(client.post("/tokenize", json={"messages": messages}), 400, "messages")
+    healthy(server, client)
+
+
+def _conversation(legacy: bool = False):
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    if legacy:
+        return MSG + [
+            {"role": "assistant", "content": None, "function_call": call},
+            {"role": "function", "name": "get_weather", "content": '{"temp_c": 21}'},
+        ]
+    return MSG + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+    ]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["tools", "functions"])
+def test_tool_turns_render_with_the_shipped_template(client, tiny_tokenizer, legacy):
+    """The tiny template has no tools: the shipped Hermes template renders the tools, the
+    assistant's call and the tool result, exactly as rendering it directly does."""
+    messages = _conversation(legacy)
+    text = _tokenized_text(client, tiny_tokenizer, {"messages": messages, "tools": [WEATHER]})
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    )
+    assert '<|im_start|>tool\n<tool_response>\n{"temp_c": 21}\n</tool_response><|im_end|>' in text
+    assert json.dumps(WEATHER) in text  # the tool list, as the template writes it
+    assert text.endswith("<|im_start|>assistant\n")
+    dicts = [dict(m) for m in _conversation(False)]
+    dicts[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    direct = tiny_tokenizer.apply_chat_template(
+        dicts,
+        tools=[WEATHER],
+        chat_template=tool_template(),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == direct
+    # The chat endpoint accepts the conversation and renders the same prompt (without the
+    # tools, whose listing does not fit the tiny model's 512 positions in its tokens).
+    r = client.post(CH, json={"messages": messages, "max_tokens": 3, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    rendered = tiny_tokenizer.decode(r.json()["prompt_token_ids"])
+    assert rendered == _tokenized_text(client, tiny_tokenizer, {"messages": messages})
+    assert "<tool_response>" in rendered and "<tools>" not in rendered
+
+
+def test_without_tools_the_model_template_is_kept(client, tiny_tokenizer):
+    text = _tokenized_text(client, tiny_tokenizer, {"messages": MSG})
+    assert text == "<s>user: hello world</s><s>assistant:"
+    # tool_choice none: the tools are not shown, the prompt is the plain one
+    r = client.post(
+        CH,
+        json={
+            "messages": MSG,
+            "tools": [WEATHER],
+            "tool_choice": "none",
+            "max_tokens": 2,
+            "return_token_ids": True,
+        },
+    )
+    assert tiny_tokenizer.decode(r.json()["prompt_token_ids"]) == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_answers_plain_text_when_no_call_is_written(client, stream):
+    """The random model writes no <tool_call>: the answer is its text, finish_reason not
+    tool_calls, and streaming gives the same text."""
+    tools = [{"type": "function", "function": {"name": "w"}}]  # fits 512 tiny tokens
+    body = {"messages": MSG, "tools": tools, "max_tokens": 8, "temperature": 0}
+    r = client.post(CH, json=body)
+    assert r.status_code == 200, r.text
+    plain = r.json()["choices"][0]
+    assert plain["finish_reason"] in ("stop", "length")
+    assert "tool_calls" not in plain["message"]
+    if stream:
+        events = sse_events(client, CH, {**body, "stream": True})
+        texts = check_chunk_shape(events)
+        assert texts[0] == plain["message"]["content"]
