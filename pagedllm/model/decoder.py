@@ -125,6 +125,10 @@ class DecoderForCausalLM(nn.Module):
 
     # -- what a model file provides ----------------------------------------------------------
 
+    #: The decoder-layer class a model file names (``make_layer`` builds it); a model whose
+    #: layers differ by index overrides ``make_layer`` instead.
+    layer_class: ClassVar[type[nn.Module] | None] = None
+
     def make_layer(
         self,
         config: ModelArchConfig,
@@ -133,8 +137,11 @@ class DecoderForCausalLM(nn.Module):
         shard: TensorParallelShard | None,
         group: TensorParallelGroup | None,
     ) -> nn.Module:
-        """Decoder layer ``index``: a module called as ``layer(h, kv_cache, ctx) -> h``."""
-        raise NotImplementedError
+        """Decoder layer ``index``: a module called as ``layer(h, kv_cache, ctx) -> h``; by
+        default ``layer_class(config, index, dtype, shard, group)``."""
+        if self.layer_class is None:
+            raise NotImplementedError(f"{type(self).__name__} names no layer_class")
+        return self.layer_class(config, index, dtype, shard, group)
 
     @staticmethod
     def make_rotary(

@@ -101,15 +101,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         "post_ffw_norm": "post_feedforward_layernorm",
     }
 
-    def make_layer(
-        self,
-        config: ModelArchConfig,
-        index: int,
-        dtype: torch.dtype,
-        shard: TensorParallelShard | None,
-        group: TensorParallelGroup | None,
-    ) -> nn.Module:
-        return Gemma3DecoderLayer(config, index, dtype, shard, group)
+    layer_class = Gemma3DecoderLayer
 
     @staticmethod
     def _common_fields(hidden: int) -> dict[str, Any]:

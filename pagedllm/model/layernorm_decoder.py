@@ -128,15 +128,7 @@ class LayerNormDecoderForCausalLM(DecoderForCausalLM):
             )
         self.requires_grad_(False)
 
-    def make_layer(
-        self,
-        config: ModelArchConfig,
-        index: int,
-        dtype: torch.dtype,
-        shard: TensorParallelShard | None,
-        group: TensorParallelGroup | None,
-    ) -> nn.Module:
-        return LayerNormDecoderLayer(config, index, dtype, shard, group)
+    layer_class = LayerNormDecoderLayer
 
     @staticmethod
     def make_rotary(

@@ -80,15 +80,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     gguf_permute_qk: ClassVar[bool] = True  # llama.cpp's converter interleaves Llama's q/k rows
 
-    def make_layer(
-        self,
-        config: ModelArchConfig,
-        index: int,
-        dtype: torch.dtype,
-        shard: TensorParallelShard | None,
-        group: TensorParallelGroup | None,
-    ) -> nn.Module:
-        return LlamaDecoderLayer(config, index, dtype, shard, group)
+    layer_class = LlamaDecoderLayer
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
