@@ -97,6 +97,8 @@ class AsyncLLMEngine:
             self._tokenizer = engine.tokenizer
         self._max_model_len: int = engine.max_model_len
         self._vocab_size: int = engine.vocab_size
+        self._hidden_size: int = engine.model_config.hidden_size
+        self._default_pooling: str = engine.config.pooling
         self._model: str | None = engine.config.model
         self._policy: str = engine.config.scheduling_policy
         self._max_waiting: int | None = engine.config.max_waiting_requests
@@ -177,6 +179,16 @@ class AsyncLLMEngine:
     def vocab_size(self) -> int:
         """Token ids are in ``[0, vocab_size)``."""
         return self._vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the model's final hidden state (the size of an embedding)."""
+        return self._hidden_size
+
+    @property
+    def default_pooling(self) -> str:
+        """How embeddings pool the hidden states unless a request says (``--pooling``)."""
+        return self._default_pooling
 
     @property
     def model(self) -> str | None:

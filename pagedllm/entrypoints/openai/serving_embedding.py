@@ -94,7 +94,7 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest, raw: R
     arrival = time.monotonic()
     serving.check_model(req.model)
     log_unknown_fields(req, "embeddings")
-    hidden = serving.async_engine.engine.model_config.hidden_size
+    hidden = serving.async_engine.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
         raise APIError(
             400,
@@ -104,7 +104,7 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest, raw: R
         )
     prompts = parse_inputs(serving, req)
     pooling = PoolingParams(
-        req.pooling or serving.async_engine.engine.config.pooling, req.normalize
+        req.pooling or serving.async_engine.default_pooling, req.normalize
     )
     params = SamplingParams(max_tokens=1, detokenize=False, pooling=pooling)
     request_id = f"embd-{uuid.uuid4().hex}"

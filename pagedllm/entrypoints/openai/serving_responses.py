@@ -40,7 +40,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     RequestContext,
     merge,
 )
-from pagedllm.entrypoints.openai.validation import CHAT_ROLES, log_unknown_fields
+from pagedllm.entrypoints.openai.validation import log_unknown_fields
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -101,6 +101,11 @@ def _item_text(item: dict[str, Any], i: int) -> str:
     raise APIError(400, f"input[{i}].content must be a string or a list of parts", param="input")
 
 
+# Roles of a Responses input message (tool results come as function_call_output items there,
+# which this server does not take, so chat's "tool" / "function" roles are not among them).
+RESPONSES_ROLES = ("system", "developer", "user", "assistant")
+
+
 def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, str]]:
     """``input`` as ``[{"role", "content"}]`` messages.
 
@@ -120,9 +125,9 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, s
                 param="input",
             )
         role = item.get("role")
-        if role not in CHAT_ROLES:
+        if role not in RESPONSES_ROLES:
             raise APIError(
-                400, f"input[{i}].role must be one of {', '.join(CHAT_ROLES)}", param="input"
+                400, f"input[{i}].role must be one of {', '.join(RESPONSES_ROLES)}", param="input"
             )
         out.append({"role": str(role), "content": _item_text(item, i)})
     return out
