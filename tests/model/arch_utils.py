@@ -262,7 +262,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
 
-    gguf_arch = {"mistral": "llama"}.get(arch, arch)
+    gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
     gemma = arch in ("gemma2", "gemma3")
@@ -294,10 +294,18 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_vocab_size(c.vocab_size)
+    if arch in ("mixtral", "qwen3_moe"):  # llama.cpp's converter: no sliding window for either
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen3_moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    for name, t in hf_model.state_dict().items():
+    for name, t in _llama_cpp_moe_tensors(hf_model.state_dict()):
         t = t.float().clone()
-        if name == "model.embed_tokens.weight":
+        if name.startswith("blk."):
+            g = name
+        elif name == "model.embed_tokens.weight":
             g = "token_embd.weight"
         elif name == "model.norm.weight":
             g = "output_norm.weight"
@@ -320,3 +328,23 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _llama_cpp_moe_tensors(state: dict[str, Any]) -> Any:
+    """``state``'s items with transformers' stacked experts as llama.cpp stores them: the router
+    ``mlp.gate`` -> ``blk.N.ffn_gate_inp``, ``gate_up_proj`` [E, 2I, d] split into
+    ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, d], ``down_proj`` -> ``ffn_down_exps`` [E, d, I]."""
+    for name, t in state.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+            blk = f"blk.{parts[2]}"
+            if name.endswith(".mlp.gate.weight"):
+                yield f"{blk}.ffn_gate_inp.weight", t
+            elif name.endswith("gate_up_proj"):
+                gate, up = t.chunk(2, dim=1)
+                yield f"{blk}.ffn_gate_exps.weight", gate
+                yield f"{blk}.ffn_up_exps.weight", up
+            else:
+                yield f"{blk}.ffn_down_exps.weight", t
+        else:
+            yield name, t

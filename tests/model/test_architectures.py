@@ -27,7 +27,6 @@ GGUF_UNSUPPORTED = {
         "files are refused by the registry, see docs/models.md)"
         for a in LAYER_NORM_ARCHS
     },
-    **{a: "MoE models load from Hugging Face folders only (no GGUF entry)" for a in MOE_ARCHS},
 }
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -144,8 +143,11 @@ def test_cpu_fast_path_is_used(arch_case):
 
 def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     """A llama.cpp-style GGUF of the tiny model (its names, Llama's q/k permutation, Gemma's
-    ``1 + w`` norms) loads to the same config and Hugging Face state dict as the folder."""
+    ``1 + w`` norms, stacked MoE experts) loads to the same config and Hugging Face state dict as
+    the folder, whole and as one tensor-parallel rank's slices."""
     from pagedllm.model.loader import load_gguf_weights, load_hf_weights
+    from pagedllm.model.loader.sharded import load_weight_shard
+    from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
     from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
 
     arch, folder, _, _ = arch_case
@@ -161,6 +163,20 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         torch.testing.assert_close(sd_g[name], t, atol=1e-6, rtol=0, msg=name)
     same = ["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window"]
     same += ["layer_types", "qk_norm", "attention_bias", "norm_weight_offset", "rope_theta"]
+    if arch == "mixtral":  # llama.cpp's converter records no window (released Mixtral: none)
+        same.remove("sliding_window")
+    for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:
+        assert getattr(cfg_g, f) == getattr(cfg_h, f), f
+    assert [cfg_g.layer_is_moe(i) for i in range(cfg_h.num_hidden_layers)] == [
+        cfg_h.layer_is_moe(i) for i in range(cfg_h.num_hidden_layers)
+    ]
+    # A tensor-parallel rank's slices read from the file equal the sliced full load.
+    shard = TensorParallelShard.for_rank(cfg_h, 1, 2)
+    mine = load_weight_shard(path, "gguf", cfg_h, shard)
+    ref = shard_state_dict(sd_h, shard, cfg_h.head_dim)
+    assert mine.keys() == ref.keys()
+    for name, t in ref.items():
+        torch.testing.assert_close(mine[name], t, atol=1e-6, rtol=0, msg=name)
     if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
         assert cfg_g.architecture == cfg_h.architecture
         for f in same:

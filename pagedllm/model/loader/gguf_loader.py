@@ -252,7 +252,8 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
     from pagedllm.model.registry import entry_for_gguf
 
     arch = gguf_metadata(reader, "general.architecture")
-    entry = entry_for_gguf(arch, str(path))
+    num_experts = int(gguf_metadata(reader, f"{arch}.expert_count", 0) or 0)
+    entry = entry_for_gguf(arch, str(path), num_experts)
 
     def req(key: str) -> Any:
         value = gguf_metadata(reader, f"{arch}.{key}")
@@ -320,6 +321,11 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         eos_token_ids=[] if eos is None else [int(eos)],
         architecture=entry.architecture,
     )
+    if num_experts:
+        # llama.cpp has no per-layer MoE key: the layers with a router are the sparse ones.
+        n_layers = fields["num_hidden_layers"]
+        moe = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+        fields["moe_layers"] = None if len(moe) == n_layers else moe
     cls = entry.load()
     fields.update(cls.gguf_config_fields(lambda key: gguf_metadata(reader, f"{arch}.{key}")))
     return ModelArchConfig(**fields)
@@ -356,8 +362,8 @@ def load_gguf_weights(
     Every tensor is dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, K-quants...:
     whatever ``gguf.quants`` implements), reshaped to PyTorch order (linears ``[out, in]``,
     embedding ``[vocab, hidden]``, norms ``[hidden]``), q/k rows un-permuted (Llama), Gemma's
-    norm offset removed (``gguf_tensor_to_hf``), then cast to
-    ``dtype``. No ``lm_head.weight`` is returned when the embedding is tied.
+    norm offset removed (``gguf_tensor_to_hf``), stacked MoE experts and fused projections split
+    (``gguf_expand.gguf_tensor_to_hf_parts``), then cast to ``dtype``. No ``lm_head.weight`` is returned when the embedding is tied.
 
     Args:
         path: the ``.gguf`` file.
@@ -372,6 +378,8 @@ def load_gguf_weights(
             unsupported tensor type (the message names the tensor and type), or a shape that
             does not match the metadata.
     """
+    from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts
+
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     reader = open_gguf(path)
@@ -389,8 +397,9 @@ def load_gguf_weights(
                 f"{path} is not a valid GGUF file: tensor {tensor.name!r} "
                 f"({tensor.tensor_type.name}) could not be decoded: {exc}"
             ) from exc
-        hf_name, weight = gguf_tensor_to_hf(tensor.name, torch.from_numpy(array), config)
-        state[hf_name] = weight.to(dtype).contiguous()
+        parts = gguf_tensor_to_hf_parts(tensor.name, torch.from_numpy(array), config)
+        for hf_name, weight in parts.items():
+            state[hf_name] = weight.to(dtype).contiguous()
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
     if config.tie_word_embeddings:
