@@ -53,7 +53,7 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen3 (dense)"),
     ModelEntry("Gemma2ForCausalLM", "gemma2", "Gemma2ForCausalLM", ("gemma2",), ("gemma2",),
                "Gemma 2 (soft-capping, local/global layers)"),
-    ModelEntry("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), (),
+    ModelEntry("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), ("phi3",),
                "Phi-3, Phi-3.5, Phi-4-mini (LongRoPE)"),
     ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
                ("gemma3",), "Gemma 3 (text)"),

@@ -7,6 +7,7 @@ to the tiny test tokenizer, so pagedllm loads it as any Hugging Face folder.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
             ffn_norm="pre_feedforward_layernorm",
             post_ffw_norm="post_feedforward_layernorm",
         )
+    if arch == "phi3":  # llama.cpp keeps both fused tensors as they are
+        names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
     to_gguf = {hf: g for g, hf in names.items()}
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(c.num_hidden_layers)
@@ -280,8 +283,11 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    if arch == "phi3":  # llama.cpp: the rotary width, LongRoPE factors as tensors, no key_length
+        _add_phi3_rope(w, c)
+    else:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "gemma3":
         w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
@@ -348,3 +354,25 @@ def _llama_cpp_moe_tensors(state: dict[str, Any]) -> Any:
                 yield f"{blk}.ffn_down_exps.weight", t
         else:
             yield name, t
+
+
+def _add_phi3_rope(w: Any, c: Any) -> None:
+    """What llama.cpp's Phi-3 converter writes about attention and RoPE: the rotary width, the
+    sliding window (0 = none), and for LongRoPE the original context, the attention factor
+    sqrt(1 + ln(s) / ln(original)) and the long / short factors as float32 tensors."""
+    import numpy as np
+
+    params = c.rope_parameters
+    partial = params.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(partial * c.hidden_size) // c.num_attention_heads)
+    w.add_sliding_window(c.sliding_window or 0)
+    if params.get("rope_type") != "longrope":
+        return
+    orig = c.original_max_position_embeddings
+    scale = c.max_position_embeddings / orig
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_scaling_attn_factors(
+        1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig))
+    )
+    w.add_tensor("rope_factors_long.weight", np.asarray(params["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(params["short_factor"], dtype=np.float32))

@@ -21,7 +21,6 @@ ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
 GGUF_UNSUPPORTED = {
-    "phi3": "Phi-3 GGUF files (fused attn_qkv, rope factor tensors) are not read",
     **{
         a: f"{a}: Hugging Face folders only (llama.cpp has no OPT; its gpt2 / gptneox GGUF "
         "files are refused by the registry, see docs/models.md)"
@@ -163,6 +162,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         torch.testing.assert_close(sd_g[name], t, atol=1e-6, rtol=0, msg=name)
     same = ["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window"]
     same += ["layer_types", "qk_norm", "attention_bias", "norm_weight_offset", "rope_theta"]
+    same += ["partial_rotary_factor", "rope_scaling", "max_position_embeddings"]
     if arch == "mixtral":  # llama.cpp's converter records no window (released Mixtral: none)
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:

@@ -49,8 +49,11 @@ _GLOBAL_NAMES: dict[str, str] = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Tensors llama.cpp stores that carry no Hugging Face weight.
+# Tensors llama.cpp stores that carry no Hugging Face weight (folded into config.rope_scaling).
 _ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FACTORS_LONG = "rope_factors_long.weight"
+_ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_TENSORS = (_ROPE_FREQS, _ROPE_FACTORS_LONG, _ROPE_FACTORS_SHORT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +236,39 @@ def _llama3_rope_scaling(
     return None
 
 
+def _longrope_scaling(
+    reader: Any, arch: str, tensors: dict[str, Any], path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """Hugging Face ``longrope`` rope scaling (Phi-3) from llama.cpp's ``rope_factors_long`` /
+    ``rope_factors_short`` tensors and ``<arch>.rope.scaling.original_context_length``;
+    ``attention_factor`` only when ``rope.scaling.attn_factor`` differs from the value
+    transformers derives, sqrt(1 + ln(s) / ln(original)) with s = context / original.
+
+    Raises:
+        ValueError: the short factors or the original context length are missing.
+    """
+    if _ROPE_FACTORS_SHORT not in tensors:
+        raise ValueError(f"{path}: {_ROPE_FACTORS_LONG!r} without {_ROPE_FACTORS_SHORT!r}")
+    orig = gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
+    if orig is None:
+        raise ValueError(
+            f"{path}: GGUF metadata key {arch}.rope.scaling.original_context_length is missing"
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": [float(x) for x in _dequantize(tensors[_ROPE_FACTORS_LONG]).reshape(-1)],
+        "short_factor": [float(x) for x in _dequantize(tensors[_ROPE_FACTORS_SHORT]).reshape(-1)],
+        "original_max_position_embeddings": int(orig),
+    }
+    attn = gguf_metadata(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        s = int(gguf_metadata(reader, f"{arch}.context_length", orig)) / int(orig)
+        derived = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(int(orig)))
+        if abs(float(attn) - derived) > 1e-6 * derived:
+            scaling["attention_factor"] = _f32(attn)
+    return scaling
+
+
 def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> ModelArchConfig:
     """Build a :class:`ModelArchConfig` from GGUF ``<arch>.*`` metadata (``general.architecture``
     picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` adds the
@@ -301,6 +337,9 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
                     f"{path}: tensor {_ROPE_FREQS!r} holds rope frequency factors that do not "
                     "match Llama 3 rope scaling; unsupported"
                 )
+
+    if _ROPE_FACTORS_LONG in tensors:
+        rope_scaling = _longrope_scaling(reader, arch, tensors, path)
 
     bos = gguf_metadata(reader, "tokenizer.ggml.bos_token_id")
     eos = gguf_metadata(reader, "tokenizer.ggml.eos_token_id")
@@ -386,7 +425,7 @@ def load_gguf_weights(
     config = gguf_arch_config(reader, path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name in ROPE_TENSORS:
             continue  # folded into config.rope_scaling
         try:
             array = _dequantize(tensor)

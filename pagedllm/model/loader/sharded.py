@@ -19,7 +19,7 @@ from safetensors import safe_open
 from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts, needs_whole_tensor
 from pagedllm.model.loader.gguf_loader import (
-    _ROPE_FREQS,
+    ROPE_TENSORS,
     _dequantize,
     gguf_tensor_to_hf,
     gguf_to_hf_name,
@@ -76,7 +76,7 @@ def _gguf_shard(
     d = config.head_dim
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
+        if t.name in ROPE_TENSORS:
             continue
         if needs_whole_tensor(t.name, config):  # stacked experts, fused QKV: split, then cut
             whole = gguf_tensor_to_hf_parts(t.name, torch.from_numpy(_dequantize(t)), config)
