@@ -58,8 +58,9 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
                ("gemma3",), "Gemma 3 (text)"),
     ModelEntry("OPTForCausalLM", "opt", "OPTForCausalLM", ("opt",), (), "OPT"),
-    ModelEntry("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", ("gpt2",), (), "GPT-2"),
-    ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",), (),
+    ModelEntry("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", ("gpt2",), ("gpt2",), "GPT-2"),
+    ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",),
+               ("gptneox",),
                "GPT-NeoX, Pythia"),
     ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
                "Mixtral (sparse MoE, sliding window)"),
@@ -70,7 +71,7 @@ MODELS: tuple[ModelEntry, ...] = (
 
 
 # GGUF architectures llama.cpp also uses for a MoE model -> that model's architecture.
-_GGUF_MOE_VARIANTS = {"llama": "MixtralForCausalLM"}
+GGUF_MOE_VARIANTS = {"llama": "MixtralForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -106,14 +107,14 @@ def entry_for_hf_config(cfg: dict[str, Any], source: str = "<hf>") -> ModelEntry
 def entry_for_gguf(arch: str | None, source: str = "<gguf>", num_experts: int = 0) -> ModelEntry:
     """The entry for a GGUF file's ``general.architecture``; with ``num_experts`` (the file's
     ``<arch>.expert_count``) a dense architecture's MoE variant (llama.cpp writes Mixtral as
-    ``llama`` with experts, ``_GGUF_MOE_VARIANTS``).
+    ``llama`` with experts, ``GGUF_MOE_VARIANTS``).
 
     Raises:
         ValueError: it is not supported; the message names it and lists what is.
     """
-    variant = _GGUF_MOE_VARIANTS.get(arch or "") if num_experts else None
+    variant = GGUF_MOE_VARIANTS.get(arch or "") if num_experts else None
     for e in MODELS:
-        if arch in e.gguf_architectures and variant is None or e.architecture == variant:
+        if (arch in e.gguf_architectures and variant is None) or e.architecture == variant:
             return e
     raise _unsupported(f"model architecture in {source}: general.architecture={arch!r}")
 

@@ -263,6 +263,9 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
 
+    if arch in ("gpt2", "gpt_neox"):
+        _write_layer_norm_gguf(hf_model, path, arch)
+        return
     gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
@@ -376,3 +379,60 @@ def _add_phi3_rope(w: Any, c: Any) -> None:
     )
     w.add_tensor("rope_factors_long.weight", np.asarray(params["long_factor"], dtype=np.float32))
     w.add_tensor("rope_factors_short.weight", np.asarray(params["short_factor"], dtype=np.float32))
+
+
+def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str) -> None:
+    """GPT-2 / GPT-NeoX as llama.cpp's converter writes them: LayerNorm epsilon, no KV-head,
+    key-length or rope-base keys; GPT-2's Conv1D weights transposed to [out, in] and its
+    embedding also written as ``output``; NeoX's per-head interleaved QKV rows regrouped to
+    [all q; all k; all v] (``GPTNeoXModel.modify_tensors``), rotary width and parallel residual."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from pagedllm.model.registry import model_class
+
+    c = hf_model.config
+    cls = model_class(hf_model.config.architectures[0])
+    neox = arch == "gpt_neox"
+    w = gguf.GGUFWriter(str(path), "gptneox" if neox else "gpt2")
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(c.intermediate_size if neox else (c.n_inner or 4 * hidden))
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(c.layer_norm_eps if neox else c.layer_norm_epsilon)
+    if neox:
+        partial = c.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(partial * (hidden // heads)))
+        w.add_parallel_residual(c.use_parallel_residual)
+    to_gguf = {hf: g for g, hf in {**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}.items()}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.embed_positions.weight": "position_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
+        "lm_head.weight": "output.weight",
+    }
+    for name, t in hf_model.state_dict().items():
+        pname = cls.hf_weight_name(name)
+        if pname is None or (not neox and pname == "lm_head.weight"):
+            continue
+        t = t.float().clone()
+        if pname in glob:
+            g = glob[pname]
+        else:
+            _, _, layer, rest = pname.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+            if not neox and pname.endswith("_proj.weight"):
+                t = t.t()  # Conv1D [in, out] -> [out, in]
+            if neox and ".qkv_proj." in pname:  # [q_h; k_h; v_h] per head -> [Q; K; V]
+                t = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        w.add_tensor(g, t.contiguous().numpy())
+        if not neox and g == "token_embd.weight":
+            w.add_tensor("output.weight", t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -20,13 +20,7 @@ ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
-GGUF_UNSUPPORTED = {
-    **{
-        a: f"{a}: Hugging Face folders only (llama.cpp has no OPT; its gpt2 / gptneox GGUF "
-        "files are refused by the registry, see docs/models.md)"
-        for a in LAYER_NORM_ARCHS
-    },
-}
+GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
 
@@ -162,7 +156,9 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         torch.testing.assert_close(sd_g[name], t, atol=1e-6, rtol=0, msg=name)
     same = ["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window"]
     same += ["layer_types", "qk_norm", "attention_bias", "norm_weight_offset", "rope_theta"]
-    same += ["partial_rotary_factor", "rope_scaling", "max_position_embeddings"]
+    same += ["partial_rotary_factor", "rope_scaling", "max_position_embeddings", "hidden_act"]
+    same += ["parallel_residual", "layer_norm_eps", "position_offset", "tie_word_embeddings"]
+    same += ["mlp_bias", "o_proj_bias", "hidden_size", "intermediate_size", "num_attention_heads"]
     if arch == "mixtral":  # llama.cpp's converter records no window (released Mixtral: none)
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:

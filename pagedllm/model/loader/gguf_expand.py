@@ -7,7 +7,8 @@ renaming): llama.cpp's stacked MoE experts and fused projections.
   model class's ``moe_names`` say (Mixtral ``block_sparse_moe.experts.e.w1``, Qwen3-MoE
   ``mlp.experts.e.gate_proj``), so each stacked tensor is cut into E views.
 * a model class with ``splits_hf_weights`` (fused QKV, fused gate/up) splits the renamed tensor
-  with its ``split_hf_weight`` hook, as the Hugging Face loader does.
+  with its ``split_gguf_weight`` hook (llama.cpp's layout of the fused tensor can differ from
+  the Hugging Face checkpoint's: GPT-NeoX's QKV rows are de-interleaved by its converter).
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ def gguf_tensor_to_hf_parts(
         }
     hf_name, weight = gguf_tensor_to_hf(gguf_name, weight, config, num_heads, num_kv_heads)
     if cls.splits_hf_weights:
-        return cls.split_hf_weight(hf_name, weight, config)
+        return cls.split_gguf_weight(hf_name, weight, config)
     return {hf_name: weight}
 
 
 def needs_whole_tensor(gguf_name: str, config: ModelArchConfig) -> bool:
     """Whether a tensor-parallel rank must read ``gguf_name`` whole and split it
     (:func:`gguf_tensor_to_hf_parts`) before taking its slice: stacked experts, the router, and
-    every tensor of a model whose class splits fused tensors."""
+    every tensor of a model whose class splits fused tensors (``split_gguf_weight``)."""
     from pagedllm.model.registry import model_class
 
     m = _LAYER_RE.match(gguf_name)

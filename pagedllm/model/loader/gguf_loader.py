@@ -47,6 +47,8 @@ _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.bias": "model.norm.bias",  # LayerNorm models (GPT-2, GPT-NeoX)
+    "position_embd.weight": "model.embed_positions.weight",  # learned positions (GPT-2)
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors llama.cpp stores that carry no Hugging Face weight (folded into config.rope_scaling).
