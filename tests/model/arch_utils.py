@@ -255,16 +255,17 @@ def compare_to_reference(
     return counted
 
 
-def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
-    """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a float32 GGUF file
-    the way llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head,
-    Gemma's norms stored as ``1 + w``; no tokenizer."""
+def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any = None) -> None:
+    """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a GGUF file the way
+    llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head, Gemma's
+    norms stored as ``1 + w``, stacked experts, fused tensors; no tokenizer. Float32, or with
+    ``qtype`` (a ``gguf.GGMLQuantizationType``) every matrix whose rows fit its blocks quantized."""
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
 
     if arch in ("gpt2", "gpt_neox"):
-        _write_layer_norm_gguf(hf_model, path, arch)
+        _write_layer_norm_gguf(hf_model, path, arch, qtype)
         return
     gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
     c = hf_model.config
@@ -332,7 +333,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
             t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
         if gemma and name.endswith("norm.weight"):
             t = t + 1.0
-        w.add_tensor(g, t.contiguous().numpy())
+        _add_tensor(w, g, t, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -381,7 +382,7 @@ def _add_phi3_rope(w: Any, c: Any) -> None:
     w.add_tensor("rope_factors_short.weight", np.asarray(params["short_factor"], dtype=np.float32))
 
 
-def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str) -> None:
+def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> None:
     """GPT-2 / GPT-NeoX as llama.cpp's converter writes them: LayerNorm epsilon, no KV-head,
     key-length or rope-base keys; GPT-2's Conv1D weights transposed to [out, in] and its
     embedding also written as ``output``; NeoX's per-head interleaved QKV rows regrouped to
@@ -429,10 +430,25 @@ def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str) -> None:
                 t = t.t()  # Conv1D [in, out] -> [out, in]
             if neox and ".qkv_proj." in pname:  # [q_h; k_h; v_h] per head -> [Q; K; V]
                 t = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-        w.add_tensor(g, t.contiguous().numpy())
+        _add_tensor(w, g, t, qtype)
         if not neox and g == "token_embd.weight":
-            w.add_tensor("output.weight", t.contiguous().numpy())
+            _add_tensor(w, "output.weight", t, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add_tensor(w: Any, name: str, t: torch.Tensor, qtype: Any) -> None:
+    """Add float32 ``t``, quantized to ``qtype`` when given and its rows fit whole blocks."""
+    import gguf
+
+    data = t.contiguous().numpy()
+    if qtype is None or data.ndim < 2:
+        w.add_tensor(name, data)
+        return
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if data.shape[-1] % block:
+        w.add_tensor(name, data)
+        return
+    w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

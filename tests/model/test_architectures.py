@@ -179,6 +179,29 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox"])
+def test_quantized_gguf_loads_dequantized_weights(arch, tmp_path):
+    """A Q8_0 GGUF (stacked experts and fused QKV / gate-up quantized too) loads every tensor
+    within one Q8_0 step (1/127 of the largest weight; the fp16 block scale rounds too) of the
+    folder's, the quantized ones not exactly (they did go through the quantizer)."""
+    import gguf
+
+    from pagedllm.model.loader import load_gguf_weights, load_hf_weights
+    from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
+
+    hf = build_tiny_hf_model(arch, tmp_path / "hf")
+    path = tmp_path / f"{arch}-q8_0.gguf"
+    write_gguf_like_llama_cpp(hf, path, arch, qtype=gguf.GGMLQuantizationType.Q8_0)
+    _, sd_g = load_gguf_weights(path)
+    _, sd_h = load_hf_weights(tmp_path / "hf")
+    assert sd_g.keys() == sd_h.keys()
+    inexact = 0
+    for name, t in sd_h.items():
+        torch.testing.assert_close(sd_g[name], t, atol=float(t.abs().max()) / 127, rtol=0)
+        inexact += int(not torch.equal(sd_g[name], t))
+    assert inexact >= len([n for n, t in sd_h.items() if t.dim() == 2]) // 2
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_equals_transformers_under_preemption(arch_case, mode):
     """16 blocks of 4 tokens for prompts + generations needing 35: running requests are
