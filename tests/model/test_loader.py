@@ -669,27 +669,11 @@ def test_linear_rope_scaling_keys(tmp_path: Path) -> None:
 
 def test_gguf_expert_tensors_are_checked() -> None:
     """Stacked expert tensors are cut per expert only when the model has that many experts."""
-    from pagedllm.model.config import ModelArchConfig
     from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts
+    from tests.conftest import make_tiny_config
 
-    common = dict(
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=4,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=4,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_ids=[],
-    )
-    mixtral = ModelArchConfig(
-        **common, architecture="MixtralForCausalLM", num_experts=3, num_experts_per_tok=2
+    mixtral = make_tiny_config(
+        16, 0, architecture="MixtralForCausalLM", num_experts=3, num_experts_per_tok=2
     )
     stacked = torch.arange(3 * 4 * 8, dtype=torch.float32).reshape(3, 4, 8)
     parts = gguf_tensor_to_hf_parts("blk.0.ffn_up_exps.weight", stacked, mixtral)
@@ -702,6 +686,6 @@ def test_gguf_expert_tensors_are_checked() -> None:
         )
     with pytest.raises(ValueError, match=r"expert_count"):
         gguf_tensor_to_hf_parts("blk.0.ffn_up_exps.weight", stacked[:2], mixtral)
-    llama = ModelArchConfig(**common, architecture="LlamaForCausalLM")
+    llama = make_tiny_config(16, 0)
     with pytest.raises(ValueError, match="has none"):
         gguf_tensor_to_hf_parts("blk.0.ffn_gate_inp.weight", stacked[0], llama)
