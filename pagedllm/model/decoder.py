@@ -194,6 +194,15 @@ class DecoderForCausalLM(nn.Module):
         q/k/v, a transposed Conv1D weight); only called when ``splits_hf_weights``."""
         return {name: tensor}
 
+    @classmethod
+    def split_gguf_weight(
+        cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
+    ) -> dict[str, torch.Tensor]:
+        """As ``split_hf_weight`` for a tensor of a llama.cpp GGUF file, already renamed and in
+        PyTorch ``[out, in]`` order; only called when ``splits_hf_weights``. Default: the Hugging
+        Face split (llama.cpp keeps Phi-3's fused tensors as they are)."""
+        return cls.split_hf_weight(name, tensor, config)
+
     # -- shared machinery --------------------------------------------------------------------
 
     def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:

@@ -74,6 +74,17 @@ class GPT2LMHeadModel(LayerNormDecoderForCausalLM):
         }
 
     @classmethod
+    def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's gpt2 files: LayerNorm epsilon and sizes only; the activation is GPT-2's
+        tanh GELU and the head tied (the converter also writes the embedding as ``output``)."""
+        return {
+            **cls._gguf_layer_norm_fields(meta),
+            "hidden_act": "gelu_new",
+            "position_offset": 0,
+            "tie_word_embeddings": True,
+        }
+
+    @classmethod
     def split_hf_weight(
         cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
     ) -> dict[str, torch.Tensor]:

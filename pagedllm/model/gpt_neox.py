@@ -58,6 +58,21 @@ class GPTNeoXForCausalLM(LayerNormDecoderForCausalLM):
         }
 
     @classmethod
+    def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's gptneox keys: ``rope.dimension_count`` (the rotary width: partial rotary
+        = it / head_dim), ``use_parallel_residual``, ``attention.layer_norm_epsilon``; the rope
+        base is ``rope.freq_base`` (read by ``gguf_loader``), 10000 when absent."""
+        fields = cls._gguf_layer_norm_fields(meta)
+        rotary = meta("rope.dimension_count")
+        parallel = meta("use_parallel_residual")
+        return {
+            **fields,
+            "hidden_act": "gelu",
+            "parallel_residual": True if parallel is None else bool(parallel),
+            "partial_rotary_factor": int(rotary) / fields["head_dim"] if rotary else 1.0,
+        }
+
+    @classmethod
     def split_hf_weight(
         cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
     ) -> dict[str, torch.Tensor]:

@@ -17,8 +17,10 @@ Layer variants (``ModelArchConfig``):
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -145,6 +147,34 @@ class LayerNormDecoderForCausalLM(DecoderForCausalLM):
         if self.embed_positions is None:
             return h
         return h.add_(self.embed_positions(positions))
+
+    # llama.cpp's per-layer names (``gguf.constants.MODEL_TENSOR``): fused QKV as ``attn_qkv``.
+    gguf_tensor_names: ClassVar[dict[str, str]] = {"attn_qkv": "self_attn.qkv_proj"}
+
+    @classmethod
+    def split_gguf_weight(
+        cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
+    ) -> dict[str, torch.Tensor]:
+        """llama.cpp's ``attn_qkv`` ([3 H D, ...]) is [all q; all k; all v] for GPT-2 and
+        GPT-NeoX alike (its converter de-interleaves NeoX's per-head rows and transposes GPT-2's
+        Conv1D weights), so it is split in three blocks; anything else is unchanged."""
+        if ".qkv_proj." in name:
+            return split_fused_qkv(name, tensor, config.num_attention_heads, per_head=False)
+        return {name: tensor}
+
+    @classmethod
+    def _gguf_layer_norm_fields(cls, meta: Callable[[str], Any]) -> dict[str, Any]:
+        """What llama.cpp's GPT-2 / GPT-NeoX files share: no ``attention.key_length`` (head_dim
+        = hidden / heads), ``attention.layer_norm_epsilon``, biases on every projection."""
+        hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+        eps = meta("attention.layer_norm_epsilon")
+        return {
+            "head_dim": hidden // heads,
+            "layer_norm_eps": 1e-5 if eps is None else float(str(np.float32(eps))),
+            "attention_bias": True,
+            "o_proj_bias": True,
+            "mlp_bias": True,
+        }
 
     @classmethod
     def hf_weight_name(cls, name: str) -> str | None:

@@ -74,6 +74,19 @@ class MixtralForCausalLM(LlamaForCausalLM):
             "norm_topk_prob": True,  # Mixtral always renormalises the top-k weights
         }
 
+    @classmethod
+    def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp writes Mixtral as ``llama`` with ``expert_count`` / ``expert_used_count``;
+        a window is read from ``attention.sliding_window`` when a file has one (the converter
+        writes none: released Mixtral checkpoints have no window)."""
+        window = meta("attention.sliding_window")
+        return {
+            "num_experts": int(meta("expert_count") or 0),
+            "num_experts_per_tok": int(meta("expert_used_count") or 2),
+            "norm_topk_prob": True,
+            "sliding_window": int(window) if window else None,
+        }
+
     def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
         """The dense projections (``DecoderForCausalLM.pack_linears``) and every expert
         (``StackedExperts.pack``); the routers stay on ``F.linear``."""

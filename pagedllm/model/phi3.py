@@ -25,6 +25,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     rotary table."""
 
     gguf_permute_qk: ClassVar[bool] = False
+    # llama.cpp keeps Phi-3's fused tensors: attn_qkv = qkv_proj, ffn_up = gate_up_proj.
+    gguf_tensor_names: ClassVar[dict[str, str]] = {
+        "attn_qkv": "self_attn.qkv_proj",
+        "ffn_up": "mlp.gate_up_proj",
+    }
     # The loaders' per-model split hook: read whole, split, then cut per rank.
     splits_hf_weights: ClassVar[bool] = True
 
@@ -55,3 +60,20 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 scaling.setdefault("original_max_position_embeddings", int(original))
             fields["rope_scaling"] = scaling
         return fields
+
+    @classmethod
+    def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's phi3 keys: no ``attention.key_length`` (head_dim = hidden / heads),
+        ``rope.dimension_count`` = the rotary width (partial rotary, Phi-4-mini) and
+        ``attention.sliding_window`` (0 = none); the LongRoPE factors are tensors, read by
+        ``gguf_loader``."""
+        head_dim = int(meta("embedding_length")) // int(meta("attention.head_count"))
+        rotary = meta("rope.dimension_count")
+        window = meta("attention.sliding_window")
+        return {
+            "head_dim": head_dim,
+            "partial_rotary_factor": int(rotary) / head_dim if rotary else 1.0,
+            "sliding_window": int(window) if window else None,
+            "attention_bias": False,
+            "o_proj_bias": False,
+        }

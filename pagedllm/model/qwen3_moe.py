@@ -39,3 +39,18 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
             "moe_layers": moe_layers,
         }
+
+    @classmethod
+    def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's ``qwen3moe`` keys: ``expert_count``, ``expert_used_count``,
+        ``expert_feed_forward_length`` (the experts' width) and ``expert_weights_norm`` (absent:
+        llama.cpp renormalises the top-k weights, as released Qwen3-MoE models do)."""
+        norm = meta("expert_weights_norm")
+        width = meta("expert_feed_forward_length") or meta("feed_forward_length")
+        return {
+            "qk_norm": True,
+            "num_experts": int(meta("expert_count") or 0),
+            "num_experts_per_tok": int(meta("expert_used_count") or 8),
+            "moe_intermediate_size": int(width),
+            "norm_topk_prob": True if norm is None else bool(norm),
+        }

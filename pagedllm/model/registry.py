@@ -53,19 +53,25 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen3 (dense)"),
     ModelEntry("Gemma2ForCausalLM", "gemma2", "Gemma2ForCausalLM", ("gemma2",), ("gemma2",),
                "Gemma 2 (soft-capping, local/global layers)"),
-    ModelEntry("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), (),
+    ModelEntry("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), ("phi3",),
                "Phi-3, Phi-3.5, Phi-4-mini (LongRoPE)"),
     ModelEntry("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",),
                ("gemma3",), "Gemma 3 (text)"),
     ModelEntry("OPTForCausalLM", "opt", "OPTForCausalLM", ("opt",), (), "OPT"),
-    ModelEntry("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", ("gpt2",), (), "GPT-2"),
-    ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",), (),
+    ModelEntry("GPT2LMHeadModel", "gpt2", "GPT2LMHeadModel", ("gpt2",), ("gpt2",), "GPT-2"),
+    ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",),
+               ("gptneox",),
                "GPT-NeoX, Pythia"),
     ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
                "Mixtral (sparse MoE, sliding window)"),
-    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",), (),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),
+               ("qwen3moe",),
                "Qwen3-MoE (sparse MoE, q/k norm)"),
 )  # fmt: skip
+
+
+# GGUF architectures llama.cpp also uses for a MoE model -> that model's architecture.
+GGUF_MOE_VARIANTS = {"llama": "MixtralForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -98,14 +104,17 @@ def entry_for_hf_config(cfg: dict[str, Any], source: str = "<hf>") -> ModelEntry
     raise _unsupported(f"model in {source}: architectures={archs!r}, model_type={model_type!r}")
 
 
-def entry_for_gguf(arch: str | None, source: str = "<gguf>") -> ModelEntry:
-    """The entry for a GGUF file's ``general.architecture``.
+def entry_for_gguf(arch: str | None, source: str = "<gguf>", num_experts: int = 0) -> ModelEntry:
+    """The entry for a GGUF file's ``general.architecture``; with ``num_experts`` (the file's
+    ``<arch>.expert_count``) a dense architecture's MoE variant (llama.cpp writes Mixtral as
+    ``llama`` with experts, ``GGUF_MOE_VARIANTS``).
 
     Raises:
         ValueError: it is not supported; the message names it and lists what is.
     """
+    variant = GGUF_MOE_VARIANTS.get(arch or "") if num_experts else None
     for e in MODELS:
-        if arch in e.gguf_architectures:
+        if (arch in e.gguf_architectures and variant is None) or e.architecture == variant:
             return e
     raise _unsupported(f"model architecture in {source}: general.architecture={arch!r}")
 

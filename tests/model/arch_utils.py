@@ -7,6 +7,7 @@ to the tiny test tokenizer, so pagedllm loads it as any Hugging Face folder.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,15 +255,19 @@ def compare_to_reference(
     return counted
 
 
-def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
-    """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a float32 GGUF file
-    the way llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head,
-    Gemma's norms stored as ``1 + w``; no tokenizer."""
+def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any = None) -> None:
+    """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a GGUF file the way
+    llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head, Gemma's
+    norms stored as ``1 + w``, stacked experts, fused tensors; no tokenizer. Float32, or with
+    ``qtype`` (a ``gguf.GGMLQuantizationType``) every matrix whose rows fit its blocks quantized."""
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
 
-    gguf_arch = {"mistral": "llama"}.get(arch, arch)
+    if arch in ("gpt2", "gpt_neox"):
+        _write_layer_norm_gguf(hf_model, path, arch, qtype)
+        return
+    gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
     gemma = arch in ("gemma2", "gemma3")
@@ -272,6 +277,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
             ffn_norm="pre_feedforward_layernorm",
             post_ffw_norm="post_feedforward_layernorm",
         )
+    if arch == "phi3":  # llama.cpp keeps both fused tensors as they are
+        names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
     to_gguf = {hf: g for g, hf in names.items()}
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(c.num_hidden_layers)
@@ -280,8 +287,11 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    if arch == "phi3":  # llama.cpp: the rotary width, LongRoPE factors as tensors, no key_length
+        _add_phi3_rope(w, c)
+    else:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "gemma3":
         w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
@@ -294,10 +304,18 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_vocab_size(c.vocab_size)
+    if arch in ("mixtral", "qwen3_moe"):  # llama.cpp's converter: no sliding window for either
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen3_moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    for name, t in hf_model.state_dict().items():
+    for name, t in _llama_cpp_moe_tensors(hf_model.state_dict()):
         t = t.float().clone()
-        if name == "model.embed_tokens.weight":
+        if name.startswith("blk."):
+            g = name
+        elif name == "model.embed_tokens.weight":
             g = "token_embd.weight"
         elif name == "model.norm.weight":
             g = "output_norm.weight"
@@ -315,8 +333,122 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str) -> None:
             t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
         if gemma and name.endswith("norm.weight"):
             t = t + 1.0
-        w.add_tensor(g, t.contiguous().numpy())
+        _add_tensor(w, g, t, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _llama_cpp_moe_tensors(state: dict[str, Any]) -> Any:
+    """``state``'s items with transformers' stacked experts as llama.cpp stores them: the router
+    ``mlp.gate`` -> ``blk.N.ffn_gate_inp``, ``gate_up_proj`` [E, 2I, d] split into
+    ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, d], ``down_proj`` -> ``ffn_down_exps`` [E, d, I]."""
+    for name, t in state.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+            blk = f"blk.{parts[2]}"
+            if name.endswith(".mlp.gate.weight"):
+                yield f"{blk}.ffn_gate_inp.weight", t
+            elif name.endswith("gate_up_proj"):
+                gate, up = t.chunk(2, dim=1)
+                yield f"{blk}.ffn_gate_exps.weight", gate
+                yield f"{blk}.ffn_up_exps.weight", up
+            else:
+                yield f"{blk}.ffn_down_exps.weight", t
+        else:
+            yield name, t
+
+
+def _add_phi3_rope(w: Any, c: Any) -> None:
+    """What llama.cpp's Phi-3 converter writes about attention and RoPE: the rotary width, the
+    sliding window (0 = none), and for LongRoPE the original context, the attention factor
+    sqrt(1 + ln(s) / ln(original)) and the long / short factors as float32 tensors."""
+    import numpy as np
+
+    params = c.rope_parameters
+    partial = params.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(partial * c.hidden_size) // c.num_attention_heads)
+    w.add_sliding_window(c.sliding_window or 0)
+    if params.get("rope_type") != "longrope":
+        return
+    orig = c.original_max_position_embeddings
+    scale = c.max_position_embeddings / orig
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_scaling_attn_factors(
+        1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig))
+    )
+    w.add_tensor("rope_factors_long.weight", np.asarray(params["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(params["short_factor"], dtype=np.float32))
+
+
+def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> None:
+    """GPT-2 / GPT-NeoX as llama.cpp's converter writes them: LayerNorm epsilon, no KV-head,
+    key-length or rope-base keys; GPT-2's Conv1D weights transposed to [out, in] and its
+    embedding also written as ``output``; NeoX's per-head interleaved QKV rows regrouped to
+    [all q; all k; all v] (``GPTNeoXModel.modify_tensors``), rotary width and parallel residual."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from pagedllm.model.registry import model_class
+
+    c = hf_model.config
+    cls = model_class(hf_model.config.architectures[0])
+    neox = arch == "gpt_neox"
+    w = gguf.GGUFWriter(str(path), "gptneox" if neox else "gpt2")
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(c.intermediate_size if neox else (c.n_inner or 4 * hidden))
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(c.layer_norm_eps if neox else c.layer_norm_epsilon)
+    if neox:
+        partial = c.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(partial * (hidden // heads)))
+        w.add_parallel_residual(c.use_parallel_residual)
+    to_gguf = {hf: g for g, hf in {**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}.items()}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.embed_positions.weight": "position_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
+        "lm_head.weight": "output.weight",
+    }
+    for name, t in hf_model.state_dict().items():
+        pname = cls.hf_weight_name(name)
+        if pname is None or (not neox and pname == "lm_head.weight"):
+            continue
+        t = t.float().clone()
+        if pname in glob:
+            g = glob[pname]
+        else:
+            _, _, layer, rest = pname.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+            if not neox and pname.endswith("_proj.weight"):
+                t = t.t()  # Conv1D [in, out] -> [out, in]
+            if neox and ".qkv_proj." in pname:  # [q_h; k_h; v_h] per head -> [Q; K; V]
+                t = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        _add_tensor(w, g, t, qtype)
+        if not neox and g == "token_embd.weight":
+            _add_tensor(w, "output.weight", t, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _add_tensor(w: Any, name: str, t: torch.Tensor, qtype: Any) -> None:
+    """Add float32 ``t``, quantized to ``qtype`` when given and its rows fit whole blocks."""
+    import gguf
+
+    data = t.contiguous().numpy()
+    if qtype is None or data.ndim < 2:
+        w.add_tensor(name, data)
+        return
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if data.shape[-1] % block:
+        w.add_tensor(name, data)
+        return
+    w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

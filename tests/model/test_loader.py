@@ -665,3 +665,27 @@ def test_linear_rope_scaling_keys(tmp_path: Path) -> None:
     write_tiny_gguf(path, tokenizer=False, linear_rope=4.0)
     config, _ = load_gguf_weights(path)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_gguf_expert_tensors_are_checked() -> None:
+    """Stacked expert tensors are cut per expert only when the model has that many experts."""
+    from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts
+    from tests.conftest import make_tiny_config
+
+    mixtral = make_tiny_config(
+        16, 0, architecture="MixtralForCausalLM", num_experts=3, num_experts_per_tok=2
+    )
+    stacked = torch.arange(3 * 4 * 8, dtype=torch.float32).reshape(3, 4, 8)
+    parts = gguf_tensor_to_hf_parts("blk.0.ffn_up_exps.weight", stacked, mixtral)
+    assert list(parts) == [
+        f"model.layers.0.block_sparse_moe.experts.{e}.w3.weight" for e in range(3)
+    ]
+    for e in range(3):
+        assert torch.equal(
+            parts[f"model.layers.0.block_sparse_moe.experts.{e}.w3.weight"], stacked[e]
+        )
+    with pytest.raises(ValueError, match=r"expert_count"):
+        gguf_tensor_to_hf_parts("blk.0.ffn_up_exps.weight", stacked[:2], mixtral)
+    llama = make_tiny_config(16, 0)
+    with pytest.raises(ValueError, match="has none"):
+        gguf_tensor_to_hf_parts("blk.0.ffn_gate_inp.weight", stacked[0], llama)

@@ -9,6 +9,7 @@ import pytest
 
 from pagedllm.model.decoder import DecoderForCausalLM
 from pagedllm.model.registry import (
+    GGUF_MOE_VARIANTS,
     MODELS,
     entry_for_gguf,
     entry_for_hf_config,
@@ -55,11 +56,13 @@ def test_docs_table_matches_registry():
         )
         if m:
             rows.append(m.groups())
+    # A GGUF architecture llama.cpp reuses for a MoE variant (Mixtral = llama with experts).
+    moe = {hf: f"{g} (with experts)" for g, hf in GGUF_MOE_VARIANTS.items()}
     want = [
         (
             e.architecture,
             ", ".join(e.model_types),
-            ", ".join(e.gguf_architectures) or "-",
+            ", ".join(e.gguf_architectures) or moe.get(e.architecture, "-"),
             e.family,
             e.module,
         )

@@ -47,10 +47,15 @@ _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.bias": "model.norm.bias",  # LayerNorm models (GPT-2, GPT-NeoX)
+    "position_embd.weight": "model.embed_positions.weight",  # learned positions (GPT-2)
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Tensors llama.cpp stores that carry no Hugging Face weight.
+# Tensors llama.cpp stores that carry no Hugging Face weight (folded into config.rope_scaling).
 _ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FACTORS_LONG = "rope_factors_long.weight"
+_ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_TENSORS = (_ROPE_FREQS, _ROPE_FACTORS_LONG, _ROPE_FACTORS_SHORT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +238,39 @@ def _llama3_rope_scaling(
     return None
 
 
+def _longrope_scaling(
+    reader: Any, arch: str, tensors: dict[str, Any], path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """Hugging Face ``longrope`` rope scaling (Phi-3) from llama.cpp's ``rope_factors_long`` /
+    ``rope_factors_short`` tensors and ``<arch>.rope.scaling.original_context_length``;
+    ``attention_factor`` only when ``rope.scaling.attn_factor`` differs from the value
+    transformers derives, sqrt(1 + ln(s) / ln(original)) with s = context / original.
+
+    Raises:
+        ValueError: the short factors or the original context length are missing.
+    """
+    if _ROPE_FACTORS_SHORT not in tensors:
+        raise ValueError(f"{path}: {_ROPE_FACTORS_LONG!r} without {_ROPE_FACTORS_SHORT!r}")
+    orig = gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
+    if orig is None:
+        raise ValueError(
+            f"{path}: GGUF metadata key {arch}.rope.scaling.original_context_length is missing"
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": [float(x) for x in _dequantize(tensors[_ROPE_FACTORS_LONG]).reshape(-1)],
+        "short_factor": [float(x) for x in _dequantize(tensors[_ROPE_FACTORS_SHORT]).reshape(-1)],
+        "original_max_position_embeddings": int(orig),
+    }
+    attn = gguf_metadata(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        s = int(gguf_metadata(reader, f"{arch}.context_length", orig)) / int(orig)
+        derived = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(int(orig)))
+        if abs(float(attn) - derived) > 1e-6 * derived:
+            scaling["attention_factor"] = _f32(attn)
+    return scaling
+
+
 def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> ModelArchConfig:
     """Build a :class:`ModelArchConfig` from GGUF ``<arch>.*`` metadata (``general.architecture``
     picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` adds the
@@ -252,7 +290,8 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
     from pagedllm.model.registry import entry_for_gguf
 
     arch = gguf_metadata(reader, "general.architecture")
-    entry = entry_for_gguf(arch, str(path))
+    num_experts = int(gguf_metadata(reader, f"{arch}.expert_count", 0) or 0)
+    entry = entry_for_gguf(arch, str(path), num_experts)
 
     def req(key: str) -> Any:
         value = gguf_metadata(reader, f"{arch}.{key}")
@@ -301,6 +340,9 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
                     "match Llama 3 rope scaling; unsupported"
                 )
 
+    if _ROPE_FACTORS_LONG in tensors:
+        rope_scaling = _longrope_scaling(reader, arch, tensors, path)
+
     bos = gguf_metadata(reader, "tokenizer.ggml.bos_token_id")
     eos = gguf_metadata(reader, "tokenizer.ggml.eos_token_id")
     fields: dict[str, Any] = dict(
@@ -320,6 +362,11 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         eos_token_ids=[] if eos is None else [int(eos)],
         architecture=entry.architecture,
     )
+    if num_experts:
+        # llama.cpp has no per-layer MoE key: the layers with a router are the sparse ones.
+        n_layers = fields["num_hidden_layers"]
+        moe = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+        fields["moe_layers"] = None if len(moe) == n_layers else moe
     cls = entry.load()
     fields.update(cls.gguf_config_fields(lambda key: gguf_metadata(reader, f"{arch}.{key}")))
     return ModelArchConfig(**fields)
@@ -356,8 +403,8 @@ def load_gguf_weights(
     Every tensor is dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, K-quants...:
     whatever ``gguf.quants`` implements), reshaped to PyTorch order (linears ``[out, in]``,
     embedding ``[vocab, hidden]``, norms ``[hidden]``), q/k rows un-permuted (Llama), Gemma's
-    norm offset removed (``gguf_tensor_to_hf``), then cast to
-    ``dtype``. No ``lm_head.weight`` is returned when the embedding is tied.
+    norm offset removed (``gguf_tensor_to_hf``), stacked MoE experts and fused projections split
+    (``gguf_expand.gguf_tensor_to_hf_parts``), then cast to ``dtype``. No ``lm_head.weight`` is returned when the embedding is tied.
 
     Args:
         path: the ``.gguf`` file.
@@ -372,13 +419,15 @@ def load_gguf_weights(
             unsupported tensor type (the message names the tensor and type), or a shape that
             does not match the metadata.
     """
+    from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts
+
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     reader = open_gguf(path)
     config = gguf_arch_config(reader, path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name in ROPE_TENSORS:
             continue  # folded into config.rope_scaling
         try:
             array = _dequantize(tensor)
@@ -389,8 +438,9 @@ def load_gguf_weights(
                 f"{path} is not a valid GGUF file: tensor {tensor.name!r} "
                 f"({tensor.tensor_type.name}) could not be decoded: {exc}"
             ) from exc
-        hf_name, weight = gguf_tensor_to_hf(tensor.name, torch.from_numpy(array), config)
-        state[hf_name] = weight.to(dtype).contiguous()
+        parts = gguf_tensor_to_hf_parts(tensor.name, torch.from_numpy(array), config)
+        for hf_name, weight in parts.items():
+            state[hf_name] = weight.to(dtype).contiguous()
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
     if config.tie_word_embeddings:

@@ -17,8 +17,10 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts, needs_whole_tensor
 from pagedllm.model.loader.gguf_loader import (
-    _ROPE_FREQS,
+    ROPE_TENSORS,
+    _dequantize,
     gguf_tensor_to_hf,
     gguf_to_hf_name,
     open_gguf,
@@ -74,18 +76,26 @@ def _gguf_shard(
     d = config.head_dim
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
+        if t.name in ROPE_TENSORS:
+            continue
+        if needs_whole_tensor(t.name, config):  # stacked experts, fused QKV: split, then cut
+            whole = gguf_tensor_to_hf_parts(t.name, torch.from_numpy(_dequantize(t)), config)
+            out.update(shard_state_dict(whole, shard, d))
             continue
         name = gguf_to_hf_name(t.name, names)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # PyTorch order
         raw = np.asarray(t.data)
+        if raw.dtype != np.uint8:  # F32 / F16 come typed: the byte offsets below need bytes
+            raw = raw.view(np.uint8)
         cut = shard.weight_slice(name, d)
         block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
         cols = shape[-1]
         if raw.ndim == 1 and len(shape) == 2:
             raw = raw.reshape(shape[0], -1)
-        if cut is None or len(shape) == 1:
+        if cut is None:
             arr = dequantize(raw, t.tensor_type).reshape(shape)
+        elif len(shape) == 1:  # a bias of a column-parallel projection
+            arr = dequantize(raw, t.tensor_type)[cut[1] : cut[2]]
         elif cut[0] == 0:
             arr = dequantize(raw[cut[1] : cut[2]], t.tensor_type).reshape(cut[2] - cut[1], cols)
         elif cut[1] % block == 0 and cut[2] % block == 0:

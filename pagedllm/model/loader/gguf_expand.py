@@ -1,0 +1,86 @@
+"""GGUF tensors that become several Hugging Face tensors (or need the model class's own
+renaming): llama.cpp's stacked MoE experts and fused projections.
+
+* llama.cpp stores a MoE layer's experts stacked, ``blk.N.ffn_{gate,up,down}_exps.weight`` of
+  PyTorch shape ``[E, out, in]``, and the router as ``blk.N.ffn_gate_inp.weight`` ``[E, hidden]``
+  (``gguf.constants.MODEL_TENSOR.FFN_*_EXP``); pagedllm's checkpoint names are per expert, as the
+  model class's ``moe_names`` say (Mixtral ``block_sparse_moe.experts.e.w1``, Qwen3-MoE
+  ``mlp.experts.e.gate_proj``), so each stacked tensor is cut into E views.
+* a model class with ``splits_hf_weights`` (fused QKV, fused gate/up) splits the renamed tensor
+  with its ``split_gguf_weight`` hook (llama.cpp's layout of the fused tensor can differ from
+  the Hugging Face checkpoint's: GPT-NeoX's QKV rows are de-interleaved by its converter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.loader.gguf_loader import _LAYER_RE, gguf_tensor_to_hf
+
+# llama.cpp stacked-expert tensor -> which projection of ``MoeCheckpointNames`` it holds.
+_EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_ROUTER = "ffn_gate_inp"
+
+
+def gguf_tensor_to_hf_parts(
+    gguf_name: str,
+    weight: torch.Tensor,
+    config: ModelArchConfig,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """One dequantized GGUF tensor as Hugging Face-named tensors (one or more).
+
+    Args:
+        gguf_name: the llama.cpp tensor name.
+        weight: float32 tensor in PyTorch axis order; stacked experts ``[E, out, in]``.
+        config: the model's config (``num_experts`` checks the stacked tensors).
+        num_heads / num_kv_heads: as :func:`gguf_tensor_to_hf`.
+
+    Returns:
+        name -> tensor (views of ``weight`` for split tensors).
+
+    Raises:
+        ValueError: an expert tensor in a model without experts or with a different expert
+            count, or any error of :func:`gguf_tensor_to_hf` / the class's split hook.
+    """
+    from pagedllm.model.registry import model_class
+
+    cls = model_class(config.architecture)
+    m = _LAYER_RE.match(gguf_name)
+    if m is not None and (m.group(2) in _EXPERT_PARTS or m.group(2) == _ROUTER):
+        names = getattr(cls, "moe_names", None)
+        if names is None or not config.num_experts:
+            raise ValueError(
+                f"GGUF tensor {gguf_name!r} holds MoE experts but {config.architecture} has none"
+            )
+        prefix = f"model.layers.{m.group(1)}.{names.block}"
+        if m.group(2) == _ROUTER:
+            return {f"{prefix}.gate.{m.group(3)}": weight}
+        if weight.dim() != 3 or weight.shape[0] != config.num_experts:
+            raise ValueError(
+                f"GGUF tensor {gguf_name!r} has shape {tuple(weight.shape)}; expected "
+                f"[{config.num_experts}, out, in] (expert_count experts)"
+            )
+        proj = getattr(names, _EXPERT_PARTS[m.group(2)])
+        return {
+            f"{prefix}.experts.{e}.{proj}.{m.group(3)}": weight[e]
+            for e in range(config.num_experts)
+        }
+    hf_name, weight = gguf_tensor_to_hf(gguf_name, weight, config, num_heads, num_kv_heads)
+    if cls.splits_hf_weights:
+        return cls.split_gguf_weight(hf_name, weight, config)
+    return {hf_name: weight}
+
+
+def needs_whole_tensor(gguf_name: str, config: ModelArchConfig) -> bool:
+    """Whether a tensor-parallel rank must read ``gguf_name`` whole and split it
+    (:func:`gguf_tensor_to_hf_parts`) before taking its slice: stacked experts, the router, and
+    every tensor of a model whose class splits fused tensors (``split_gguf_weight``)."""
+    from pagedllm.model.registry import model_class
+
+    m = _LAYER_RE.match(gguf_name)
+    if m is not None and (m.group(2) in _EXPERT_PARTS or m.group(2) == _ROUTER):
+        return True
+    return model_class(config.architecture).splits_hf_weights
