@@ -72,8 +72,9 @@ class DecoderForCausalLM(nn.Module):
     Class attributes a model file sets:
         gguf_architectures: GGUF ``general.architecture`` values it reads.
         gguf_tensor_names: llama.cpp per-layer tensor name -> Hugging Face suffix, on top of
-            ``loader.gguf_loader.GGUF_LAYER_NAMES``; ``layer_class``: the decoder layer
-            ``make_layer`` builds (a model with per-index layers overrides ``make_layer``).
+            ``loader.gguf_loader.GGUF_LAYER_NAMES``.
+        layer_class: the decoder layer ``make_layer`` builds (a model whose layers differ by
+            index overrides ``make_layer`` instead).
         gguf_permute_qk: llama.cpp permuted the q/k rows of this architecture (Llama only).
         splits_hf_weights: ``split_hf_weight`` rewrites some tensors (fused QKV, transposed
             Conv1D), so a tensor-parallel rank must read them whole before slicing.
