@@ -242,9 +242,10 @@ def test_greedy_equals_transformers_under_preemption(arch_case, mode):
     _check(results, refs)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3", "gpt_neox", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_parallel_2_equals_1(arch, tmp_path):
-    """Two ranks (4 query / 2 KV heads split) give the tp = 1 greedy tokens: QKV biases are cut
+    """Every architecture: two ranks (4 query / 2 KV heads split; the LayerNorm families 4 / 4)
+    give the tp = 1 greedy tokens: QKV biases are cut
     with their heads, q/k norms and Gemma's four norms stay whole, MoE experts are cut along
     their intermediate width (router whole), each rank loads only its slices from the folder."""
     from pagedllm.entrypoints.llm import LLM
