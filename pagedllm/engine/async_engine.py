@@ -50,7 +50,9 @@ from pagedllm.engine.request_stream import (
     RequestAbortedError,
     RequestStream,
     check_timeout,
+    timed_out_output,
 )
+from pagedllm.engine.stats import log_throughput
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -540,34 +542,22 @@ class AsyncLLMEngine:
             if self.log_stats_interval:
                 now = time.monotonic()
                 if now - last_log >= self.log_stats_interval:
-                    self._log_stats(now - last_log, last_prompt, last_gen)
+                    log_throughput(self._counters, now - last_log, last_prompt, last_gen)
                     last_log = now
                     last_prompt, last_gen = eng.stats.prompt_tokens, eng.stats.generation_tokens
 
     def _expire_deadlines(self) -> None:
         """Engine thread: abort every request past its deadline (freeing its blocks) and hand
-        its consumer a last, finished output: what it generated, with ``TIMEOUT_FINISH_REASON``
-        on the samples that had not finished."""
+        its consumer a last, finished output (``request_stream.timed_out_output``)."""
         now = time.monotonic()
-        eng = self.engine
         expired = [rid for rid, deadline in self._deadlines.items() if now >= deadline]
         for rid in expired:
             del self._deadlines[rid]
-            group = eng.requests.get(rid)
-            if group is None or not eng.abort_request(rid):
+            group = self.engine.requests.get(rid)
+            if group is None or not self.engine.abort_request(rid):
                 continue
-            out = eng.output_processor.make_output(group)
-            outputs = [
-                replace(
-                    c,
-                    finish_reason=TIMEOUT_FINISH_REASON
-                    if c.finish_reason in (None, "abort")
-                    else c.finish_reason,
-                )
-                for c in out.outputs
-            ]
             logger.info("request %s passed its deadline: aborted", rid)
-            self._deliver(rid, replace(out, outputs=outputs, finished=True))
+            self._deliver(rid, timed_out_output(self.engine.output_processor.make_output(group)))
         if expired:
             self._publish_counters()
 
@@ -577,22 +567,6 @@ class AsyncLLMEngine:
             self._counters = collect_counters(self.engine)
         except Exception:
             logger.debug("collecting the engine counters failed", exc_info=True)
-
-    def _log_stats(self, dt: float, last_prompt: int, last_gen: int) -> None:
-        """One throughput line from the published counters (``dt`` seconds since the line with
-        ``last_prompt`` / ``last_gen`` tokens); never raises."""
-        c = self._counters
-        st = c.stats
-        logger.info(
-            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
-            "running: %d, waiting: %d, KV cache usage: %.1f%%, preemptions: %d",
-            (st.prompt_tokens - last_prompt) / dt,
-            (st.generation_tokens - last_gen) / dt,
-            c.num_running,
-            c.num_waiting,
-            100.0 * c.kv_usage,
-            st.num_preemptions,
-        )
 
     def _on_step_error(self, exc: Exception) -> None:
         eng = self.engine

@@ -4,6 +4,7 @@ check, and ``RequestStream`` (the async iterator over its outputs)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedllm.outputs import RequestOutput
@@ -13,6 +14,18 @@ if TYPE_CHECKING:
 
 #: ``finish_reason`` of a sample cut by its request's deadline (``timeout``).
 TIMEOUT_FINISH_REASON = "timeout"
+
+
+def timed_out_output(out: RequestOutput) -> RequestOutput:
+    """The last output of a request aborted at its deadline: finished, what it generated, and
+    ``TIMEOUT_FINISH_REASON`` on the samples that had not finished (or were aborted)."""
+    outputs = [
+        replace(c, finish_reason=TIMEOUT_FINISH_REASON)
+        if c.finish_reason in (None, "abort")
+        else c
+        for c in out.outputs
+    ]
+    return replace(out, outputs=outputs, finished=True)
 
 
 def check_timeout(timeout: float | None) -> None:

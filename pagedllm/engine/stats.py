@@ -10,12 +10,19 @@ nothing for them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
 from pagedllm.core.kv_waste import KVWaste
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedllm.engine.kv_snapshot import EngineCounters
+
+# The periodic throughput line is the async engine's log (its logger name, as before the move).
+logger = logging.getLogger("pagedllm.engine.async_engine")
 
 
 @dataclass
@@ -150,3 +157,19 @@ class KVStatsObserver:
             # Token states count shared blocks once (the waste breakdown's own walk over the
             # block tables, so the tables are walked once per step).
             st.slot_utilization_sum += waste.token_states / (used * kv.block_size)
+
+
+def log_throughput(c: EngineCounters, dt: float, last_prompt: int, last_gen: int) -> None:
+    """Log one throughput line from published counters ``c`` (``dt`` seconds since the line
+    with ``last_prompt`` / ``last_gen`` tokens; the server's periodic log)."""
+    st = c.stats
+    logger.info(
+        "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
+        "running: %d, waiting: %d, KV cache usage: %.1f%%, preemptions: %d",
+        (st.prompt_tokens - last_prompt) / dt,
+        (st.generation_tokens - last_gen) / dt,
+        c.num_running,
+        c.num_waiting,
+        100.0 * c.kv_usage,
+        st.num_preemptions,
+    )
