@@ -189,12 +189,38 @@ def rejection_sample(
         empty = r_rows[resid[r_rows].sum(dim=1) <= 0]
         if empty.numel():
             resid[empty] = p_all[empty, num_accepted[empty]]
-    race_steps = step_t + num_accepted
-    final = torch.empty(n, dtype=torch.int64, device=dev)
-    chunk = max(1, _RACE_CHUNK_ELEMENTS // vocab)
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        expo = counter_uniform(seed_t[s:e], race_steps[s:e], vocab).log_().neg_()  # Exp(1)
-        final[s:e] = (resid[s:e] / expo).argmax(dim=1)
+    final = _exponential_race(resid, seed_t, step_t + num_accepted)
     out[rows, num_accepted] = final
     return out, num_accepted
+
+
+def _exponential_race(
+    weights: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """``argmax_v weights[r, v] / -log(counter_uniform(seeds[r], steps[r], v))`` per row: a draw
+    from ``weights`` normalised (the sampler's exponential race).
+
+    Args:
+        weights: [R, vocab] float32, non-negative, at least one positive entry per row.
+        seeds: [R] int64 rejection seeds; steps: [R] int64 output positions.
+
+    Returns:
+        [R] int64 token ids. When every row has few positive entries (a top-k / top-p target),
+        only those ids are hashed; the uniform of a token depends on its id, not its position,
+        so the result is the same as hashing the whole vocabulary.
+    """
+    rows, vocab = weights.shape
+    n_cand = int(torch.count_nonzero(weights > 0, dim=1).max())
+    cand_ids: torch.Tensor | None = None
+    if n_cand * 4 <= vocab:
+        weights, cand_ids = weights.topk(max(n_cand, 1), dim=1)
+    width = weights.shape[1]
+    chosen = torch.empty(rows, dtype=torch.int64, device=weights.device)
+    chunk = max(1, _RACE_CHUNK_ELEMENTS // width)
+    for s in range(0, rows, chunk):
+        e = min(s + chunk, rows)
+        ids = vocab if cand_ids is None else cand_ids[s:e]
+        expo = counter_uniform(seeds[s:e], steps[s:e], ids).log_().neg_()  # Exp(1), > 0
+        pick = (weights[s:e] / expo).argmax(dim=1)
+        chosen[s:e] = pick if cand_ids is None else cand_ids[s:e].gather(1, pick[:, None])[:, 0]
+    return chosen

@@ -235,3 +235,31 @@ def test_errors_name_the_argument() -> None:
     # Padding beyond num_draft may hold anything (here V, out of range): it is ignored.
     out, acc = rejection_sample(p, torch.tensor([[0, 1], [2, V]]), nd, None, [0, 1], [0, 0])
     assert out.shape == (2, 3) and acc.shape == (2,)
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_final_token_is_the_documented_race(top_k: int) -> None:
+    """The recovered / bonus token is argmax(residual / -log(u)) with u keyed on
+    (rejection_seed(seed), step + num_accepted, token id); a sparse (top-k) target hashes only
+    its candidates and must give the same token as the full-vocabulary race."""
+    gen = torch.Generator().manual_seed(6)
+    n, k, vocab = 256, 2, 64
+    p = torch.rand(n, k + 1, vocab, generator=gen)
+    if top_k:
+        p = p.masked_fill(p < p.topk(top_k, dim=-1).values[..., -1:], 0.0)
+    p = p / p.sum(dim=-1, keepdim=True)
+    drafts = torch.randint(0, vocab, (n, k), generator=gen)
+    nd = torch.randint(0, k + 1, (n,), generator=gen)
+    seeds = [7 * i for i in range(n)]
+    steps = [i % 5 for i in range(n)]
+    out, acc = rejection_sample(p, drafts, nd, None, seeds, steps)
+    rows = torch.arange(n)
+    resid = p[rows, acc].clone()
+    rej = acc < nd
+    resid[rows[rej], drafts[rows[rej], acc[rej]]] = 0.0
+    u = counter_uniform(
+        torch.tensor([rejection_seed(s) for s in seeds]), torch.tensor(steps) + acc, vocab
+    )
+    expected = (resid / -u.log()).argmax(dim=1)
+    assert torch.equal(out[rows, acc], expected)
+    assert bool(rej.any()) and bool((~rej).any())
