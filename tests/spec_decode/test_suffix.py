@@ -36,6 +36,13 @@ def test_most_frequent_continuation_and_threshold() -> None:
     assert SuffixProposer(min_token_prob=0.6).propose(seq2, 7, 3, "b") == [2]
 
 
+def test_speculation_length_follows_the_match_length() -> None:
+    seq = [1, 2, 3, 4, 5, 6, 7, 9, 2, 3]  # "2 3" matches (2 tokens), then 4 5 6 7
+    assert SuffixProposer().propose(seq, 10, 4, "a") == [4, 5, 6, 7]
+    assert SuffixProposer(max_spec_factor=1.0).propose(seq, 10, 4, "a") == [4, 5]
+    assert SuffixProposer(max_spec_factor=0.4).propose(seq, 10, 4, "a") == [4]
+
+
 def _reference(seq: list[int], outputs: list[list[int]], k: int, sp: SuffixProposer) -> list[int]:
     """Brute force: every occurrence of every suffix (newest first), longest match, greedy walk."""
     docs = [seq, *reversed(outputs)]
@@ -124,6 +131,7 @@ def test_errors_name_the_argument() -> None:
         ({"max_cached_requests": -1}, "max_cached_requests"),
         ({"min_token_prob": 1.5}, "min_token_prob"),
         ({"max_match_len": 0}, "max_match_len"),
+        ({"max_spec_factor": -1.0}, "max_spec_factor"),
     ]:
         with pytest.raises(ValueError, match=name):
             SuffixProposer(**kwargs)  # type: ignore[arg-type]
