@@ -206,26 +206,24 @@ class SuffixProposer:
 
     def _longest_matches(self, doc: _Document) -> tuple[list[tuple[list[int], int]], int]:
         """``(tokens, start)`` of the continuations after the longest matching suffix of
-        ``doc.tokens``, newest first: the request's own document, then the cached outputs."""
+        ``doc.tokens``, newest first (the request's own document, then the cached outputs),
+        and that match length (0: no match)."""
         ctx = doc.tokens
-        n = len(ctx)
-        use_pair = n >= 2 and self.max_match_len >= 2
+        keys = [(False, ctx[-1])]
+        if len(ctx) >= 2 and self.max_match_len >= 2:
+            keys.insert(0, (True, _pair_key(ctx[-2], ctx[-1])))
         docs = [doc, *reversed(self._finished.values())]
-        for pair in (True, False) if use_pair else (False,):
+        for pair, key in keys:
             found: list[tuple[list[int], int]] = []
             for d in docs:
-                positions = (
-                    d.by_pair.get(_pair_key(ctx[-2], ctx[-1])) if pair else d.by_token.get(ctx[-1])
-                )
+                positions = (d.by_pair if pair else d.by_token).get(key)
                 if not positions:
                     continue
-                # Newest first; a position must have a continuation (which excludes the
-                # sequence's own last token).
-                taken = 0
-                for pos in reversed(positions[-_MAX_CANDIDATES_PER_DOC - 1 :]):
-                    if pos + 1 < len(d.tokens) and taken < _MAX_CANDIDATES_PER_DOC:
-                        found.append((d.tokens, pos))
-                        taken += 1
+                recent = positions[-_MAX_CANDIDATES_PER_DOC - 1 :]
+                if recent[-1] == len(d.tokens) - 1:
+                    recent.pop()  # the document's last token has no continuation (yet)
+                toks = d.tokens
+                found.extend((toks, pos) for pos in reversed(recent[-_MAX_CANDIDATES_PER_DOC:]))
                 if len(found) >= _MAX_CANDIDATES:
                     break
             if found:
@@ -236,19 +234,20 @@ class SuffixProposer:
         self, ctx: list[int], found: list[tuple[list[int], int]], known: int
     ) -> tuple[list[tuple[list[int], int]], int]:
         """Extend each occurrence's match backwards (``known`` tokens already match) and keep
-        those with the longest match, as continuation starts."""
-        n = len(ctx)
-        best = 0
-        lengths = []
+        those with the longest match, as continuation starts, with that length."""
+        last = len(ctx) - 1
+        limit = min(self.max_match_len, len(ctx))
+        best = known
+        starts: list[tuple[list[int], int]] = []
         for toks, pos in found:
             m = known
-            while m < self.max_match_len and m <= pos and m < n and toks[pos - m] == ctx[n - 1 - m]:
+            stop = min(limit, pos + 1)
+            while m < stop and toks[pos - m] == ctx[last - m]:
                 m += 1
-            lengths.append(min(m, self.max_match_len))
-            best = max(best, lengths[-1])
-        starts = [
-            (toks, pos + 1) for (toks, pos), m in zip(found, lengths, strict=True) if m == best
-        ]
+            if m > best:
+                best, starts = m, []
+            if m == best:
+                starts.append((toks, pos + 1))
         return starts, best
 
     def _continue(self, starts: list[tuple[list[int], int]], depth: int) -> list[int]:
