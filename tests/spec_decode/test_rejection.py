@@ -84,8 +84,10 @@ def test_draft_sampled_with_request_seed_stays_exact() -> None:
     """A draft model drawing with the request's own (seed, step) counters through the sampler's
     race must not bias the output: the rejection sampler uses a separate stream."""
     gen = torch.Generator().manual_seed(2)
-    p = _probs(gen, 2)
-    q = _probs(gen, 1)
+    # Skewed p and q: with the request's own stream reused, the bias is then far above the
+    # chi-square threshold (checked by mutation: chi2 = 212 against a threshold of 33).
+    p = (torch.softmax(2.0 * torch.randn(V, generator=gen), dim=0) * 0.9 + 0.1 / V).expand(2, V)
+    q = (torch.softmax(2.0 * torch.randn(V, generator=gen), dim=0) * 0.9 + 0.1 / V)[None]
     seeds = list(range(N))
     seed_t = torch.tensor(seeds)
     step_t = torch.zeros(N, dtype=torch.int64)
