@@ -10,6 +10,9 @@
    call (incremental indexing included). Workloads: the repetitive one of
    ``benchmarks/spec_workload.py`` and ShareGPT (first human turn -> first reply), the answers
    played in order so later requests can reuse earlier outputs.
+3. ``--model-replay N``: the same replay on the bundled SmolLM2-135M-Instruct's own greedy
+   answers to N workload prompts (fp32, ``max_tokens`` = reference length + 16, at most 192):
+   exactly the tokens per step that greedy verification with this proposer would reach.
 
 Run: ``PYTHONPATH=. python benchmarks/spec_building_blocks.py [--n 32] [--k 4]`` (data from
 ``$PAGEDLLM_DATA`` or ``../shared/data``).
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=32, help="requests per workload")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--model-replay", type=int, default=0, help="prompts run through SmolLM2")
     args = ap.parse_args()
     # One thread: on a shared, loaded machine a 2-thread pool's waits dominate small calls.
     torch.set_num_threads(1)
@@ -125,6 +129,29 @@ def main() -> None:
             f"suffix oracle replay {name} (n={args.n}, k={args.k}): "
             f"{res['tokens_per_step']:.2f} tokens/step, acceptance {res['acceptance_rate']:.2f}, "
             f"{res['us_per_propose']:.0f} us/propose over {res['output_tokens']} output tokens"
+        )
+    if args.model_replay:
+        model_replay(tok, tasks[: args.model_replay], args.k)
+
+
+def model_replay(tok: Any, tasks: list[Any], k: int) -> None:
+    """Replay the proposer on SmolLM2's own greedy answers (module docstring, item 3)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(dtype="float32")
+    prompts = [{"prompt_token_ids": _chat_ids(tok, t.message)} for t in tasks]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=min(192, len(tok.encode(t.reference)) + 16))
+        for t in tasks
+    ]
+    outs = llm.generate(prompts, params)
+    pairs = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+    for kk in (k, 2 * k):
+        res = replay(pairs, kk)
+        print(
+            f"suffix replay on SmolLM2 greedy answers (n={len(pairs)}, k={kk}): "
+            f"{res['tokens_per_step']:.2f} tokens/step, acceptance {res['acceptance_rate']:.2f} "
+            f"over {res['output_tokens']} output tokens"
         )
 
 
