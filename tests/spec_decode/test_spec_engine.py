@@ -188,3 +188,11 @@ def test_stress_aborts_and_preemption_leak_nothing(tiny_llm_factory):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats.spec_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
+
+
+def test_suffix_proposer_outputs_equal_speculation_off(tiny_llm_factory, reference):
+    llm = tiny_llm_factory(speculative_config='{"method": "suffix", "num_speculative_tokens": 4}')
+    for _ in range(2):  # the second round also matches the first round's outputs
+        assert run(llm, PROMPTS, CASES["greedy"]) == reference["greedy"]
+    st = llm.engine.stats
+    assert 0 < st.spec_accepted_tokens <= st.spec_draft_tokens
