@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import sharegpt_prompts
-from benchmarks.spec_workload import build_repetitive_tasks, build_repetitive_prompts
+from benchmarks.spec_workload import build_repetitive_prompts, build_repetitive_tasks
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.model.loader import load_model
 from pagedllm.sampling_params import SamplingParams
