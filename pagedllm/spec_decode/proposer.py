@@ -10,6 +10,8 @@ import importlib
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 
@@ -54,22 +56,33 @@ class NgramProposer:
     ) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier match of the last ``n`` tokens.
 
-        Scans backwards, so the most recent match wins (in repetitive text it is the likeliest
-        continuation); O(len(token_ids) * max_n) per call.
+        The longest match wins, the most recent among equally long ones (in repetitive text it
+        is the likeliest continuation). Vectorised with numpy: the candidates are the earlier
+        positions of the last token, each extended backwards up to ``max_n`` tokens; O(len *
+        max_n) element compares in C per call, no Python loop over the sequence.
         """
-        ids = list(token_ids)
-        total = len(ids)
-        if k <= 0:
+        total = len(token_ids)
+        if k <= 0 or total < 2:
             return []
-        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            pattern = ids[total - n :]
-            # A match must end before the last token, so that at least one token follows it.
-            for start in range(total - n - 1, -1, -1):
-                if ids[start : start + n] == pattern:
-                    follow = ids[start + n : start + n + k]
-                    if follow:
-                        return follow
-        return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        # Candidate match ends: earlier positions holding the last token (a token must follow).
+        ends = np.flatnonzero(ids[:-1] == ids[-1])
+        if ends.size == 0:
+            return []
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for j in range(1, min(self.max_n, total - 1)):
+            pos = ends - j
+            alive &= pos >= 0
+            alive[alive] &= ids[pos[alive]] == ids[total - 1 - j]
+            if not alive.any():
+                break
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent longest match
+        return ids[end + 1 : end + 1 + k].tolist()
 
     def on_request_finished(
         self, token_ids: Sequence[int], num_prompt_tokens: int, request_id: str

@@ -1,5 +1,7 @@
 """The n-gram proposer, the speculative config and request validation (issue 25)."""
 
+import random
+
 import pytest
 
 from pagedllm.config import EngineConfig
@@ -56,3 +58,23 @@ def test_sampling_params_validation():
         SamplingParams(num_speculative_tokens=2.5)
     with pytest.raises(ValueError, match="num_speculative_tokens is not supported with use_beam_search"):
         SamplingParams(num_speculative_tokens=2, use_beam_search=True, n=2, temperature=0)
+
+
+def _brute_force(ids, k, min_n, max_n):
+    """Longest n first, most recent start first: the definition, spelled out."""
+    total = len(ids)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        for start in range(total - n - 1, -1, -1):
+            if ids[start : start + n] == ids[total - n :]:
+                return ids[start + n : start + n + k]
+    return []
+
+
+def test_ngram_equals_brute_force_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = [rng.randrange(4) for _ in range(rng.randint(0, 30))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        k = rng.randint(1, 5)
+        assert NgramProposer(lo, hi).propose(ids, 0, k, "r") == _brute_force(ids, k, lo, hi)
