@@ -291,9 +291,22 @@ class EngineConfig:
         "default: uni for tp 1, else mp",
         choices=EXECUTOR_BACKENDS,
     )
+    speculative_config: str | dict[str, Any] | None = _option(
+        None,
+        "speculative decoding, a JSON object in vLLM's shape, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(fields: pagedllm.spec_decode.config.SpeculativeConfig); default: off",
+    )
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype, str(self.device))
+        from pagedllm.spec_decode.config import parse_speculative_config  # ValueError: the field
+
+        self.speculative = parse_speculative_config(self.speculative_config)
+        if self.speculative is not None and self.kv_manager != "paged":
+            raise ValueError(
+                f"speculative_config needs kv_manager 'paged', got {self.kv_manager!r}"
+            )
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
         for f in fields(self):

@@ -29,6 +29,10 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+#: Most speculative tokens a request may ask for per step.
+MAX_SPECULATIVE_TOKENS = 32
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -165,6 +169,9 @@ class SamplingParams:
             (``RequestOutput.embedding``); nothing is sampled and the other fields are unused.
         structured_outputs: constrain the output to a JSON schema / regex / choice / grammar
             (:class:`StructuredOutputsParams`); None = unconstrained. Not allowed with beam search.
+        num_speculative_tokens: most speculative tokens proposed per step for this request
+            (``spec_decode``; needs an engine ``speculative_config``): None = the engine's
+            default, 0 = off. Not allowed with beam search.
 
     Raises:
         ValueError: from ``__post_init__`` when a field is invalid; the message starts with the
@@ -198,6 +205,7 @@ class SamplingParams:
     detokenize: bool = True
     pooling: PoolingParams | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # ---- counts -------------------------------------------------------------------------
@@ -331,6 +339,16 @@ class SamplingParams:
             )
         if so is not None and self.use_beam_search:
             raise ValueError("structured_outputs is not supported with use_beam_search")
+
+        # ---- speculative decoding -----------------------------------------------------------
+        k = self.num_speculative_tokens
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] "
+                f"or None, got {k!r}"
+            )
+        if k and self.use_beam_search:
+            raise ValueError("num_speculative_tokens is not supported with use_beam_search")
 
     # ------------------------------------------------------------------------------------------
     def verify_token_ids(self, vocab_size: int) -> None:

@@ -63,6 +63,8 @@ class Sequence:
         max_num_tokens: the most tokens the sequence can reach (prompt + the request's
             max_tokens), set by the engine; with ``ignore_eos`` it is the true final length.
             The contiguous-cache baselines reserve by it; the memory-waste accounting uses it.
+        spec_token_ids: speculative tokens proposed for the next decode step (verified by the
+            target in that step; ``spec_decode``); [] when none.
     """
 
     def __init__(
@@ -86,6 +88,9 @@ class Sequence:
         self.num_registered_blocks = 0
         self.use_cached_prefix = True
         self.max_num_tokens: int | None = None
+        # Speculative decoding: tokens proposed for the next step (``spec_decode``); verified
+        # by the target, never part of ``token_ids`` until accepted.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +127,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING
+        self.spec_token_ids = []
 
     def fork(self, seq_id: int, seed: int) -> Sequence:
         """A copy sharing this sequence's tokens and progress (the blocks are forked by the

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedllm.core.block_allocator import BlockAllocator, NoFreeBlocksError
-from pagedllm.core.kv_manager import FREED_BLOCK, cdiv, check_pool_fits
+from pagedllm.core.kv_manager import FREED_BLOCK, cdiv, check_pool_fits, rollback_computed
 from pagedllm.core.kv_waste import KVWaste, paged_waste
 from pagedllm.core.prefix_cache import PrefixCache, hash_block
 from pagedllm.sequence import Sequence
@@ -276,6 +276,27 @@ class BlockManager:
         grow = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
         table.extend(self._take_block() for _ in range(grow))
         return copies
+
+    def rollback_slots(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Take back the slots of ``seq``'s last ``num_tokens`` computed tokens (speculative
+        tokens the target rejected): ``num_computed_tokens`` drops by ``num_tokens`` and the
+        blocks past the last kept token return to the pool (newest first). Call it before
+        ``mark_computed``, so no block holding a rejected token is registered in the prefix cache.
+
+        Returns:
+            The freed block ids, in the order they were freed.
+
+        Raises:
+            ValueError: naming ``num_tokens`` when negative or more than the tokens computed.
+        """
+        rollback_computed(seq, num_tokens)
+        table = self.block_tables.get(seq.seq_id, [])
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        freed = table[keep:][::-1]
+        del table[keep:]
+        for block in freed:
+            self.allocator.free(block)  # new blocks of this step: never registered nor shared
+        return freed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts + 1); paper figure 8."""

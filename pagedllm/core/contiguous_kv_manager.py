@@ -24,7 +24,12 @@ from __future__ import annotations
 
 from pagedllm.core.block_allocator import NoFreeBlocksError
 from pagedllm.core.buddy_allocator import BuddyAllocator, order_for
-from pagedllm.core.kv_manager import ContextLengthExceededError, cdiv, check_pool_fits
+from pagedllm.core.kv_manager import (
+    ContextLengthExceededError,
+    cdiv,
+    check_pool_fits,
+    rollback_computed,
+)
 from pagedllm.core.kv_waste import KVWaste, contiguous_waste
 from pagedllm.core.prefix_cache import PrefixCache
 from pagedllm.sequence import Sequence
@@ -232,6 +237,17 @@ class ContiguousKVManager:
         """The blocks covering the tokens scheduled so far (the kernels read no further)."""
         table = self.block_tables.get(seq.seq_id, [])
         return table[: cdiv(self._covered.get(seq.seq_id, 0), self.block_size)]
+
+    def rollback_slots(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Un-compute ``seq``'s last ``num_tokens`` tokens; the reservation stays whole, so no
+        block is freed.
+
+        Raises:
+            ValueError: naming ``num_tokens`` when negative or more than the tokens computed.
+        """
+        rollback_computed(seq, num_tokens)
+        self._covered[seq.seq_id] = seq.num_computed_tokens
+        return []
 
     def mark_computed(self, seq: Sequence) -> None:
         """Nothing to do: no prefix cache."""

@@ -48,6 +48,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def rollback_computed(seq: Sequence, num_tokens: int) -> None:
+    """Lower ``seq.num_computed_tokens`` by ``num_tokens`` (the KV managers' ``rollback_slots``).
+
+    Raises:
+        ValueError: naming ``num_tokens`` when negative or more than the tokens computed.
+    """
+    if not 0 <= num_tokens <= seq.num_computed_tokens:
+        raise ValueError(f"num_tokens must be in [0, {seq.num_computed_tokens}], got {num_tokens}")
+    seq.num_computed_tokens -= num_tokens
+
+
 def check_pool_fits(
     num_blocks: int,
     block_size: int,
@@ -202,6 +213,11 @@ class KVManager(Protocol):
         Raises:
             NoFreeBlocksError: when the pool (or the reservation) is too small.
         """
+        ...
+
+    def rollback_slots(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Un-compute ``seq``'s last ``num_tokens`` tokens (rejected speculative tokens); returns
+        the blocks given back to the pool."""
         ...
 
     def mark_computed(self, seq: Sequence) -> None:

@@ -58,6 +58,9 @@ class ScheduledSequence:
         prompt_logprobs: True when the logits of every computed prompt position are wanted.
         pool: a pooling (embedding) request: the final hidden states of every computed
             position are wanted, and nothing is sampled (``do_sample`` is False).
+        num_spec_tokens: the last ``num_spec_tokens`` of ``token_ids`` are speculative
+            (proposed, not yet in the sequence): the logits of the last ``num_spec_tokens + 1``
+            positions are wanted to verify them (``spec_decode.verify``).
     """
 
     seq_id: int
@@ -67,6 +70,7 @@ class ScheduledSequence:
     do_sample: bool
     prompt_logprobs: bool = False
     pool: bool = False
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -227,6 +231,11 @@ class Scheduler:
             if not plan:
                 idx += 1
                 continue
+            if not self._fits(plan) and any(s.spec_token_ids for s, _ in plan):
+                # Memory is short: drop the speculative tokens before preempting anyone.
+                for seq, _ in plan:
+                    seq.spec_token_ids = []
+                plan = self._plan(group.unfinished_seqs(), budget)
             if idx == 0 and self._need(plan) > self._free_when_alone(group):
                 self._cap_length(group, out)  # it could not grow even with the pool to itself
                 idx += 1
@@ -445,11 +454,20 @@ class Scheduler:
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """After the forward pass: advance ``num_computed_tokens`` of every scheduled sequence and
-        register its newly full blocks in the prefix cache."""
+        register its newly full blocks in the prefix cache (for a sequence that verified
+        speculative tokens, only after its rejected tokens are rolled back:
+        ``finish_speculation``)."""
         for _, work in out.scheduled:
             seq = self._scheduled_seqs[work.seq_id]
             seq.num_computed_tokens += len(work.token_ids)
-            self.block_manager.mark_computed(seq)
+            if not work.num_spec_tokens:
+                self.block_manager.mark_computed(seq)
+
+    def finish_speculation(self, seq: Sequence, num_rejected: int) -> None:
+        """After verification: give back the slots of ``seq``'s ``num_rejected`` last computed
+        tokens (``KVManager.rollback_slots``), then register its full blocks, all accepted."""
+        self.block_manager.rollback_slots(seq, num_rejected)
+        self.block_manager.mark_computed(seq)
 
     def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """Tokens each sequence computes this step, within the budget ([] = none fit)."""
@@ -460,6 +478,8 @@ class Scheduler:
                 n = min(n, budget)
             if n > budget:
                 return []  # without chunking a group's work fits whole or waits
+            if n == 1 == seq.num_uncomputed_tokens:
+                n += min(len(seq.spec_token_ids), budget - 1)  # a decode verifies its proposals
             if n:
                 plan.append((seq, n))
                 budget -= n
@@ -483,18 +503,21 @@ class Scheduler:
             out.blocks_to_copy.extend(self.block_manager.allocate_slots(seq, n))
             start = seq.num_computed_tokens
             end = start + n
+            num_spec = max(0, end - seq.num_tokens)
+            spec, seq.spec_token_ids = seq.spec_token_ids[:num_spec], []
             self._scheduled_seqs[seq.seq_id] = seq
             out.scheduled.append(
                 (
                     group.request_id,
                     ScheduledSequence(
                         seq_id=seq.seq_id,
-                        token_ids=seq.token_ids[start:end],
+                        token_ids=seq.token_ids[start:end] + spec,
                         start_pos=start,
                         block_table=self.block_manager.get_block_table(seq),
-                        do_sample=end == seq.num_tokens and not pool,
+                        do_sample=end >= seq.num_tokens and not pool,
                         prompt_logprobs=want_prompt_logprobs and start < seq.num_prompt_tokens,
                         pool=pool,
+                        num_spec_tokens=num_spec,
                     ),
                 )
             )

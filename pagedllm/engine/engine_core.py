@@ -31,6 +31,7 @@ from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class EngineCore:
         seq_ids: the engine's sequence-id counter (shared with the input processor).
         check_invariants: run ``kv.check_invariants()`` after every step (tests).
         structured: the structured-output manager (grammar compiles and matchers), or None.
+        speculator: speculative decoding (``spec_decode.speculator``: proposals before the
+            step, verification and rollback after it), or None.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class EngineCore:
         seq_ids: Iterator[int],
         check_invariants: bool = False,
         structured: StructuredOutputManager | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
@@ -78,6 +82,7 @@ class EngineCore:
         self.requests: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
         self.structured = structured
+        self.speculator = speculator
         if structured is not None:
             scheduler.is_ready = structured.is_ready
 
@@ -113,6 +118,8 @@ class EngineCore:
             self._seqs.pop(seq.seq_id, None)
         if self.structured is not None:
             self.structured.release(group)
+        if self.speculator is not None:
+            self.speculator.on_request_finished(group)
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -125,6 +132,8 @@ class EngineCore:
         touched: dict[str, SequenceGroup] = {}
         if self.structured is not None:
             self._fail_bad_grammars(touched)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for request_id in sched.length_capped:
             # Finished by length by the scheduler (no room to grow even alone in the pool).
@@ -151,8 +160,14 @@ class EngineCore:
             self.output_processor.add_prompt_logprobs(*self._seqs[seq_id], logits)
         if result.hidden_states:
             self._process_pooling(sched, result.hidden_states, now)
-        if result.sample_seq_ids:
-            self._process_samples(result.sample_seq_ids, result.logits)
+        sample_ids, logits = result.sample_seq_ids, result.logits
+        if self.speculator is not None and sample_ids:
+            sample_ids, logits = self.speculator.verify(
+                sched, sample_ids, logits, self._seqs, self.sampler, self.output_processor,
+                self.scheduler, self.stats, self.eos_token_ids,
+            )
+        if sample_ids:
+            self._process_samples(sample_ids, logits)
 
         st = self.stats
         used = self.kv.num_used_blocks

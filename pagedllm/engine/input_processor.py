@@ -74,7 +74,8 @@ class InputProcessor:
                 a first token each do not fit in the pool, or several sequences on a KV manager
                 that cannot share blocks), ``logprobs`` / ``prompt_logprobs`` (over ``max_logprobs``),
                 ``stop_token_ids`` / ``logit_bias`` (ids outside the vocabulary), beam search
-                with stop strings or non-default temperature / top_p / top_k.
+                with stop strings or non-default temperature / top_p / top_k,
+                ``num_speculative_tokens`` on an engine without a ``speculative_config``.
                 ``ContextLengthExceededError`` (a ``ValueError``) for the length and pool limits.
         """
         if not prompt_token_ids:
@@ -94,6 +95,10 @@ class InputProcessor:
                 raise ValueError(
                     "temperature / top_p / top_k must keep their defaults with use_beam_search"
                 )
+        if params.num_speculative_tokens and self.config.speculative is None:
+            raise ValueError(
+                "num_speculative_tokens needs an engine started with a speculative_config"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.config.max_logprobs:

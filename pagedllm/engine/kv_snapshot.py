@@ -201,7 +201,7 @@ def collect_counters(engine: Any) -> EngineCounters:
         prefix_cache_query_tokens=pc.queries * bs if pc is not None else None,
         prefix_cache_hit_tokens=pc.hits * bs if pc is not None else None,
         prefix_cache_hit_rate=pc.hit_rate if pc is not None else None,
-        stats=copy.copy(engine.stats),
+        stats=copy.deepcopy(engine.stats),  # its per-position lists too
     )
 
 

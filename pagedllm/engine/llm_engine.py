@@ -36,6 +36,7 @@ from pagedllm.platform import cpu_flags
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceGroup
+from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
 
@@ -208,6 +209,11 @@ class LLMEngine:
             seq_ids,
             check_invariants=config.check_invariants,
             structured=self.structured,
+            speculator=(
+                Speculator(config.speculative, self.max_model_len)
+                if config.speculative is not None
+                else None
+            ),
         )
 
     def shutdown(self) -> None:

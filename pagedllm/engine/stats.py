@@ -11,7 +11,7 @@ nothing for them.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
@@ -34,6 +34,11 @@ class EngineStats:
         prompt_tokens / generation_tokens: tokens computed for prompts / sampled.
         peak_blocks_used: most KV blocks in use after any step.
         num_preemptions: preemptions of running requests (swap or recompute).
+        spec_num_drafts / spec_draft_tokens / spec_accepted_tokens: speculative decoding
+            (``spec_decode``): verifications of a sequence's proposals, tokens proposed, tokens
+            accepted; ``spec_accepted_per_pos[j]`` / ``spec_draft_per_pos[j]``: accepted /
+            proposed tokens at draft position ``j`` (0-based), so their ratio is the
+            acceptance rate per position.
 
     Counted only on the steps the ``KVStatsObserver`` watched (``observed_steps`` of them):
         slot_utilization_sum: sum over steps of (tokens held in the cache / slots of the blocks
@@ -66,6 +71,23 @@ class EngineStats:
     kv_external_fragmentation_share_sum: float = 0.0
     kv_waste_steps: int = 0
     observed_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_draft_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed speculative tokens (0 when none was proposed)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: accepted drafts + the one target token (0 if none)."""
+        if not self.spec_num_drafts:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_num_drafts
 
     @property
     def mean_batched_requests(self) -> float:
@@ -98,7 +120,7 @@ class EngineStats:
     def delta(cls, before: dict[str, Any], after: dict[str, Any]) -> EngineStats:
         """The counters of the steps between two ``summary()`` dicts (``peak_blocks_used`` is
         the later value: a peak cannot be differenced)."""
-        kw = {f.name: after[f.name] - before[f.name] for f in fields(cls)}
+        kw = {f.name: _minus(after[f.name], before[f.name]) for f in fields(cls)}
         kw["peak_blocks_used"] = after["peak_blocks_used"]
         return cls(**kw)
 
@@ -159,6 +181,13 @@ class KVStatsObserver:
             st.slot_utilization_sum += waste.token_states / (used * kv.block_size)
 
 
+def _minus(after: Any, before: Any) -> Any:
+    """``after - before`` for a counter, element by element for a per-position list."""
+    if isinstance(after, list):
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+    return after - before
+
+
 def log_throughput(c: EngineCounters, dt: float, last_prompt: int, last_gen: int) -> None:
     """Log one throughput line from published counters ``c`` (``dt`` seconds since the line
     with ``last_prompt`` / ``last_gen`` tokens; the server's periodic log)."""
@@ -173,3 +202,17 @@ def log_throughput(c: EngineCounters, dt: float, last_prompt: int, last_gen: int
         100.0 * c.kv_usage,
         st.num_preemptions,
     )
+    if st.spec_draft_tokens:
+        per_pos = ", ".join(
+            f"{a / max(1, d):.2f}"
+            for a, d in zip(st.spec_accepted_per_pos, st.spec_draft_per_pos, strict=False)
+        )
+        logger.info(
+            "speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, "
+            "accepted %d of %d draft tokens, per-position acceptance [%s]",
+            100.0 * st.spec_acceptance_rate,
+            st.spec_mean_accepted_length,
+            st.spec_accepted_tokens,
+            st.spec_draft_tokens,
+            per_pos,
+        )

@@ -18,8 +18,10 @@ class ModelRunnerOutput:
 
     Attributes:
         sample_seq_ids: sequences that sample this step, in ``logits`` row order.
-        logits: [len(sample_seq_ids), V] float32, on the worker's device (the sampler works
-            there; it uses its C++ helpers only for CPU logits).
+        logits: [sum over sample_seq_ids of (1 + num_spec_tokens), V] float32, on the worker's
+            device (the sampler works there; it uses its C++ helpers only for CPU logits): one
+            row per sequence, or ``num_spec_tokens + 1`` consecutive rows for a sequence
+            verifying speculative tokens (its last ``num_spec_tokens + 1`` positions).
         prompt_logits: seq_id -> [n, V] float32 logits (same device) at the step's prompt positions
             (row j predicts the token after position start_pos + j), for sequences that asked
             for prompt logprobs.
@@ -122,9 +124,15 @@ class ModelRunner:
             block_size=bs,
         )
 
-        # Rows whose logits are wanted: the last token of each sampling sequence, then the
-        # prompt positions of sequences asking for prompt logprobs.
-        sample_rows = [starts[i + 1] - 1 for i, w in enumerate(works) if w.do_sample]
+        # Rows whose logits are wanted: the last token of each sampling sequence (and the
+        # positions before it that verify speculative tokens), then the prompt positions of
+        # sequences asking for prompt logprobs.
+        sample_rows = [
+            r
+            for i, w in enumerate(works)
+            if w.do_sample
+            for r in range(starts[i + 1] - 1 - w.num_spec_tokens, starts[i + 1])
+        ]
         sample_ids = [w.seq_id for w in works if w.do_sample]
         prompt_spans: list[tuple[int, int, int]] = []  # (seq_id, first row in logits, count)
         rows = list(sample_rows)

@@ -83,6 +83,7 @@ class _EngineCollector(Collector):
             st.prompt_tokens,
         )
         yield counter("vllm:generation_tokens", "Tokens generated.", st.generation_tokens)
+        yield from self._spec_decode_metrics(st, counter)
         yield counter(
             "vllm:num_preemptions", "Preemptions of running requests.", st.num_preemptions
         )
@@ -120,6 +121,30 @@ class _EngineCollector(Collector):
             "Share of KV blocks saved by sharing (fork, copy-on-write, prefix caching), mean over steps.",
             st.sharing_saving,
         )
+
+    def _spec_decode_metrics(self, st: Any, counter: Any) -> Iterator[Metric]:
+        """Speculative decoding counters (vLLM's names): drafts, draft and accepted tokens, and
+        accepted tokens per draft position (label ``position``)."""
+        yield counter(
+            "vllm:spec_decode_num_drafts", "Verifications of speculative proposals.",
+            st.spec_num_drafts,
+        )
+        yield counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+            st.spec_draft_tokens,
+        )
+        yield counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+            st.spec_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by draft position (0-based).",
+            labels=["model_name", "position"],
+        )
+        for pos, n in enumerate(st.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
 
 
 class ServerMetrics:

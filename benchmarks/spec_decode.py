@@ -1,0 +1,125 @@
+"""Speculative decoding benchmark (issue 25): time per output token with and without n-gram /
+suffix speculation on the bundled SmolLM2-135M-Instruct (fp32, greedy).
+
+Workloads:
+- repetitive (``benchmarks/spec_workload.py``: fix typos, extract, to JSON, bullets built from
+  ../shared/data; answers copy long spans of the prompt), ``max_tokens`` = the reference answer's
+  token count (capped by ``--max-tokens``), at batch 1 (requests one after another) and batch 8;
+- ShareGPT at batch 64 (``--sharegpt``): speculation configured, but the policy turns it off
+  (``disable_by_batch_size``), so it must cost nothing (target >= 0.97x).
+
+TPOT of a request = (finished - first token) / (output tokens - 1); the figure is the mean over
+requests. Greedy outputs are checked identical across methods (they must be: verification is
+exact). Acceptance rates come from ``EngineStats``.
+
+Run: ``PYTHONPATH=. python benchmarks/spec_decode.py [--n 8] [--batches 1 8] [--sharegpt]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import sharegpt_prompts
+from benchmarks.spec_workload import build_repetitive_prompts, build_repetitive_tasks
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.model.loader import load_model
+from pagedllm.sampling_params import SamplingParams
+
+
+def run_batch(llm: LLM, prompts: list[Any], max_tokens: list[int], batch: int) -> dict[str, Any]:
+    """Run ``prompts`` ``batch`` at a time (greedy); returns mean TPOT (ms), outputs, stats."""
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    st0 = engine.stats.summary()
+    tpots: list[float] = []
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for lo in range(0, len(prompts), batch):
+        params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens[lo : lo + batch]]
+        for o in llm.generate(prompts[lo : lo + batch], params, use_tqdm=False):
+            m, n = o.metrics, len(o.outputs[0].token_ids)
+            outputs.append(list(o.outputs[0].token_ids))
+            if n > 1 and m.first_token_time is not None and m.finished_time is not None:
+                tpots.append((m.finished_time - m.first_token_time) / (n - 1))
+    wall = time.perf_counter() - t0
+    st = type(engine.stats).delta(st0, engine.stats.summary())
+    per_pos = [
+        round(a / d, 3) for a, d in zip(st.spec_accepted_per_pos, st.spec_draft_per_pos, strict=False) if d
+    ]
+    return {
+        "tpot_ms": 1000 * statistics.mean(tpots),
+        "wall_s": wall,
+        "tokens": sum(len(x) for x in outputs),
+        "acceptance_rate": st.spec_acceptance_rate,
+        "mean_accepted_length": st.spec_mean_accepted_length,
+        "acceptance_per_pos": per_pos,
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8, help="repetitive requests per batch size")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--methods", nargs="+", default=["off", "ngram", "suffix"])
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+
+    loaded = load_model(None, torch.float32)
+    tok = loaded.tokenizer
+    tasks = build_repetitive_tasks(args.n, seed=0)
+    prompts = build_repetitive_prompts(args.n, seed=0, tokenizer=tok)
+    max_tokens = [min(args.max_tokens, len(tok(t.reference).input_ids)) for t in tasks]
+    print(f"CPU threads: {torch.get_num_threads()}; {args.n} repetitive prompts, "
+          f"prompt tokens mean {statistics.mean(len(tok(p).input_ids) for p in prompts):.0f}, "
+          f"max_tokens mean {statistics.mean(max_tokens):.0f}")
+    results: dict[str, Any] = {}
+    for method in args.methods:
+        spec = None
+        if method != "off":
+            spec = json.dumps({"method": method, "num_speculative_tokens": args.k,
+                               "disable_by_batch_size": 10_000})
+        llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29, speculative_config=spec)
+        for b in args.batches:
+            r = run_batch(llm, prompts, max_tokens, b)
+            results[f"{method}/b{b}"] = r
+            print(f"{method:6s} batch {b:3d}: TPOT {r['tpot_ms']:7.2f} ms, wall {r['wall_s']:6.1f} s, "
+                  f"{r['tokens']} tokens, acceptance {r['acceptance_rate']:.2f}, mean accepted length "
+                  f"{r['mean_accepted_length']:.2f}, per position {r['acceptance_per_pos']}")
+        del llm
+    for method in args.methods[1:]:
+        for b in args.batches:
+            off, on = results[f"off/b{b}"], results[f"{method}/b{b}"]
+            same = off["outputs"] == on["outputs"]
+            print(f"{method:6s} batch {b:3d}: speedup {off['tpot_ms'] / on['tpot_ms']:.2f}x TPOT; "
+                  f"outputs identical to off: {same}")
+    if args.sharegpt:
+        sg = sharegpt_prompts(tok, 64, 128)
+        for method in ("off", "ngram"):
+            spec = None if method == "off" else json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
+            llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29, speculative_config=spec)
+            r = run_batch(llm, [{"prompt_token_ids": p} for p in sg], [32] * 64, 64)
+            results[f"sharegpt/{method}"] = r
+            print(f"sharegpt batch 64 {method:6s}: TPOT {r['tpot_ms']:.2f} ms, wall {r['wall_s']:.1f} s, "
+                  f"drafts {r['acceptance_rate']:.2f}")
+            del llm
+        off, on = results["sharegpt/off"], results["sharegpt/ngram"]
+        print(f"sharegpt batch 64: ngram (policy off) / off TPOT speed ratio {off['tpot_ms'] / on['tpot_ms']:.3f}")
+    if args.json:
+        for r in results.values():
+            r.pop("outputs", None)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The engine-wide speculative-decoding configuration (vLLM's ``--speculative-config`` shape)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Proposal methods; "suffix" needs ``pagedllm.spec_decode.suffix``.
+SPEC_METHODS = ("ngram", "suffix")
+
+
+@dataclass
+class SpeculativeConfig:
+    """How the engine speculates (field names as in vLLM's speculative config).
+
+    Attributes:
+        method: "ngram" (prompt lookup: the last ``prompt_lookup_max..prompt_lookup_min`` tokens
+            matched against the prompt and output so far) or "suffix" (suffix decoding).
+        num_speculative_tokens: most tokens proposed per sequence and step (k, >= 1); a request's
+            ``SamplingParams.num_speculative_tokens`` may lower (or raise) it for itself.
+        prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram matched (tokens).
+        disable_by_batch_size: no sequence speculates in a step once this many decoding
+            sequences run (the step is then compute-bound, so verifying k tokens per sequence
+            costs about k + 1 decodes; see docs/spec_decode.md for where that is on a CPU).
+        suffix_max_depth / suffix_max_cached_requests: the suffix proposer's tree depth and how
+            many finished requests' outputs it keeps.
+
+    Raises:
+        ValueError: naming the field (``speculative_config.<field>``) when invalid.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = 16
+    suffix_max_depth: int = 24
+    suffix_max_cached_requests: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}; "
+                f"got {self.method!r}"
+            )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "method":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{f.name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+
+def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> (
+    SpeculativeConfig | None
+):
+    """A ``SpeculativeConfig`` from a JSON object text (the CLI flag), a dict, or one already
+    built; None stays None (no speculation).
+
+    Raises:
+        ValueError: naming ``speculative_config`` (not JSON, not an object, an unknown key) or
+            the invalid field.
+    """
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config must be a JSON object: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return SpeculativeConfig(**value)
