@@ -11,10 +11,15 @@
 4. Idle: the process's CPU time over ``--idle-seconds`` with nothing to do (target < 5 % of a
    core).
 
+``--admission queue,slots --rounds 3`` runs the phases for each admission policy in turn (a
+fresh server each time), alternating, so a noisy machine affects both alike; the medians of
+each policy's ratios are printed last.
+
 All requests: a ``--prompt-tokens`` prompt (the same long prefix + a number), ``--max-tokens``
 generated tokens (ignore_eos), streamed. The server runs in this process (uvicorn in a thread).
 
     .venv/bin/python benchmarks/overload.py                       # bundled SmolLM2, ~2 minutes
+    .venv/bin/python benchmarks/overload.py --admission queue,slots --rounds 3 --idle-seconds 0
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -133,20 +139,8 @@ async def open_loop(url: str, rate: float, args) -> tuple[list, float]:
         return results, time.perf_counter() - t0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-waiting-requests", type=int, default=2)
-    p.add_argument("--overload-factor", type=float, default=3.0)
-    p.add_argument("--phase-seconds", type=float, default=30.0)
-    p.add_argument("--unloaded-requests", type=int, default=10)
-    p.add_argument("--idle-seconds", type=float, default=10.0)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
-
+def run_config(args, admission: str) -> dict:
+    """The four phases against a fresh in-process server built with ``admission``."""
     from pagedllm.bench.local_server import LocalServer
     from pagedllm.entrypoints.openai.app import build_app
 
@@ -156,11 +150,12 @@ def main() -> int:
             "max_model_len": 512,
             "max_num_seqs": args.max_num_seqs,
             "max_waiting_requests": args.max_waiting_requests,
+            "admission": admission,
         },
         log_stats_interval=0,
     )
-    res: dict = {"args": vars(args) | {"json": None}}
-    with LocalServer(app) as srv, bench_lock():
+    res: dict = {"admission": admission}
+    with LocalServer(app) as srv:
         base = asyncio.run(unloaded(srv.url, args))
         ttft0 = [t for _, t, _ in base]
         res["unloaded_ttft_p50_s"] = pct(ttft0, 0.5)
@@ -185,17 +180,58 @@ def main() -> int:
             refusal_latency_p99_s=pct([t for _, t, _ in refused], 0.99),
         )
         res["ttft_p99_vs_unloaded"] = res["admitted_ttft_p99_s"] / res["unloaded_ttft_p99_s"]
-        time.sleep(1.0)  # let the engine go idle
-        c0, t0 = time.process_time(), time.perf_counter()
-        time.sleep(args.idle_seconds)
-        res["idle_cpu_percent_of_a_core"] = (
-            100 * (time.process_time() - c0) / (time.perf_counter() - t0)
-        )
-    for k, v in res.items():
-        if k != "args":
-            print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+        if args.idle_seconds > 0:
+            time.sleep(1.0)  # let the engine go idle
+            c0, t0 = time.process_time(), time.perf_counter()
+            time.sleep(args.idle_seconds)
+            res["idle_cpu_percent_of_a_core"] = (
+                100 * (time.process_time() - c0) / (time.perf_counter() - t0)
+            )
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-waiting-requests", type=int, default=2)
+    p.add_argument(
+        "--admission",
+        default="queue",
+        help="comma-separated EngineConfig.admission policies, run in turn each round",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="times each policy is run, alternating")
+    p.add_argument("--overload-factor", type=float, default=3.0)
+    p.add_argument("--phase-seconds", type=float, default=30.0)
+    p.add_argument("--unloaded-requests", type=int, default=10)
+    p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    policies = args.admission.split(",")
+
+    runs: list[dict] = []
+    with bench_lock():
+        for rnd in range(args.rounds):
+            for admission in policies:
+                res = run_config(args, admission)
+                res["round"] = rnd
+                runs.append(res)
+                print(f"-- round {rnd}, admission={admission}")
+                for k, v in res.items():
+                    print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    summary = {}
+    for admission in policies:
+        mine = [r for r in runs if r["admission"] == admission]
+        summary[admission] = {
+            k: statistics.median(r[k] for r in mine)
+            for k in ("goodput_vs_sustainable", "ttft_p99_vs_unloaded", "refusal_latency_p99_s")
+        }
+        print(f"== admission={admission}: medians over {len(mine)} runs: {summary[admission]}")
     if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+        out = {"args": vars(args) | {"json": None}, "runs": runs, "medians": summary}
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

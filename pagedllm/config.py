@@ -44,6 +44,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# Server admission control (pagedllm.engine.admission): bound the waiting queue, or also admit
+# only what can start at the next step.
+ADMISSION_POLICIES = ("queue", "slots")
 # The names pagedllm.attention.get_attention_backend accepts: "auto" or a registered backend.
 ATTENTION_BACKENDS = ("auto", *attention_backend_names())
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -266,6 +269,14 @@ class EngineConfig:
         "most requests waiting for admission; a new one beyond it is refused at once (the "
         "server answers 503 with Retry-After); default: unbounded",
         min=1,
+    )
+    admission: str = _option(
+        "queue",
+        "which new server requests are refused at once (503): queue = only beyond "
+        "max_waiting_requests; slots = also any request that could not start at the next step "
+        "(no free batch slot of max_num_seqs, or no KV room for its prompt), which keeps the "
+        "time to first token of admitted requests near the unloaded value under overload",
+        choices=ADMISSION_POLICIES,
     )
     seed: int = _option(0, "seeds the random seeds of requests that set none")
     num_threads: int | None = _option(None, "torch intra-op threads; default: every core", min=1)

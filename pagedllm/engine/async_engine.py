@@ -14,10 +14,11 @@ Design:
   consumer simply skips to the newest one.
 - A consumer that goes away (client disconnect -> task cancelled, or the stream closed early)
   aborts its request; the abort runs before the next step, freeing the request's KV blocks.
-- Admission control: with ``max_waiting_requests`` set, ``add_request`` refuses a request at once
+- Admission control (``admission.AdmissionControl``): ``add_request`` refuses a request at once
   (``QueueFullError``, on the event loop) when the published waiting count plus the adds not yet
-  taken by the thread reach the limit; the thread checks the exact count again (the engine's
-  ``add_request``).
+  taken by the thread reach ``max_waiting_requests`` (the thread checks the exact count again:
+  the engine's ``add_request``), and under ``admission="slots"`` when it could not start at the
+  next step (no free batch slot or KV room).
 - Deadlines: a request added with ``timeout`` seconds is aborted by the thread at the first step
   boundary after ``arrival + timeout`` (its blocks freed); its consumer gets a last, finished
   output with what was generated and ``finish_reason="timeout"`` on every sample that had not
@@ -41,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from pagedllm.engine.admission import AdmissionControl
 from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
 from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
 from pagedllm.engine.request_stream import (
@@ -103,7 +105,10 @@ class AsyncLLMEngine:
         self._default_pooling: str = engine.config.pooling
         self._model: str | None = engine.config.model
         self._policy: str = engine.config.scheduling_policy
-        self._max_waiting: int | None = engine.config.max_waiting_requests
+        cfg = engine.config
+        self._admission = AdmissionControl(
+            cfg.admission, cfg.max_waiting_requests, cfg.max_num_seqs
+        )
         self._pending_adds = 0  # adds queued on the event loop, not yet taken by the thread
         self._deadlines: dict[str, float] = {}  # engine thread only: request id -> monotonic
         self._counters: EngineCounters = collect_counters(engine)
@@ -313,18 +318,13 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self._policy)
         check_timeout(timeout)
-        if (
-            self._max_waiting is not None
-            and self._counters.num_waiting + self._pending_adds >= self._max_waiting
-        ):
-            raise QueueFullError(
-                f"the server is overloaded: {self._max_waiting} requests are waiting already "
-                "(max_waiting_requests); retry later"
-            )
+        prompt_len = None if isinstance(prompt, str) else len(prompt)
+        self._admission.check(params, self._counters, self._pending_adds, prompt_len)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         deadline = None if timeout is None else arrival + timeout
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
+        self._admission.admit(request_id, params)
         stream = RequestStream(self, request_id, q)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cmd_lock:
@@ -422,6 +422,7 @@ class AsyncLLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._admission.release(request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         """From any thread: put ``item`` into the request's queue on the event loop."""
@@ -433,6 +434,8 @@ class AsyncLLMEngine:
             q = self._queues.get(request_id)
             if q is not None:
                 q.put_nowait(item)
+            if not isinstance(item, RequestOutput) or item.finished:  # its slots are free now
+                self._admission.release(request_id)
 
         try:
             on_loop = asyncio.get_running_loop() is loop

@@ -24,6 +24,7 @@ from pagedllm.core.kv_manager import (
 )
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.device import uses_cpu_ops
+from pagedllm.engine.admission import QueueFullError
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
@@ -44,11 +45,6 @@ from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
 __all__ = ["ContextLengthExceededError", "EngineStats", "LLMEngine", "QueueFullError"]
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_waiting_requests`` requests; a new one is refused (the
-    server answers 503 with ``Retry-After``)."""
 
 
 def check_priority(priority: int, policy: str) -> None:
