@@ -85,6 +85,8 @@ def run_server(args: Any) -> int:
             log_stats_interval=args.log_stats_interval,
             enable_dashboard=_dashboard_enabled(args),
             tool_call_parser=getattr(args, "tool_call_parser", None),
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
+            router_policy=getattr(args, "router_policy", "cache_aware"),
         )
     except (ValueError, FileNotFoundError) as e:
         logger.error("could not start the engine: %s", e)
