@@ -76,6 +76,10 @@ def run_server(args: Any) -> int:
 
     from pagedllm.entrypoints.cli import engine_kwargs
 
+    if getattr(args, "extra_model", None) or getattr(args, "model_dir", None):
+        from pagedllm.serving.multi_model_cli import serve_multi_model
+
+        return serve_multi_model(args, engine_kwargs(args))
     try:
         app = build_app(
             engine_kwargs(args),

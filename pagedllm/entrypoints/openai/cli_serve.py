@@ -110,6 +110,41 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the replica by consistent hashing with bounded load), round_robin or least_loaded",
     )
     p.add_argument(
+        "--extra-model",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="serve this model too, behind the same endpoint, routed by the request's `model` "
+        "(its folder's base name / GGUF stem); repeatable (docs/scaling.md)",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every model folder / .gguf file in DIR too (as --extra-model)",
+    )
+    p.add_argument(
+        "--lazy-load-models",
+        action="store_true",
+        help="with several models: load each on its first request (default: all at startup)",
+    )
+    p.add_argument(
+        "--model-idle-unload-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with several models: unload a model after this long without requests (reloaded "
+        "on the next one; default: never)",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with several models: the memory budget, in models loaded at once; loading one "
+        "more unloads the least recently used idle one (default: no limit)",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
