@@ -116,13 +116,18 @@ class DataParallelEngine:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         _ensure_ray(None)
+        # Kept referenced for the engine's life: Ray re-reads the constructor arguments from its
+        # object store when it restarts a dead replica, and fails the restart once they are freed.
+        self._loaded_ref = ray.put(loaded)
         actor_cls = ray.remote(
             num_cpus=threads_per_replica, max_restarts=max_restarts, max_task_retries=0
         )(EngineReplica)
         self.replicas = [
             ReplicaState(
                 i,
-                actor_cls.remote(engine_args, loaded, threads_per_replica, log_stats_interval),
+                actor_cls.remote(
+                    engine_args, self._loaded_ref, threads_per_replica, log_stats_interval
+                ),
             )
             for i in range(num_replicas)
         ]
@@ -384,6 +389,8 @@ class DataParallelEngine:
                 logger.info("replica %d is back in rotation", replica.index)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
             self._take_out(replica, e)
+        except Exception:  # noqa: BLE001 - the monitor must outlive any one check
+            logger.exception("health check of replica %d failed", replica.index)
 
     def router_metrics(self) -> Any:
         """A Prometheus collector of the router's decisions and the replicas' loads."""

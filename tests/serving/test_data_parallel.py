@@ -166,7 +166,7 @@ def test_killed_replica_requests_end_cleanly_and_survivor_serves(server, client)
     for _ in range(3):
         r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 4})
         assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 150  # Ray restarts the actor: ~35 s on a quiet machine
     while not victim.in_rotation and time.monotonic() < deadline:
         time.sleep(0.5)
     assert victim.in_rotation, "the restarted replica did not come back"

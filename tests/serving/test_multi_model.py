@@ -111,3 +111,40 @@ def test_idle_model_unloads_and_reloads_on_use(server, client, reference):
     )
     assert r.json()["choices"][0]["text"] == reference["tiny-a"]
     assert front.loaded == ["tiny-a"] and unloads >= 2
+
+
+def test_budget_of_one_model_swaps_the_least_recently_used(models, reference):
+    """``max_loaded=1``: asking for the other model unloads the idle one first."""
+    import asyncio
+
+    factories = {
+        name: (
+            lambda name=name, loaded=loaded: build_app(
+                dict(ENGINE_ARGS), loaded=loaded, served_model_name=name, log_stats_interval=0
+            )
+        )
+        for name, loaded in models.items()
+    }
+    front = MultiModelApp(factories, max_loaded=1)
+
+    async def main() -> list[tuple[str, list[str]]]:
+        seen = []
+        transport = httpx.ASGITransport(app=front)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for name in ("tiny-a", "tiny-b", "tiny-a"):
+                r = await c.post(
+                    "/v1/completions",
+                    json={"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+                )
+                seen.append((r.json()["choices"][0]["text"], front.loaded))
+        for s in front.slots.values():
+            await front._unload(s)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen == [
+        (reference["tiny-a"], ["tiny-a"]),
+        (reference["tiny-b"], ["tiny-b"]),
+        (reference["tiny-a"], ["tiny-a"]),
+    ]
+    assert front.num_loads == 3 and front.num_unloads == 3
