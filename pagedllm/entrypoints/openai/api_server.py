@@ -76,6 +76,10 @@ def run_server(args: Any) -> int:
 
     from pagedllm.entrypoints.cli import engine_kwargs
 
+    if getattr(args, "extra_model", None) or getattr(args, "model_dir", None):
+        from pagedllm.serving.multi_model_cli import serve_multi_model
+
+        return serve_multi_model(args, engine_kwargs(args))
     try:
         app = build_app(
             engine_kwargs(args),
@@ -85,6 +89,8 @@ def run_server(args: Any) -> int:
             log_stats_interval=args.log_stats_interval,
             enable_dashboard=_dashboard_enabled(args),
             tool_call_parser=getattr(args, "tool_call_parser", None),
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
+            router_policy=getattr(args, "router_policy", "cache_aware"),
         )
     except (ValueError, FileNotFoundError) as e:
         logger.error("could not start the engine: %s", e)

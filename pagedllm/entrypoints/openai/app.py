@@ -168,6 +168,9 @@ def create_app(
     )
     _add_exception_handlers(app)
     app.include_router(make_router(serving))
+    router_metrics = getattr(async_engine, "router_metrics", None)
+    if router_metrics is not None:  # data parallel: the router's decisions and replica loads
+        serving.metrics.registry.register(router_metrics())
     if enable_dashboard:
         from pagedllm.entrypoints.openai.debug_routes import mount_debug_routes
 
@@ -186,6 +189,8 @@ def build_app(
     log_stats_interval: float = 5.0,
     enable_dashboard: bool = False,
     tool_call_parser: str | None = None,
+    data_parallel_size: int = 1,
+    router_policy: str = "cache_aware",
 ) -> FastAPI:
     """Build the engine from ``EngineConfig`` keyword arguments and return its app.
 
@@ -196,6 +201,9 @@ def build_app(
             base name, a GGUF file's stem, "SmolLM2-135M-Instruct" for the bundled model).
         api_key / max_body_bytes / enable_dashboard / tool_call_parser: see ``create_app``.
         log_stats_interval: seconds between throughput log lines while busy (0 = never).
+        data_parallel_size: above 1, that many engine replicas (Ray actors) behind the router
+            (``pagedllm.serving.dp_engine.DataParallelEngine``; no dashboard then).
+        router_policy: the router's policy (``cache_aware``, ``round_robin``, ``least_loaded``).
 
     Raises:
         ValueError: an invalid ``EngineConfig``; FileNotFoundError: a missing model.
@@ -204,7 +212,19 @@ def build_app(
     from pagedllm.config import served_model_name as default_served_model_name
 
     config = EngineConfig(**(engine_args or {}))
-    if config.tensor_parallel_size == 1:
+    async_engine: Any
+    if data_parallel_size > 1:
+        from pagedllm.serving.dp_engine import DataParallelEngine
+
+        async_engine = DataParallelEngine(
+            engine_args or {},
+            data_parallel_size,
+            router_policy,
+            loaded=loaded,
+            log_stats_interval=log_stats_interval,
+        )
+        enable_dashboard = False  # the dashboard reads one engine's KV pool
+    elif config.tensor_parallel_size == 1:
         # Built on the thread that will step it (AsyncLLMEngine.from_factory: one OpenMP team).
         async_engine = AsyncLLMEngine.from_factory(
             lambda: LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval

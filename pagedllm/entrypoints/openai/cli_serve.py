@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm.config import add_engine_args, served_model_name
 from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
+from pagedllm.serving.routing import ROUTER_POLICIES
 
 for _mod in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_mod) is None:
@@ -92,6 +93,56 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         help="format of the model's tool calls under tool_choice=auto (default: from the chat "
         "template; hermes for the shipped tool template)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve N engine replicas (Ray actors, one CPU thread each by default) behind one "
+        "endpoint and a prefix-cache-aware router (docs/scaling.md; default 1: one engine)",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=list(ROUTER_POLICIES),
+        help="with --data-parallel-size > 1: cache_aware (a request's first full KV blocks pick "
+        "the replica by consistent hashing with bounded load), round_robin or least_loaded",
+    )
+    p.add_argument(
+        "--extra-model",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="serve this model too, behind the same endpoint, routed by the request's `model` "
+        "(its folder's base name / GGUF stem); repeatable (docs/scaling.md)",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every model folder / .gguf file in DIR too (as --extra-model)",
+    )
+    p.add_argument(
+        "--lazy-load-models",
+        action="store_true",
+        help="with several models: load each on its first request (default: all at startup)",
+    )
+    p.add_argument(
+        "--model-idle-unload-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with several models: unload a model after this long without requests (reloaded "
+        "on the next one; default: never)",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with several models: the memory budget, in models loaded at once; loading one "
+        "more unloads the least recently used idle one (default: no limit)",
     )
     p.add_argument(
         "--uvicorn-log-level",

@@ -1,0 +1,150 @@
+"""Two tiny random models (different weights, different names) behind one endpoint
+(``MultiModelApp``): each request is answered by the model it names, streaming included; models
+load on first use and unload after an idle time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import httpx
+import pytest
+
+from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.serving.multi_model import MultiModelApp
+from tests.conftest import make_random_state_dict
+from tests.entrypoints.server_utils import ServerThread, sse_events
+
+ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory": 1 << 21, "num_threads": 1}
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_loaded):
+    """name -> LoadedModel: the tiny Llama with seed 0 and the same shape with seed 1."""
+    sd = make_random_state_dict(tiny_loaded.config, seed=1)
+    return {"tiny-a": tiny_loaded, "tiny-b": dataclasses.replace(tiny_loaded, state_dict=sd)}
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Greedy tokens of each model run alone."""
+    from pagedllm.entrypoints.llm import LLM
+
+    out = {}
+    for name, loaded in models.items():
+        llm = LLM(loaded=loaded, **ENGINE_ARGS)
+        res = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        out[name] = res[0].outputs[0].text
+    assert out["tiny-a"] != out["tiny-b"]  # the test can tell the models apart
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    factories = {
+        name: (
+            lambda name=name, loaded=loaded: build_app(
+                dict(ENGINE_ARGS), loaded=loaded, served_model_name=name, log_stats_interval=0
+            )
+        )
+        for name, loaded in models.items()
+    }
+    front = MultiModelApp(factories, idle_unload_s=1.5, max_loaded=2)
+    srv = ServerThread(front).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def test_models_listed_and_loaded_lazily(server, client):
+    front = server.app
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert ids == ["tiny-a", "tiny-b"]
+    assert front.loaded == []  # nothing loaded before the first request
+
+
+def test_each_request_answered_by_its_model(server, client, reference):
+    for name in ("tiny-b", "tiny-a", "tiny-b"):
+        r = client.post(
+            "/v1/completions",
+            json={"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == name
+        assert r.json()["choices"][0]["text"] == reference[name]
+        events = sse_events(
+            client,
+            "/v1/completions",
+            {"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True},
+        )
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert text == reference[name]
+    assert sorted(server.app.loaded) == ["tiny-a", "tiny-b"]
+
+
+def test_unknown_model_is_404_naming_model(client):
+    r = client.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    r = client.post("/v1/chat/completions", json={"model": 3, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_idle_model_unloads_and_reloads_on_use(server, client, reference):
+    front = server.app
+    deadline = time.monotonic() + 15
+    while front.loaded and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert front.loaded == []
+    unloads = front.num_unloads
+    r = client.post(
+        "/v1/completions",
+        json={"model": "tiny-a", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+    )
+    assert r.json()["choices"][0]["text"] == reference["tiny-a"]
+    assert front.loaded == ["tiny-a"] and unloads >= 2
+
+
+def test_budget_of_one_model_swaps_the_least_recently_used(models, reference):
+    """``max_loaded=1``: asking for the other model unloads the idle one first."""
+    import asyncio
+
+    factories = {
+        name: (
+            lambda name=name, loaded=loaded: build_app(
+                dict(ENGINE_ARGS), loaded=loaded, served_model_name=name, log_stats_interval=0
+            )
+        )
+        for name, loaded in models.items()
+    }
+    front = MultiModelApp(factories, max_loaded=1)
+
+    async def main() -> list[tuple[str, list[str]]]:
+        seen = []
+        transport = httpx.ASGITransport(app=front)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for name in ("tiny-a", "tiny-b", "tiny-a"):
+                r = await c.post(
+                    "/v1/completions",
+                    json={"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+                )
+                seen.append((r.json()["choices"][0]["text"], front.loaded))
+        for s in front.slots.values():
+            await front._unload(s)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen == [
+        (reference["tiny-a"], ["tiny-a"]),
+        (reference["tiny-b"], ["tiny-b"]),
+        (reference["tiny-a"], ["tiny-a"]),
+    ]
+    assert front.num_loads == 3 and front.num_unloads == 3
