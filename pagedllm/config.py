@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from pagedllm.attention import attention_backend_names
+from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, parse_kv_cache_dtype
 from pagedllm.pooling_params import POOLING_TYPES
 
 _DTYPES = {
@@ -173,6 +174,8 @@ class EngineConfig:
     ``dtype`` defaults to ``"auto"``: bfloat16 on CUDA and on CPUs with AMX-BF16, else float32
     (on CPUs without bf16 matrix hardware bf16 matmuls are several times slower; the rule and the
     figures behind it are in docs/dtype.md). ``torch_dtype`` holds the resolved torch dtype.
+    ``torch_kv_cache_dtype`` holds the KV storage dtype (``kv_cache_dtype``; int8 /
+    float8_e4m3fn blocks carry their scales, see ``pagedllm.attention.kv_quant``).
     ``kv_cache_memory`` and ``swap_space`` take bytes or a size string (``"2GiB"``, see
     :func:`parse_size`); they hold bytes after validation. Under tensor parallelism
     ``kv_cache_memory`` is per rank: each rank caches only its KV heads.
@@ -206,6 +209,12 @@ class EngineConfig:
         "weight, activation and KV-cache dtype; auto = bfloat16 on CUDA and on CPUs with AMX-BF16, "
         "else float32 (see docs/dtype.md)",
         choices=DTYPES,
+    )
+    kv_cache_dtype: str = _option(
+        "auto",
+        "KV-cache storage dtype; auto = the model dtype; fp8_e4m3 and int8 (lossy, opt-in) keep "
+        "one scale per block and KV head, about 4x the tokens of float32 (docs/kv_cache_dtype.md)",
+        choices=KV_CACHE_DTYPES,
     )
     device: str = _option("cpu", "device the model, KV cache and attention run on (cpu, cuda)")
     attention_backend: str = _option(
@@ -337,6 +346,7 @@ class EngineConfig:
             if low is not None and value < low:
                 unit = " bytes" if f.metadata.get("size") else ""
                 raise ValueError(f"{f.name} must be >= {low}{unit}, got {value}")
+        self.torch_kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one process: it needs "

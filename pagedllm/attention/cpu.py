@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.kv_quant import as_copyable
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_native import TorchNativeAttention
 from pagedllm.ops import CpuOps, cpu_ops_available, cpu_ops_error, load_cpu_ops
@@ -28,9 +29,15 @@ __all__ = [
 ]
 
 
+# KV cache storages the kernels read and write (int8 / fp8 with their scale rows, ``kv_quant``).
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+
+
 class CpuPagedAttention:
     """Paged attention on the C++ CPU kernels; falls back to ``TorchNativeAttention`` when the
-    extension is unavailable or the tensors are not float32 / bfloat16 CPU tensors.
+    extension is unavailable or the tensors are not float32 / bfloat16 CPU tensors. The KV cache
+    may be float32, bfloat16, int8 or fp8 e4m3 whatever the activation dtype (quantized caches:
+    codes are dequantized in registers, ``kv_quant``).
 
     Decodes (the first ``meta.num_decodes`` sequences) go to ``paged_attention_decode``, the
     multi-token sequences to ``paged_attention_prefill``; both read K/V in place through the block
@@ -83,7 +90,7 @@ class CpuPagedAttention:
             ops is None
             or query.device.type != "cpu"
             or query.dtype not in (torch.float32, torch.bfloat16)
-            or key_cache.dtype != query.dtype
+            or key_cache.dtype not in _CACHE_DTYPES
         ):
             return self._fallback.forward(
                 query, key, value, key_cache, value_cache, meta, scale, sliding_window
@@ -128,6 +135,7 @@ def copy_blocks(
         return
     src, dst = mapping[:, 0], mapping[:, 1]
     for k, v in kv_caches:
+        k, v = as_copyable(k), as_copyable(v)
         k.index_copy_(1, dst.to(k.device), k.index_select(1, src.to(k.device)))
         v.index_copy_(1, dst.to(v.device), v.index_select(1, src.to(v.device)))
 
@@ -142,4 +150,5 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int
         ops.swap_blocks(src, dst, mapping)
         return
     s, d = mapping[:, 0].to(src.device), mapping[:, 1].to(dst.device)
+    src, dst = as_copyable(src), as_copyable(dst)
     dst.index_copy_(1, d, src.index_select(1, s).to(dst.device))

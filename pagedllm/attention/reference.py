@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.kv_quant import dequantize_cache, is_quantized, write_quantized
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -25,10 +26,16 @@ def write_kv(
 
     Args:
         key, value: [T, num_kv_heads, head_dim].
-        key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim], same dtype.
+        key_cache, value_cache: [num_kv_heads, num_blocks, block_size, head_dim], same dtype;
+            or quantized ([.., block_size + 1, ..] int8 / fp8, see ``kv_quant``).
         slot_mapping: [T] int64 slot ids (block * block_size + offset).
     """
+    if is_quantized(key_cache.dtype):
+        write_quantized(key, key_cache, slot_mapping)
+        write_quantized(value, value_cache, slot_mapping)
+        return
     kvh, hd = key.shape[1], key.shape[2]
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # e.g. fp32 model, bf16 KV
     key_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, key.transpose(0, 1))
     value_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
@@ -72,6 +79,8 @@ def paged_attention_reference(
     Returns:
         [T, num_heads, head_dim], dtype of ``query``.
     """
+    key_cache = dequantize_cache(key_cache, torch.float32)
+    value_cache = dequantize_cache(value_cache, torch.float32)
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[0]
     group = num_heads // num_kv_heads

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_quant import gather_blocks
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import write_kv
 
@@ -42,7 +43,8 @@ class TorchNativeAttention:
 
         Args:
             query: [T, H, D]; key, value: [T, KVH, D].
-            key_cache, value_cache: [KVH, num_blocks, block_size, D], same dtype and device.
+            key_cache, value_cache: [KVH, num_blocks, block_size, D], same dtype and device; or
+                quantized int8 / fp8 (``kv_quant``: dequantized as their blocks are gathered).
             meta: batch layout; its index tensors (int64) on the same device.
             scale: softmax scale.
             sliding_window: when set, position p attends to keys p - window + 1 .. p only.
@@ -108,8 +110,8 @@ class TorchNativeAttention:
         g = h // kvh
         index, bias, length = self._decode_plan(meta, q.dtype, window)
         # [KVH, NB, BS, D] -> [KVH, S * nb, BS, D] -> [KVH * S, L, D], contiguous, one copy.
-        k = key_cache.index_select(1, index).view(kvh * nd, length, d)
-        v = value_cache.index_select(1, index).view(kvh * nd, length, d)
+        k = gather_blocks(key_cache, index, q.dtype).view(kvh * nd, length, d)
+        v = gather_blocks(value_cache, index, q.dtype).view(kvh * nd, length, d)
         qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
         scores = torch.bmm(qg, k.transpose(1, 2)).view(kvh, nd, g, length)
         scores = scores.mul_(scale)
@@ -136,8 +138,9 @@ class TorchNativeAttention:
         kvh, d = key_cache.shape[0], key_cache.shape[3]
         nb = -(-ctx // meta.block_size)
         index = meta.block_tables[i, :nb]
-        k = key_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
-        v = value_cache.index_select(1, index).view(1, kvh, nb * meta.block_size, d)[:, :, :ctx]
+        length = nb * meta.block_size
+        k = gather_blocks(key_cache, index, q.dtype).view(1, kvh, length, d)[:, :, :ctx]
+        v = gather_blocks(value_cache, index, q.dtype).view(1, kvh, length, d)[:, :, :ctx]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if ql == ctx and window is None and cap is None:
             o = F.scaled_dot_product_attention(

@@ -276,6 +276,14 @@ class TritonPagedAttention:
                 f"triton attention backend needs CUDA tensors, got {query.device} "
                 "(device must be 'cuda' for attention_backend 'triton')"
             )
+        if key_cache.dtype != query.dtype:
+            # A KV dtype other than the model's (bf16 KV, int8 / fp8 with scales): the Triton
+            # kernels read same-dtype caches only, so take the portable torch path.
+            from pagedllm.attention.torch_native import TorchNativeAttention
+
+            return TorchNativeAttention().forward(
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window
+            )
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()

@@ -13,8 +13,6 @@ import itertools
 import logging
 import weakref
 
-import torch
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_manager import (
     ContextLengthExceededError,
@@ -111,23 +109,28 @@ class LLMEngine:
         # is per rank.
         tp = config.tensor_parallel_size
         rank_kv_heads = TensorParallelShard.for_rank(mc, 0, tp).num_kv_heads if tp > 1 else None
+        kv_dtype = config.torch_kv_cache_dtype  # storage; int8 / fp8 blocks hold their scales
         num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
-            mc, config.block_size, dtype, config.kv_cache_memory, rank_kv_heads
+            mc, config.block_size, kv_dtype, config.kv_cache_memory, rank_kv_heads
         )
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.num_blocks = num_blocks  # per rank under tensor parallelism
-        self.block_bytes = kv_block_bytes(mc, config.block_size, dtype, rank_kv_heads)
+        self.block_bytes = kv_block_bytes(mc, config.block_size, kv_dtype, rank_kv_heads)
         num_swap_blocks = config.swap_space // self.block_bytes
+        #: KV capacity per GiB of kv_cache_memory (per rank), scales included.
+        self.kv_tokens_per_gib = (1 << 30) // self.block_bytes * config.block_size
         logger.info(
-            "model: %s | weights %.1f MiB | KV %d bytes/token (2 x %d layers x %d kv heads x %d dims x "
-            "%d bytes) | %d blocks x %d tokens = %d tokens in cache (%.1f MiB)",
+            "model: %s | weights %.1f MiB | KV cache dtype %s (requested %s): %.1f bytes/token "
+            "(2 x %d layers x %d kv heads x %d dims, scales included), %d tokens per GiB | "
+            "%d blocks x %d tokens = %d tokens in cache (%.1f MiB)",
             loaded.source,
             loaded.weight_bytes / 2**20,
-            mc.kv_bytes_per_token(dtype_bytes),
+            str(kv_dtype).replace("torch.", ""),
+            config.kv_cache_dtype,
+            self.block_bytes / config.block_size,
             mc.num_hidden_layers,
             mc.num_key_value_heads,
             mc.head_dim,
-            dtype_bytes,
+            self.kv_tokens_per_gib,
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention import cpu as cpu_kernels
+from pagedllm.attention.kv_quant import as_copyable, cache_rows_per_block, check_head_dim
 from pagedllm.device import pin_host_memory, uses_cpu_ops
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.worker.huge_pages import zeros_huge
@@ -16,14 +17,15 @@ def kv_block_bytes(
     dtype: torch.dtype,
     num_kv_heads: int | None = None,
 ) -> int:
-    """Bytes one physical block takes across all layers (K and V).
+    """Bytes one physical block takes across all layers (K and V), in KV storage ``dtype``; a
+    quantized (int8 / fp8) block also holds its scale row (``kv_quant``).
 
     ``num_kv_heads`` is the KV heads one tensor-parallel rank holds (default: all of them).
     """
-    per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    per_row = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     if num_kv_heads is not None:
-        per_token = per_token // config.num_key_value_heads * num_kv_heads
-    return block_size * per_token
+        per_row = per_row // config.num_key_value_heads * num_kv_heads
+    return cache_rows_per_block(block_size, dtype) * per_row
 
 
 def num_blocks_for_memory(
@@ -43,7 +45,9 @@ class CacheEngine:
 
     Each layer has ``key_cache`` and ``value_cache`` of shape
     [num_kv_heads, num_blocks, block_size, head_dim] in ``dtype`` on ``device`` (see
-    ``attention.reference`` for why heads come first); block ``b`` of every layer together holds
+    ``attention.reference`` for why heads come first; int8 / float8_e4m3fn caches have
+    block_size + 1 rows per block, the last holding the block's scale, ``attention.kv_quant``, so
+    every block copy below moves the scales with the data); block ``b`` of every layer together holds
     the same ``block_size`` tokens. The swap pool has the same layout with ``num_swap_blocks``
     blocks and always lives in host memory (pinned when ``device`` is CUDA, so swaps are DMA
     copies).
@@ -52,7 +56,8 @@ class CacheEngine:
         config: model shape.
         num_blocks: physical blocks (the block manager's pool size).
         block_size: tokens per block.
-        dtype: cache dtype (the model's activation dtype).
+        dtype: KV storage dtype (``EngineConfig.torch_kv_cache_dtype``: the model's dtype,
+            bfloat16, int8 or float8_e4m3fn).
         device: where the KV pool lives (the model's device: "cpu" or "cuda:N").
         num_swap_blocks: blocks of host swap space (a separate pool in host memory, also on a
             CPU device: the device pool stays the budget the scheduler manages).
@@ -79,14 +84,16 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         kvh = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        shape = (kvh, num_blocks, block_size, config.head_dim)
+        check_head_dim(config.head_dim, dtype)
+        rows = cache_rows_per_block(block_size, dtype)
+        shape = (kvh, num_blocks, rows, config.head_dim)
         # zeros, not empty: a padded gather may read never-written slots and must not meet NaNs.
         # Huge pages: a decode step touches one 4 KiB page per block and head otherwise.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeros_huge(shape, dtype, self.device), zeros_huge(shape, dtype, self.device))
             for _ in range(config.num_hidden_layers)
         ]
-        swap_shape = (kvh, num_swap_blocks, block_size, config.head_dim)
+        swap_shape = (kvh, num_swap_blocks, rows, config.head_dim)
         pin = pin_host_memory(self.device)
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -111,6 +118,7 @@ class CacheEngine:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         for k, v in self.kv_caches:
+            k, v = as_copyable(k), as_copyable(v)
             k.index_copy_(1, dst, k.index_select(1, src))
             v.index_copy_(1, dst, v.index_select(1, src))
 
@@ -142,5 +150,6 @@ class CacheEngine:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+            sk, sv, dk, dv = (as_copyable(t) for t in (sk, sv, dk, dv))
             dk.index_copy_(1, dst, sk.index_select(1, src).to(dst_dev))
             dv.index_copy_(1, dst, sv.index_select(1, src).to(dst_dev))

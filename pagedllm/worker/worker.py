@@ -51,6 +51,7 @@ class Worker:
         weights_sharded: ``state_dict`` already holds only this rank's slices.
         device: "cpu", "cuda" or "cuda:N" (``EngineConfig.device``; rank r adds r to the CUDA
             index).
+        kv_cache_dtype: KV storage dtype (``EngineConfig.torch_kv_cache_dtype``); None = ``dtype``.
 
     Attributes:
         device: the device this rank computes on (an explicit index on CUDA).
@@ -75,6 +76,7 @@ class Worker:
         group: TensorParallelGroup | None = None,
         weights_sharded: bool = False,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         world = group.world_size if group is not None else 1
         rank = group.rank if group is not None else 0
@@ -104,7 +106,7 @@ class Worker:
             config,
             num_blocks,
             block_size,
-            dtype,
+            dtype if kv_cache_dtype is None else kv_cache_dtype,
             device=self.device,
             num_swap_blocks=num_swap_blocks,
             use_cpu_kernels=cpu_ops is not None,

@@ -21,7 +21,10 @@
 // blocks wholly outside every query's window may hold anything (the block manager frees them and
 // leaves a sentinel id in the table).
 //
-// fp32 and bf16 tensors; arithmetic and accumulation in fp32. Threads: OpenMP, as many as
+// Query/output fp32 or bf16; caches fp32, bf16, or int8 / fp8 e4m3 with one scale per block and kv
+// head (kv_quant.h): codes are widened in registers, the K scale multiplies each score and the V
+// scale each probability, so a block's scale costs one multiply per row. Arithmetic and
+// accumulation in fp32. Threads: OpenMP, as many as
 // torch.get_num_threads(). The ops are registered with the dispatcher in torch_bindings.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +35,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "paged_attention.h"
 #include "vec.h"
 
@@ -42,11 +46,19 @@ constexpr int kTile = 128;           // keys per online-softmax step
 constexpr int kQueryTile = 16;       // query tokens per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct CacheView {
-  int64_t head_stride;  // num_blocks * block_size * D
-  int block_size;
-  int D;
-};
+using kvq::block_scale;
+using kvq::CacheView;
+using kvq::dispatch_types;
+using kvq::kQuantized;
+
+// The geometry of a [KVH, NB, rows, D] cache of element type C (rows = block_size + 1 when C is
+// quantized: the scale row).
+template <typename C>
+CacheView cache_view(const at::Tensor& cache) {
+  const int rows = static_cast<int>(cache.size(2));
+  const int D = static_cast<int>(cache.size(3));
+  return {cache.size(1) * rows * D, kQuantized<C> ? rows - 1 : rows, rows, D};
+}
 
 // Online softmax over context positions [start, end) of one sequence, for the G query heads of
 // one kv head. q: G x D (pre-scaled fp32). Leaves unnormalised results in m[G], l[G], acc[G x D].
@@ -66,10 +78,14 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
     int off = static_cast<int>(t0 % BS);
     float o[G];
     for (int i = 0; i < n; ++i) {
-      const int64_t row = (table[blk] * BS + off) * D;
+      const int64_t row = (table[blk] * cv.rows + off) * D;
       const T* k = kbase + row;
       vec::prefetch_row(vbase + row, D);  // V of this tile is read right after the scores
       vec::dot_rows<G>(q, k, D, o);
+      if constexpr (kQuantized<T>) {
+        const float ks = block_scale(kbase, table[blk], cv);
+        for (int g = 0; g < G; ++g) o[g] *= ks;
+      }
       for (int g = 0; g < G; ++g) sc[g * kTile + i] = o[g];
       if (++off == BS) {
         off = 0;
@@ -96,16 +112,17 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
     int64_t npos = t0 + n;
     float p[G];
     for (int i = 0; i < n; ++i) {
-      const T* v = vbase + (table[blk] * BS + off) * D;
+      const T* v = vbase + (table[blk] * cv.rows + off) * D;
       if (npos < next_end) {
-        vec::prefetch_row(kbase + (table[nblk] * BS + noff) * D, D);
+        vec::prefetch_row(kbase + (table[nblk] * cv.rows + noff) * D, D);
         ++npos;
         if (++noff == BS) {
           noff = 0;
           ++nblk;
         }
       }
-      for (int g = 0; g < G; ++g) p[g] = sc[g * kTile + i];
+      const float vs = block_scale(vbase, table[blk], cv);
+      for (int g = 0; g < G; ++g) p[g] = sc[g * kTile + i] * vs;
       vec::axpy_rows<G>(acc, p, v, D);
       if (++off == BS) {
         off = 0;
@@ -147,14 +164,8 @@ void decode_dispatch(int G, const float* q, const T* kbase, const T* vbase, cons
 #undef PAGEDLLM_CASE
 }
 
-void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
-  TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes(), "caches must be [KVH, NB, BS, D]");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "key/value cache dtypes differ");
-  TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "caches must be on the CPU");
-}
 
-template <typename T>
+template <typename T, typename C>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, int64_t num_seqs, double scale,
@@ -163,14 +174,13 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int D = static_cast<int>(query.size(2));
   const int KVH = static_cast<int>(key_cache.size(0));
   const int G = H / KVH;
-  const CacheView cv{key_cache.size(1) * key_cache.size(2) * D,
-                     static_cast<int>(key_cache.size(2)), D};
+  const CacheView cv = cache_view<C>(key_cache);
   const int64_t MB = block_tables.size(1);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const T* qp = query.data_ptr<T>();
-  const T* kc = key_cache.data_ptr<T>();
-  const T* vc = value_cache.data_ptr<T>();
+  const C* kc = static_cast<const C*>(key_cache.data_ptr());
+  const C* vc = static_cast<const C*>(value_cache.data_ptr());
   T* op = out.data_ptr<T>();
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
@@ -225,7 +235,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       for (int g = 0; g < G; ++g)
         vec::load_row_scaled(qp + s * q_s0 + (kh * G + g) * q_s1, static_cast<float>(scale), D,
                              qf.data() + g * D);
-      decode_dispatch<T>(G, qf.data(), kc + kh * cv.head_stride, vc + kh * cv.head_stride,
+      decode_dispatch<C>(G, qf.data(), kc + kh * cv.head_stride, vc + kh * cv.head_stride,
                          bt + s * MB, cv, start, end, mo, lo, ao, sc.data());
       if (parts == 1)
         for (int g = 0; g < G; ++g)
@@ -286,7 +296,8 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, int64_t
     float o[G];
     for (int i = 0; i < n; ++i) {
       const int64_t kp = t0 + i;
-      const T* k = kbase + (table[blk] * BS + off) * D;
+      const T* k = kbase + (table[blk] * cv.rows + off) * D;
+      const float ks = block_scale(kbase, table[blk], cv);
       // query j sees key kp iff kp <= pos0 + j (and kp > pos0 + j - window)
       const int jmin = static_cast<int>(std::max<int64_t>(0, kp - pos0));
       const int jmax = last_query(kp);
@@ -296,7 +307,7 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, int64_t
           continue;
         }
         vec::dot_rows<G>(q + j * G * D, k, D, o);
-        for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = o[g];
+        for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = o[g] * ks;
       }
       if (++off == BS) {
         off = 0;
@@ -323,11 +334,12 @@ void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, int64_t
     float p[G];
     for (int i = 0; i < n; ++i) {
       const int64_t kp = t0 + i;
-      const T* v = vbase + (table[blk] * BS + off) * D;
+      const T* v = vbase + (table[blk] * cv.rows + off) * D;
+      const float vs = block_scale(vbase, table[blk], cv);
       const int jmin = static_cast<int>(std::max<int64_t>(0, kp - pos0));
       const int jmax = last_query(kp);
       for (int j = jmin; j <= jmax; ++j) {
-        for (int g = 0; g < G; ++g) p[g] = sc[(j * G + g) * kTile + i];
+        for (int g = 0; g < G; ++g) p[g] = sc[(j * G + g) * kTile + i] * vs;
         vec::axpy_rows<G>(acc + j * G * D, p, v, D);
       }
       if (++off == BS) {
@@ -374,7 +386,7 @@ void prefill_tile_dispatch(int G, const float* q, int nq, int64_t pos0, int64_t 
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -383,15 +395,14 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int D = static_cast<int>(query.size(2));
   const int KVH = static_cast<int>(key_cache.size(0));
   const int G = H / KVH;
-  const CacheView cv{key_cache.size(1) * key_cache.size(2) * D,
-                     static_cast<int>(key_cache.size(2)), D};
+  const CacheView cv = cache_view<C>(key_cache);
   const int64_t MB = block_tables.size(1);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const T* qp = query.data_ptr<T>();
-  const T* kc = key_cache.data_ptr<T>();
-  const T* vc = value_cache.data_ptr<T>();
+  const C* kc = static_cast<const C*>(key_cache.data_ptr());
+  const C* vc = static_cast<const C*>(value_cache.data_ptr());
   T* op = out.data_ptr<T>();
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
@@ -432,7 +443,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         for (int g = 0; g < G; ++g)
           vec::load_row_scaled(qp + (w.tok0 + j) * q_s0 + (w.kh * G + g) * q_s1,
                                static_cast<float>(scale), D, qf.data() + (j * G + g) * D);
-      prefill_tile_dispatch<T>(G, qf.data(), w.nq, pos0, window, kc + w.kh * cv.head_stride,
+      prefill_tile_dispatch<C>(G, qf.data(), w.nq, pos0, window, kc + w.kh * cv.head_stride,
                                vc + w.kh * cv.head_stride, bt + s * MB, cv, m.data(), l.data(),
                                acc.data(), sc.data());
       for (int j = 0; j < w.nq; ++j)
@@ -448,12 +459,10 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 void check_attention_args(const at::Tensor& out, const at::Tensor& query,
                           const at::Tensor& key_cache, const at::Tensor& value_cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens) {
-  check_cache(key_cache, value_cache);
+  kvq::check_cache(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, out and caches must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "head_dim mismatch");
   TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "num_heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
@@ -473,14 +482,10 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
   check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query.size(0) >= num_seqs, "fewer queries than decode sequences");
   if (num_seqs == 0) return;
-  if (query.scalar_type() == at::kFloat)
-    decode_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs,
-                       scale, partition_size, window);
-  else if (query.scalar_type() == at::kBFloat16)
-    decode_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                               num_seqs, scale, partition_size, window);
-  else
-    TORCH_CHECK(false, "paged_attention_decode: only float32 and bfloat16");
+  dispatch_types(query, key_cache, "paged_attention_decode", [&](auto t, auto c) {
+    decode_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
+                                          seq_lens, num_seqs, scale, partition_size, window);
+  });
 }
 
 // Causal attention for sequences [seq_begin, seq_end) whose new tokens are
@@ -495,103 +500,11 @@ void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int64");
   if (seq_end <= seq_begin) return;
-  if (query.scalar_type() == at::kFloat)
-    prefill_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                        query_start_loc, seq_begin, seq_end, scale, window);
-  else if (query.scalar_type() == at::kBFloat16)
-    prefill_impl<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start_loc, seq_begin, seq_end, scale, window);
-  else
-    TORCH_CHECK(false, "paged_attention_prefill: only float32 and bfloat16");
-}
-
-// key/value [T, KVH, D] (rows contiguous) into their slots; negative slots are skipped.
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
-                       at::Tensor value_cache, const at::Tensor& slot_mapping) {
-  check_cache(key_cache, value_cache);
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value must be [T, KVH, D]");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-                  value.scalar_type() == key_cache.scalar_type(),
-              "dtype mismatch");
-  TORCH_CHECK(key.size(1) == key_cache.size(0) && key.size(2) == key_cache.size(3),
-              "shape mismatch");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "slot_mapping must be contiguous int64");
-  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
-  TORCH_CHECK(slot_mapping.numel() >= T, "slot_mapping too short");
-  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
-  const int64_t head_stride = num_slots * D;
-  const int64_t esz = key.element_size();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range");
-  const char* kp = static_cast<const char*>(key.data_ptr());
-  const char* vp = static_cast<const char*>(value.data_ptr());
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  const int64_t k0 = key.stride(0), k1 = key.stride(1), v0 = value.stride(0), v1 = value.stride(1);
-  at::parallel_for(0, T * KVH, 256, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t t = i / KVH, h = i % KVH;
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      std::memcpy(kc + (h * head_stride + slot * D) * esz, kp + (t * k0 + h * k1) * esz, D * esz);
-      std::memcpy(vc + (h * head_stride + slot * D) * esz, vp + (t * v0 + h * v1) * esz, D * esz);
-    }
+  dispatch_types(query, key_cache, "paged_attention_prefill", [&](auto t, auto c) {
+    prefill_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
+                                           seq_lens, query_start_loc, seq_begin, seq_end, scale,
+                                           window);
   });
-}
-
-namespace {
-void check_mapping(const at::Tensor& mapping) {
-  TORCH_CHECK(mapping.scalar_type() == at::kLong && mapping.dim() == 2 && mapping.size(1) == 2 &&
-                  mapping.is_contiguous(),
-              "block_mapping must be a contiguous int64 [N, 2] tensor");
-}
-
-// Copy whole blocks (all kv heads) src -> dst between two [KVH, NB, BS, D] tensors.
-void copy_block_pairs(const at::Tensor& src, at::Tensor& dst, const int64_t* pairs, int64_t n) {
-  TORCH_CHECK(src.device().is_cpu() && dst.device().is_cpu(), "tensors must be on the CPU");
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "tensors must be contiguous");
-  TORCH_CHECK(src.dim() == 4 && dst.dim() == 4 && src.size(0) == dst.size(0) &&
-                  src.size(2) == dst.size(2) && src.size(3) == dst.size(3) &&
-                  src.scalar_type() == dst.scalar_type(),
-              "block shapes or dtypes differ");
-  const int64_t KVH = src.size(0), sNB = src.size(1), dNB = dst.size(1);
-  const int64_t block_bytes = src.size(2) * src.size(3) * src.element_size();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(pairs[2 * i] >= 0 && pairs[2 * i] < sNB && pairs[2 * i + 1] >= 0 &&
-                    pairs[2 * i + 1] < dNB,
-                "block id out of range");
-  const char* sp = static_cast<const char*>(src.data_ptr());
-  char* dp = static_cast<char*>(dst.data_ptr());
-  at::parallel_for(0, n * KVH, 16, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t p = i / KVH, h = i % KVH;
-      std::memcpy(dp + (h * dNB + pairs[2 * p + 1]) * block_bytes,
-                  sp + (h * sNB + pairs[2 * p]) * block_bytes, block_bytes);
-    }
-  });
-}
-}  // namespace
-
-// Copy-on-write: for every layer, block mapping[i, 0] -> mapping[i, 1] within the same cache.
-void copy_blocks(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
-                 const at::Tensor& block_mapping) {
-  check_mapping(block_mapping);
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "key/value cache lists differ");
-  const int64_t n = block_mapping.size(0);
-  const int64_t* pairs = block_mapping.data_ptr<int64_t>();
-  for (size_t i = 0; i < key_caches.size(); ++i) {
-    copy_block_pairs(key_caches[i], key_caches[i], pairs, n);
-    copy_block_pairs(value_caches[i], value_caches[i], pairs, n);
-  }
-}
-
-// Swap: copy block mapping[i, 0] of src to block mapping[i, 1] of dst (e.g. device <-> host pool).
-void swap_blocks(const at::Tensor& src, at::Tensor dst, const at::Tensor& block_mapping) {
-  check_mapping(block_mapping);
-  copy_block_pairs(src, dst, block_mapping.data_ptr<int64_t>(), block_mapping.size(0));
 }
 
 std::string simd_level() {

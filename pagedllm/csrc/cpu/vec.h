@@ -4,10 +4,12 @@
 // (pagedllm/ops/loader.py: avx512, avx2 or scalar): AVX-512F (16 floats), AVX2 + FMA (8 floats),
 // or plain scalar loops. The kernels only use the row-level helpers at the bottom of this file,
 // so they are written once.
-// bf16 values are widened to fp32 on load; all arithmetic is fp32.
+// bf16 values are widened to fp32 on load; all arithmetic is fp32. int8 and fp8 e4m3 (the
+// quantized KV cache, kv_quant.h) load as their raw codes in fp32; callers apply the scale.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cmath>
 #include <cstdint>
@@ -26,9 +28,12 @@ namespace pagedllm {
 namespace vec {
 
 using bf16 = c10::BFloat16;
+using fp8 = c10::Float8_e4m3fn;
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(fp8 x) { return static_cast<float>(x); }
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, bf16* dst) { *dst = bf16(x); }  // round to nearest even
 
@@ -41,6 +46,18 @@ inline V load(const float* p) { return _mm512_loadu_ps(p); }
 inline V load(const bf16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline V load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// fp8 e4m3 -> the fp16 with the same sign, exponent and mantissa bits (exponent bias 15 instead
+// of 7) -> fp32, times 2^8 for the bias difference: exact for every finite e4m3 value, subnormals
+// included (e4m3 subnormals are fp16 subnormals too).
+inline V load(const fp8* p) {
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -75,6 +92,16 @@ inline V load(const float* p) { return _mm256_loadu_ps(p); }
 inline V load(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// fp8 e4m3 via fp16 bits, as in the AVX-512 branch (F16C's vcvtph2ps).
+inline V load(const fp8* p) {
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }

@@ -1,0 +1,162 @@
+"""KV cache dtypes side by side (issue 22 item 5): capacity, decode speed and quality.
+
+For each ``--kv-cache-dtypes`` entry, on the bundled model (fp32 weights and activations):
+
+- capacity: blocks and tokens at the default ``kv_cache_memory`` (1 GiB) and tokens per GiB;
+- decode: ``--batch`` ShareGPT prompts of ``--prompt-len`` tokens prefilled, then the median
+  ``LLMEngine.step`` time over ``--steps`` all-decode steps, as output tokens/s;
+- quality: teacher-forced perplexity of ``--nll-texts`` held-out ShareGPT replies (the last
+  records' "gpt" turns, ``--nll-len`` tokens each; prompt log-probabilities, so every token's
+  attention reads the quantized cache), and the share of greedy tokens equal to the first
+  dtype's (``--greedy-prompts`` prompts x ``--greedy-tokens`` tokens).
+
+    .venv/bin/python benchmarks/kv_cache_dtype.py --batch 32 --steps 10
+"""
+
+from __future__ import annotations
+
+import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
+
+# isort: split
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA_DIR, bench_lock, median, merge_json, sharegpt_prompts  # noqa: E402
+
+
+def held_out_replies(tokenizer, n: int, length: int) -> list[list[int]]:
+    """The last ``n`` ShareGPT replies with at least ``length`` tokens, cut to ``length``."""
+    from pagedllm.bench.datasets import dataset_file
+
+    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
+    out: list[list[int]] = []
+    for r in reversed(records):
+        turns = r.get("conversations") or []
+        if len(turns) < 2 or turns[1].get("from") != "gpt":
+            continue
+        ids = tokenizer(turns[1]["value"], add_special_tokens=False).input_ids
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            break
+    return out
+
+
+def run_all(engine, prompts: list[list[int]], sp) -> list:
+    """Submit ``prompts`` and step until done; outputs in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[int(o.request_id)] = o
+    return [done[i] for i in range(len(prompts))]
+
+
+def decode_tokens_per_s(engine, prompts: list[list[int]], steps: int) -> float:
+    from pagedllm.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{i}", p, sp)
+    while engine.scheduler.waiting or any(
+        len(s.output_token_ids) == 0 for g in engine.scheduler.running for s in g.seqs
+    ):
+        engine.step()
+    engine.step()  # first all-decode step, warm
+    ms = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompts) / median(ms) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kv-cache-dtypes", default="float32,bfloat16,int8,fp8_e4m3")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--nll-texts", type=int, default=8)
+    ap.add_argument("--nll-len", type=int, default=256)
+    ap.add_argument("--greedy-prompts", type=int, default=8)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/kv_cache_dtype.json")
+    args = ap.parse_args()
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.model.loader import load_model
+    from pagedllm.platform import cpu_flags
+    from pagedllm.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(None, torch.float32)
+    tok = loaded.tokenizer
+    decode_prompts = sharegpt_prompts(tok, args.batch, args.prompt_len)
+    texts = held_out_replies(tok, args.nll_texts, args.nll_len)
+    greedy_prompts = decode_prompts[: args.greedy_prompts]
+    print(f"CPU flags: {cpu_flags().summary()}; threads {args.threads}")
+    results: dict[str, dict] = {}
+    ref_tokens: list[list[int]] | None = None
+    with bench_lock():
+        for name in args.kv_cache_dtypes.split(","):
+            cfg = EngineConfig(
+                dtype="float32",
+                kv_cache_dtype=name,
+                max_model_len=max(args.prompt_len + args.steps, args.nll_len) + 64,
+                num_threads=args.threads,
+                max_num_seqs=max(args.batch, 1),
+            )
+            engine = LLMEngine(cfg, loaded=loaded)
+            tps = decode_tokens_per_s(engine, decode_prompts, args.steps)
+            nll_sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+            nll, n = 0.0, 0
+            for text, o in zip(texts, run_all(engine, texts, nll_sp), strict=True):
+                for t, pos in zip(text[1:], o.prompt_logprobs[1:], strict=True):
+                    nll -= pos[t].logprob
+                    n += 1
+            gsp = SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True)
+            toks = [o.outputs[0].token_ids for o in run_all(engine, greedy_prompts, gsp)]
+            ref_tokens = ref_tokens or toks
+            pairs = zip(ref_tokens, toks, strict=True)
+            same = sum(a == b for r, t in pairs for a, b in zip(r, t, strict=True))
+            results[name] = {
+                "num_blocks": engine.num_blocks,
+                "block_bytes": engine.block_bytes,
+                "tokens_per_gib": engine.kv_tokens_per_gib,
+                f"decode_tok_s_batch{args.batch}": round(tps, 1),
+                "perplexity": round(math.exp(nll / n), 4),
+                "greedy_agreement": round(same / sum(len(r) for r in ref_tokens), 4),
+            }
+            print(name, json.dumps(results[name]), flush=True)
+            del engine
+    base = results[args.kv_cache_dtypes.split(",")[0]]["perplexity"]
+    for r in results.values():
+        r["perplexity_vs_first"] = round(r["perplexity"] / base - 1, 4)
+    summary = {
+        "results": results,
+        "batch": args.batch,
+        "threads": args.threads,
+        "nll_tokens_per_dtype": n,
+        "cpu_flags": cpu_flags().summary(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    print(json.dumps(summary, indent=1))
+    merge_json(args.out, summary)
+
+
+if __name__ == "__main__":
+    main()
