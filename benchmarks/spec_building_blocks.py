@@ -11,7 +11,7 @@
    ``benchmarks/spec_workload.py`` and ShareGPT (first human turn -> first reply), the answers
    played in order so later requests can reuse earlier outputs.
 3. ``--model-replay N``: the same replay on the bundled SmolLM2-135M-Instruct's own greedy
-   answers to N workload prompts (fp32, ``max_tokens`` = reference length + 16, at most 192):
+   answers to N workload prompts (fp32, ``max_tokens`` = reference length + 16, at most 128):
    exactly the tokens per step that greedy verification with this proposer would reach.
 
 Run: ``PYTHONPATH=. python benchmarks/spec_building_blocks.py [--n 32] [--k 4]`` (data from
@@ -99,9 +99,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--model-replay", type=int, default=0, help="prompts run through SmolLM2")
     args = ap.parse_args()
-    # One thread: on a shared, loaded machine a 2-thread pool's waits dominate small calls.
+    # One thread for the timings: on a shared, loaded machine a 2-thread pool's waits dominate.
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    print("torch threads = 1")
+    print("torch threads = 1 for the rejection_sample timings")
     for with_probs, top_k in ((False, 0), (True, 0), (False, 50)):
         s = time_rejection(args.batch, args.k, with_probs, top_k)
         kind = "draft probs" if with_probs else "one-hot drafts"
@@ -111,6 +112,7 @@ def main() -> None:
             f"{1e3 * s:.1f} ms/call"
         )
 
+    torch.set_num_threads(threads)
     tok = _bundled_tokenizer()
     enc = tok.encode
     tasks = build_repetitive_tasks(args.n, 0)
@@ -141,7 +143,7 @@ def model_replay(tok: Any, tasks: list[Any], k: int) -> None:
     llm = LLM(dtype="float32")
     prompts = [{"prompt_token_ids": _chat_ids(tok, t.message)} for t in tasks]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=min(192, len(tok.encode(t.reference)) + 16))
+        SamplingParams(temperature=0.0, max_tokens=min(128, len(tok.encode(t.reference)) + 16))
         for t in tasks
     ]
     outs = llm.generate(prompts, params)
