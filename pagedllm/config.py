@@ -47,6 +47,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # The names pagedllm.attention.get_attention_backend accepts: "auto" or a registered backend.
 ATTENTION_BACKENDS = ("auto", *attention_backend_names())
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# Lossy weight formats, opt-in only (None = the weights as loaded, in ``dtype``).
+QUANTIZATION_METHODS = ("gguf",)
 
 # The name the bundled model is served under.
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -291,6 +293,13 @@ class EngineConfig:
         "default: uni for tp 1, else mp",
         choices=EXECUTOR_BACKENDS,
     )
+    quantization: str | None = _option(
+        None,
+        "lossy weight format (opt-in): gguf = keep a GGUF file's quantized blocks (Q4_0, Q4_1, "
+        "Q4_K, Q5_0, Q6_K, Q8_0) and compute the linears natively on them (CPU, float32, tp 1); "
+        "default: none, the weights in dtype",
+        choices=QUANTIZATION_METHODS,
+    )
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype, str(self.device))
@@ -313,6 +322,11 @@ class EngineConfig:
             if low is not None and value < low:
                 unit = " bytes" if f.metadata.get("size") else ""
                 raise ValueError(f"{f.name} must be >= {low}{unit}, got {value}")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"quantization 'gguf' runs on one rank: it needs tensor_parallel_size 1, got "
+                f"{self.tensor_parallel_size}"
+            )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one process: it needs "
