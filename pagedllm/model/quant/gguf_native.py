@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from pagedllm.model.config import ModelArchConfig
     from pagedllm.ops import CpuOps
 
 logger = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
     from pagedllm.model.registry import model_class
     from pagedllm.model.weight_map import checkpoint_names
 
-    config = model.config  # type: ignore[attr-defined]
+    config: ModelArchConfig = getattr(model, "config")  # noqa: B009 (a DecoderForCausalLM)
     cls = model_class(config.architecture)
     reader = open_gguf(path)
     by_hf: dict[str, Any] = {}
