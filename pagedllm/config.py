@@ -51,6 +51,8 @@ ADMISSION_POLICIES = ("queue", "slots")
 # The names pagedllm.attention.get_attention_backend accepts: "auto" or a registered backend.
 ATTENTION_BACKENDS = ("auto", *attention_backend_names())
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# Lossy weight formats, opt-in only (None = the weights as loaded, in ``dtype``).
+QUANTIZATION_METHODS = ("gguf",)
 
 # The name the bundled model is served under.
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -317,6 +319,13 @@ class EngineConfig:
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
         "(fields: pagedllm.spec_decode.config.SpeculativeConfig); default: off",
     )
+    quantization: str | None = _option(
+        None,
+        "lossy weight format (opt-in): gguf = keep a GGUF file's quantized blocks (Q4_0, Q4_1, "
+        "Q4_K, Q5_0, Q6_K, Q8_0) and compute the linears natively on them (CPU, float32, tp 1); "
+        "default: none, the weights in dtype",
+        choices=QUANTIZATION_METHODS,
+    )
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype, str(self.device))
@@ -347,6 +356,11 @@ class EngineConfig:
                 unit = " bytes" if f.metadata.get("size") else ""
                 raise ValueError(f"{f.name} must be >= {low}{unit}, got {value}")
         self.torch_kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"quantization 'gguf' runs on one rank: it needs tensor_parallel_size 1, got "
+                f"{self.tensor_parallel_size}"
+            )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one process: it needs "

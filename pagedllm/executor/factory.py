@@ -54,6 +54,8 @@ def create_executor(
     # Validated before any process starts; a bare "cuda" becomes this process's current GPU, so
     # that spawned ranks count from the same index.
     device = str(device_for_rank(resolve_device(config.device, tp), 0))
+    if config.quantization == "gguf" and loaded.source.suffix.lower() != ".gguf":
+        raise ValueError(f"quantization 'gguf' needs a GGUF model file; {loaded.source} is not one")
     if tp == 1:
         worker = Worker(
             mc,
@@ -67,6 +69,7 @@ def create_executor(
             num_swap_blocks=num_swap_blocks,
             device=device,
             kv_cache_dtype=config.torch_kv_cache_dtype,
+            gguf_native=loaded.source if config.quantization == "gguf" else None,
         )
         return UniProcExecutor(worker)
 

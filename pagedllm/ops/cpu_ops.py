@@ -39,6 +39,8 @@ class CpuOps:
         self._gemm_linear_add_ = lib.gemm_linear_add_.default
         self._gemm_swiglu = lib.gemm_swiglu.default
         self._argmax_logsumexp = lib.argmax_logsumexp.default
+        self._gguf_q4_linear = lib.gguf_q4_linear.default
+        self._gguf_q8_linear = lib.gguf_q8_linear.default
         self._simd = str(self._simd_level())
 
     def __repr__(self) -> str:
@@ -161,3 +163,13 @@ class CpuOps:
     def gemm_swiglu(self, x: Tensor, packed: Tensor) -> Tensor:
         """``silu(x @ W_gate^T) * (x @ W_up^T)`` -> ``[M, I]``."""
         return self._gemm_swiglu(x, packed)
+
+    def gguf_q4_linear(self, x: Tensor, qs: Tensor, dm: Tensor) -> Tensor:
+        """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for 4-bit affine blocks of 32
+        (``qs [N, K/2]`` uint8, ``dm [N, K/32, 2]`` float32 (d, m); ``model.quant.gguf_native``)."""
+        return self._gguf_q4_linear(x, qs, dm)
+
+    def gguf_q8_linear(self, x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
+        """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for signed 8-bit weights with one
+        scale per 16 (``qs [N, K]`` int8, ``d [N, K/16]`` float32; ``model.quant.gguf_native``)."""
+        return self._gguf_q8_linear(x, qs, d)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from pagedllm.model.registry import model_class
 from pagedllm.model.sharding import shard_state_dict
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,8 @@ class Worker:
         device: "cpu", "cuda" or "cuda:N" (``EngineConfig.device``; rank r adds r to the CUDA
             index).
         kv_cache_dtype: KV storage dtype (``EngineConfig.torch_kv_cache_dtype``); None = ``dtype``.
+        gguf_native: a GGUF file whose quantized blocks replace the float linears
+            (``EngineConfig.quantization == "gguf"``, ``model.quant.gguf_native``); None = off.
 
     Attributes:
         device: the device this rank computes on (an explicit index on CUDA).
@@ -77,6 +84,7 @@ class Worker:
         weights_sharded: bool = False,
         device: torch.device | str = "cpu",
         kv_cache_dtype: torch.dtype | None = None,
+        gguf_native: Path | None = None,
     ) -> None:
         world = group.world_size if group is not None else 1
         rank = group.rank if group is not None else 0
@@ -102,6 +110,8 @@ class Worker:
             self.model.pack_linears(cpu_ops)
         if cpu_ops is not None:
             self.model.use_cpu_layer_ops(cpu_ops)
+        if gguf_native is not None:
+            self._quantize_gguf(gguf_native, dtype, cpu_ops)
         self.cache = CacheEngine(
             config,
             num_blocks,
@@ -120,6 +130,22 @@ class Worker:
             backend.name,
             num_blocks,
         )
+
+    def _quantize_gguf(self, path: Path, dtype: torch.dtype, cpu_ops: CpuOps | None) -> None:
+        """Swap the float linears for ``GGUFLinear`` on ``path``'s blocks (needs the C++ CPU
+        kernels and float32; otherwise the float model stays, with a warning)."""
+        from pagedllm.model.quant.gguf_native import quantize_linears
+
+        if cpu_ops is None or dtype != torch.float32:
+            logger.warning(
+                "quantization=gguf needs the C++ CPU kernels and dtype float32 (have %s, %s); "
+                "running the dequantized float weights",
+                "kernels" if cpu_ops is not None else "no kernels",
+                dtype,
+            )
+            return
+        count = quantize_linears(self.model, path, cpu_ops)
+        logger.info("quantization=gguf: %d matrices computed on GGUF blocks", count)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block moves (swap out, swap in, copy-on-write, in that order: a block

@@ -11,6 +11,7 @@
 #include "gemm.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
+#include "quant_gguf.h"
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
@@ -39,6 +40,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gemm_linear_add_(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("gemm_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
+  m.def("gguf_q4_linear(Tensor x, Tensor qs, Tensor dm) -> Tensor");
+  m.def("gguf_q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -57,4 +60,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("gemm_linear_add_", &pagedllm::gemm_linear_add_);
   m.impl("gemm_swiglu", &pagedllm::gemm_swiglu);
   m.impl("argmax_logsumexp", &pagedllm::argmax_logsumexp);
+  m.impl("gguf_q4_linear", &pagedllm::gguf_q4_linear);
+  m.impl("gguf_q8_linear", &pagedllm::gguf_q8_linear);
 }

@@ -1,0 +1,333 @@
+"""GGUF weights kept in their block-quantized form and multiplied natively (``quantization="gguf"``).
+
+Instead of expanding every tensor to float32 at load (``gguf_loader``), the linear layers keep
+llama.cpp's blocks, repacked once into one of two layouts that the C++ kernels
+(``pagedllm/csrc/cpu/quant_gguf.cpp``) dequantize in registers:
+
+* **q4** (4-bit affine, 32 weights per block): ``w = d * q + m``, ``q`` in 0..15; ``qs`` [N, K/2]
+  uint8 in llama.cpp's Q4_1 nibble order, ``dm`` [N, K/32, 2] float32. Q4_1 is it already;
+  Q4_0 (``w = d (q - 8)``) has ``m = -8 d``; Q4_K's eight 32-weight sub-blocks of a 256-weight
+  super-block (``w = d sc q - dmin mn``, 6-bit ``sc`` and ``mn``) each become one block with
+  ``d * sc`` and ``-dmin * mn``. All three are exact rewrites (llama.cpp ``ggml-quants.c``,
+  ``dequantize_row_q4_0/q4_1/q4_K``).
+* **q8** (signed 8-bit, one scale per 16 weights): ``w = d * q``; ``qs`` [N, K] int8, ``d``
+  [N, K/16] float32. Q8_0 (one scale per 32, repeated), Q5_0 (``q - 16`` in -16..15) and Q6_K
+  (``q - 32`` in -32..31 with an int8 scale per 16, times the super-block's ``d``) fit it exactly.
+
+The activations are quantized per 32 to int8 inside the kernel (llama.cpp's Q8_0 activations), so
+results differ from the float32 run by that rounding: the tests check kernels against
+dequantize-then-float32 within a tolerance and the bundled model's teacher-forced argmaxes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.model.config import ModelArchConfig
+    from pagedllm.ops import CpuOps
+
+logger = logging.getLogger(__name__)
+
+# GGUF type name -> (bytes per block, weights per block).
+BLOCK_BYTES: dict[str, tuple[int, int]] = {
+    "Q4_0": (18, 32),
+    "Q4_1": (20, 32),
+    "Q4_K": (144, 256),
+    "Q8_0": (34, 32),
+    "Q5_0": (22, 32),
+    "Q6_K": (210, 256),
+}
+Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+Q8_TYPES = ("Q8_0", "Q5_0", "Q6_K")
+SUPPORTED_TYPES = Q4_TYPES + Q8_TYPES
+
+
+@dataclass
+class PackedBlocks:
+    """One weight matrix in a kernel layout (see the module docstring).
+
+    Attributes:
+        kind: "q4" or "q8".
+        qs: [N, K/2] uint8 (q4) or [N, K] int8 (q8).
+        scales: [N, K/32, 2] float32 (q4: d, m) or [N, K/16] float32 (q8).
+    """
+
+    kind: str
+    qs: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """Output rows N."""
+        return int(self.qs.shape[0])
+
+    def take_rows(self, index: torch.Tensor) -> PackedBlocks:
+        """The rows ``index`` ([N] int64), in that order (the Q/K un-permutation)."""
+        return PackedBlocks(self.kind, self.qs[index].contiguous(), self.scales[index].contiguous())
+
+    @staticmethod
+    def concat(parts: list[PackedBlocks]) -> PackedBlocks:
+        """Row-wise concatenation of parts of one kind (q, k, v -> qkv)."""
+        kind = parts[0].kind
+        if any(p.kind != kind for p in parts):
+            raise ValueError("cannot concatenate q4 and q8 blocks")
+        return PackedBlocks(
+            kind, torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts])
+        )
+
+
+def _blocks(data: np.ndarray, qtype: str, rows: int) -> np.ndarray:
+    """Raw bytes as [rows * blocks per row, bytes per block] uint8."""
+    nbytes, _ = BLOCK_BYTES[qtype]
+    flat = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
+    if flat.shape[1] % nbytes:
+        raise ValueError(f"{qtype}: {flat.shape[1]} bytes per row is not a whole number of blocks")
+    return flat.reshape(-1, nbytes)
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte ``offset`` of every block, as float32 [B]."""
+    return blocks[:, offset : offset + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles_to_q41(values: np.ndarray) -> np.ndarray:
+    """[B, 32] values 0..15 -> [B, 16] bytes in Q4_1 order (byte j = v[j] | v[j + 16] << 4)."""
+    v = values.astype(np.uint8)
+    return v[:, :16] | (v[:, 16:] << 4)
+
+
+def repack_q4(qtype: str, data: np.ndarray, rows: int) -> PackedBlocks:
+    """Q4_0 / Q4_1 / Q4_K bytes of a [rows, K] matrix -> a q4 :class:`PackedBlocks`.
+
+    Raises:
+        ValueError: another type, or a row that is not whole blocks.
+    """
+    b = _blocks(data, qtype, rows)
+    if qtype in ("Q4_0", "Q4_1"):
+        d = _f16(b, 0)
+        if qtype == "Q4_0":
+            qs, m = b[:, 2:18], -8.0 * d
+        else:
+            qs, m = b[:, 4:20], _f16(b, 2)
+        dm = np.stack([d, m], axis=-1)
+    elif qtype == "Q4_K":
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        s = b[:, 4:16].astype(np.uint8)
+        sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], 1)
+        mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], 1)
+        raw = b[:, 16:144].reshape(-1, 4, 32)  # chunk c: sub-blocks 2c (low) and 2c+1 (high)
+        sub = np.stack([raw & 0xF, raw >> 4], axis=2).reshape(-1, 32)  # [B * 8, 32] in order
+        qs = _nibbles_to_q41(sub).reshape(-1, 16)
+        dm = np.stack(
+            [d[:, None] * sc.astype(np.float32), -(dmin[:, None] * mn.astype(np.float32))], -1
+        ).reshape(-1, 2)
+    else:
+        raise ValueError(f"{qtype} is not a 4-bit type ({', '.join(Q4_TYPES)})")
+    qs_t = torch.from_numpy(np.ascontiguousarray(qs)).reshape(rows, -1)
+    dm_t = torch.from_numpy(np.ascontiguousarray(dm, dtype=np.float32)).reshape(rows, -1, 2)
+    return PackedBlocks("q4", qs_t, dm_t)
+
+
+def repack_q8(qtype: str, data: np.ndarray, rows: int) -> PackedBlocks:
+    """Q8_0 / Q5_0 / Q6_K bytes of a [rows, K] matrix -> a q8 :class:`PackedBlocks`.
+
+    Raises:
+        ValueError: another type, or a row that is not whole blocks.
+    """
+    b = _blocks(data, qtype, rows)
+    if qtype == "Q8_0":
+        d = _f16(b, 0)
+        q = b[:, 2:34].view(np.int8)
+        scales = np.repeat(d, 2)
+    elif qtype == "Q5_0":
+        d = _f16(b, 0)
+        qh = b[:, 2:6].copy().view("<u4")[:, 0]
+        high = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        lo = b[:, 6:22]
+        low = np.concatenate([lo & 0xF, lo >> 4], axis=1)
+        q = ((low | high).astype(np.int16) - 16).astype(np.int8)
+        scales = np.repeat(d, 2)
+    elif qtype == "Q6_K":
+        ql, qh = b[:, 0:128], b[:, 128:192]
+        sc = b[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(b, 208)
+        halves = []
+        for h in range(2):  # 128 weights each: ql[64h:64h+64], qh[32h:32h+32]
+            l0, l1, hh = (
+                ql[:, 64 * h : 64 * h + 32],
+                ql[:, 64 * h + 32 : 64 * h + 64],
+                qh[:, 32 * h : 32 * h + 32],
+            )
+            halves += [
+                (l0 & 0xF) | ((hh & 3) << 4),
+                (l1 & 0xF) | (((hh >> 2) & 3) << 4),
+                (l0 >> 4) | (((hh >> 4) & 3) << 4),
+                (l1 >> 4) | (((hh >> 6) & 3) << 4),
+            ]
+        q = (np.concatenate(halves, axis=1).astype(np.int16) - 32).astype(np.int8)
+        scales = (d[:, None] * sc).reshape(-1)
+    else:
+        raise ValueError(f"{qtype} is not an 8-bit-layout type ({', '.join(Q8_TYPES)})")
+    q_t = torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, -1)
+    s_t = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(rows, -1)
+    return PackedBlocks("q8", q_t, s_t)
+
+
+def repack(qtype: str, data: np.ndarray, rows: int) -> PackedBlocks:
+    """Any supported GGUF block type (``SUPPORTED_TYPES``) -> its kernel layout.
+
+    Raises:
+        ValueError: naming the type when it is not supported.
+    """
+    if qtype in Q4_TYPES:
+        return repack_q4(qtype, data, rows)
+    if qtype in Q8_TYPES:
+        return repack_q8(qtype, data, rows)
+    raise ValueError(f"GGUF type {qtype} has no native kernel ({', '.join(SUPPORTED_TYPES)})")
+
+
+def dequantize_packed(p: PackedBlocks) -> torch.Tensor:
+    """The float32 [N, K] matrix a :class:`PackedBlocks` holds (tests and reference)."""
+    if p.kind == "q4":
+        qs = p.qs.reshape(p.rows, -1, 16)
+        q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(p.rows, -1, 32).float()
+        w = q * p.scales[..., :1] + p.scales[..., 1:]
+        return w.reshape(p.rows, -1)
+    w = p.qs.float().reshape(p.rows, -1, 16) * p.scales[..., None]
+    return w.reshape(p.rows, -1)
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b) with W kept in GGUF blocks (:class:`PackedBlocks`).
+
+    Args:
+        parts: the row blocks of W in output order (one, or q/k/v of different types); adjacent
+            parts of one kind are merged so that one kernel call covers them.
+        cpu_ops: the C++ CPU kernels (``gguf_q4_linear`` / ``gguf_q8_linear``).
+        bias: [N] float32 or None.
+
+    Forward: x [..., K] float32 -> [..., N] float32.
+    """
+
+    def __init__(
+        self, parts: list[PackedBlocks], cpu_ops: CpuOps, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        merged: list[PackedBlocks] = []
+        for p in parts:
+            if merged and merged[-1].kind == p.kind:
+                merged[-1] = PackedBlocks.concat([merged[-1], p])
+            else:
+                merged.append(p)
+        self.parts = merged
+        self.ops = cpu_ops
+        self.out_features = sum(p.rows for p in merged)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def _run(self, p: PackedBlocks, x: torch.Tensor) -> torch.Tensor:
+        if p.kind == "q4":
+            return self.ops.gguf_q4_linear(x, p.qs, p.scales)
+        return self.ops.gguf_q8_linear(x, p.qs, p.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        if len(self.parts) == 1:
+            y = self._run(self.parts[0], flat)
+        else:
+            y = torch.cat([self._run(p, flat) for p in self.parts], dim=1)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*lead, self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the quantized weight (quants and scales)."""
+        return sum(p.qs.numel() * p.qs.element_size() + p.scales.numel() * 4 for p in self.parts)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(p.kind for p in self.parts)
+        return f"out_features={self.out_features}, {kinds}, gguf native"
+
+
+def _tensor_parts(tensor: Any) -> PackedBlocks:
+    """A GGUF ``ReaderTensor`` of a supported block type as :class:`PackedBlocks` ([out, in])."""
+    rows = int(np.prod(tensor.shape.tolist()[1:]))
+    return repack(tensor.tensor_type.name, np.asarray(tensor.data), rows)
+
+
+def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int:
+    """Replace every projection of ``model`` whose GGUF tensors (``path``) are all of a
+    ``SUPPORTED_TYPES`` block type by a :class:`GGUFLinear` built from those blocks, and the LM
+    head by one built from ``output.weight`` (else the tied ``token_embd.weight``). Projections
+    with float tensors, fused tensors that the model class splits, and MoE experts stay as they
+    are. Returns the number of matrices replaced.
+
+    Raises:
+        ValueError: the file is not a valid GGUF file, or a tensor's rows do not fit the model.
+    """
+    from pagedllm.model.loader.gguf_loader import gguf_to_hf_name, open_gguf, unpermute_qk
+    from pagedllm.model.registry import model_class
+    from pagedllm.model.weight_map import checkpoint_names
+
+    config: ModelArchConfig = getattr(model, "config")  # noqa: B009 (a DecoderForCausalLM)
+    cls = model_class(config.architecture)
+    reader = open_gguf(path)
+    by_hf: dict[str, Any] = {}
+    for t in reader.tensors:
+        try:
+            by_hf[gguf_to_hf_name(t.name, cls.gguf_tensor_names)] = t
+        except ValueError:
+            continue  # rope factors, MoE experts: not projections handled here
+    if cls.splits_hf_weights:
+        logger.warning("quantization=gguf: %s splits fused tensors; kept float32", cls.__name__)
+        return 0
+
+    def parts_for(names: list[str]) -> list[PackedBlocks] | None:
+        tensors = [by_hf.get(n) for n in names]
+        if any(t is None or t.tensor_type.name not in SUPPORTED_TYPES for t in tensors):
+            return None
+        out = []
+        for name, t in zip(names, tensors, strict=True):
+            blocks = _tensor_parts(t)
+            if cls.gguf_permute_qk and (".q_proj." in name or ".k_proj." in name):
+                heads = (
+                    config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+                )
+                order = unpermute_qk(torch.arange(blocks.rows), heads)
+                blocks = blocks.take_rows(order)
+            out.append(blocks)
+        return out
+
+    count = 0
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return 0
+    for prefix, module in list(layers.named_modules()):
+        for child_name, child in list(module.named_children()):
+            out_features = getattr(child, "out_features", None)
+            if out_features is None and hasattr(child, "inter"):
+                out_features = 2 * child.inter  # PackedSwiGLU: gate and up rows
+            if out_features is None or isinstance(child, GGUFLinear):
+                continue
+            full = ".".join(x for x in ("layers", prefix, child_name) if x)
+            parts = parts_for(checkpoint_names(f"{full}.weight"))
+            if parts is None or sum(p.rows for p in parts) != out_features:
+                continue
+            setattr(module, child_name, GGUFLinear(parts, cpu_ops, getattr(child, "bias", None)))
+            count += 1
+    head = "lm_head.weight" if "lm_head.weight" in by_hf else "model.embed_tokens.weight"
+    head_parts = parts_for([head])
+    if head_parts is not None and getattr(model, "group", None) is None:
+        model.lm_head_packed = GGUFLinear(head_parts, cpu_ops)  # type: ignore[assignment]
+        count += 1
+    return count

@@ -1,0 +1,174 @@
+"""GGUF weights kept quantized (``quantization="gguf"``, ``model.quant.gguf_native``): the
+repacking is exact against ``gguf.quants.dequantize``, each kernel equals the dequantized float32
+product within the activation rounding, and the bundled model agrees with its float32 run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from pagedllm.model.quant.gguf_native import (
+    BLOCK_BYTES,
+    SUPPORTED_TYPES,
+    GGUFLinear,
+    PackedBlocks,
+    dequantize_packed,
+    repack,
+)
+
+SHAPES = [(1, 5, 256), (3, 17, 512), (8, 64, 768)]  # (M, N, K): odd N exercises the row tail
+
+
+def gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, k] weights of GGUF type ``qtype`` as raw bytes [n, row bytes]: ``gguf.quants.quantize``
+    of normal weights where the package implements it, else random blocks with small positive
+    float16 super-block scales (every byte pattern of the quants is a valid K-quant block)."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    try:
+        return np.asarray(quantize(w, GGMLQuantizationType[qtype]))
+    except NotImplementedError:
+        pass
+    nbytes, per = BLOCK_BYTES[qtype]
+    data = rng.integers(0, 256, (n, k // per * nbytes), dtype=np.uint8)
+    blocks = data.reshape(-1, nbytes)
+    offsets = {"Q4_K": (0, 2), "Q6_K": (208,)}[qtype]
+    for o in offsets:
+        scale = rng.uniform(1e-3, 2e-2, len(blocks)).astype(np.float16)
+        blocks[:, o : o + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return data
+
+
+def reference(qtype: str, data: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(
+        np.asarray(dequantize(data, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(n, k)
+    )
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_repack_is_exact(qtype: str) -> None:
+    rng = np.random.default_rng(1)
+    data = gguf_blocks(qtype, 6, 512, rng)
+    packed = repack(qtype, data, 6)
+    assert packed.kind == ("q4" if qtype.startswith("Q4") else "q8")
+    assert torch.equal(dequantize_packed(packed), reference(qtype, data, 6, 512))
+
+
+def test_repack_rejects_other_types() -> None:
+    with pytest.raises(ValueError, match="Q5_1"):
+        repack("Q5_1", np.zeros((1, 24), np.uint8), 1)
+
+
+def int8_activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with x rounded as the kernel rounds it: per 32, to int8 with scale max|x|/127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
+    return (q * d).reshape(x.shape) @ w.T
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201
+    from pagedllm.ops import load_cpu_ops
+
+    loaded = load_cpu_ops()
+    if loaded is None:
+        pytest.skip(
+            "the C++ CPU kernels did not build (PAGEDLLM_DISABLE_CPU_KERNELS or no compiler)"
+        )
+    return loaded
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_kernel_matches_dequantized_fp32(ops, qtype: str, m: int, n: int, k: int) -> None:  # noqa: ANN001
+    rng = np.random.default_rng(m * 1000 + n)
+    if k % BLOCK_BYTES[qtype][1]:
+        pytest.skip(f"{qtype} needs K a multiple of {BLOCK_BYTES[qtype][1]}")
+    data = gguf_blocks(qtype, n, k, rng)
+    w = reference(qtype, data, n, k)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = GGUFLinear([repack(qtype, data, n)], ops)(x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # Same arithmetic as the kernel up to float summation order: tight.
+    emulated = int8_activation_reference(x, w)
+    scale = (x.abs() @ w.abs().T).clamp_min(1e-6)
+    assert ((y - emulated).abs() / scale).max() < 1e-5
+    # Against the float32 product: the activation rounding (<= 1/254 of each block's max).
+    exact = x @ w.T
+    assert ((y - exact).abs() / scale).max() < 1e-2
+
+
+def test_mixed_parts_bias_and_leading_dims(ops) -> None:  # noqa: ANN001
+    """q/k/v of different types in one GGUFLinear (Q4_K_M stores v as Q6_K), with a bias."""
+    rng = np.random.default_rng(7)
+    k = 256
+    parts, ws = [], []
+    for qtype, n in (("Q4_K", 8), ("Q4_K", 4), ("Q6_K", 4), ("Q8_0", 3)):
+        data = gguf_blocks(qtype, n, k, rng)
+        parts.append(repack(qtype, data, n))
+        ws.append(reference(qtype, data, n, k))
+    bias = torch.arange(19, dtype=torch.float32)
+    lin = GGUFLinear(parts, ops, bias)
+    assert [p.kind for p in lin.parts] == ["q4", "q8"]  # adjacent kinds merged
+    x = torch.from_numpy(rng.standard_normal((2, 3, k)).astype(np.float32))
+    y = lin(x)
+    w = torch.cat(ws)
+    emulated = int8_activation_reference(x.reshape(6, k), w) + bias
+    assert y.shape == (2, 3, 19)
+    assert torch.allclose(y.reshape(6, 19), emulated, rtol=1e-4, atol=1e-3)
+
+
+def test_take_rows_permutes_blocks() -> None:
+    rng = np.random.default_rng(3)
+    data = gguf_blocks("Q4_1", 4, 64, rng)
+    p = repack("Q4_1", data, 4)
+    order = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(dequantize_packed(p.take_rows(order)), dequantize_packed(p)[order])
+    with pytest.raises(ValueError, match="q4 and q8"):
+        PackedBlocks.concat([p, repack("Q8_0", gguf_blocks("Q8_0", 1, 64, rng), 1)])
+
+
+def test_config_validates_quantization() -> None:
+    from pagedllm.config import EngineConfig
+
+    assert EngineConfig(quantization="gguf").quantization == "gguf"
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+
+
+TEXT = (
+    "The Industrial Revolution began in Great Britain in the late eighteenth century. Steam "
+    "engines, first used to pump water out of mines, were soon driving looms and locomotives. "
+    "Cities grew quickly as workers left farms for factories, and new railways connected markets "
+    "that had been days apart. Historians still debate why it started where it did: coal was "
+    "close to the surface, capital was available, and inventors could protect their ideas."
+)
+
+
+@pytest.mark.slow
+def test_bundled_model_agrees_with_fp32(ops, smollm) -> None:  # noqa: ANN001
+    """Teacher-forced next-token argmaxes (prompt_logprobs=1) of the bundled Q4_1 SmolLM2 with
+    quantization="gguf" equal the dequantized float32 run's on >= 95% of positions."""
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    argmaxes = []
+    for quant in (None, "gguf"):
+        llm = LLM(loaded=smollm, dtype="float32", quantization=quant)
+        if quant == "gguf":
+            runner_model = llm.engine.executor.worker.model
+            assert isinstance(runner_model.lm_head_packed, GGUFLinear)
+            linears = sum(isinstance(m, GGUFLinear) for m in runner_model.modules())
+            assert linears == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+        out = llm.generate(TEXT, params, use_tqdm=False)[0]
+        argmaxes.append(
+            [next(t for t, lp in e.items() if lp.rank == 1) for e in out.prompt_logprobs[1:]]
+        )
+    ref, got = argmaxes
+    agree = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
+    assert len(ref) > 60 and agree >= 0.95, agree
