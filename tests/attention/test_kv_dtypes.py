@@ -259,3 +259,27 @@ def test_engine_greedy_agrees_with_fp32_kv(tiny_llm_factory, kv_cache_dtype):
     same = sum(a == b for r, o in zip(ref, out) for a, b in zip(r, o))
     assert same >= 0.6 * sum(len(r) for r in ref)
     assert llm.engine.num_blocks > ref_llm.engine.num_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_swap_cow_and_prefix_caching_on_quantized_kv(tiny_llm_factory, kv_cache_dtype):
+    """A pool too small for the batch (swap preemption), parallel sampling (copy-on-write of the
+    shared last block) and prefix caching on a quantized cache: the same tokens as each request
+    alone on a big pool with the same KV dtype (swaps and copies move codes and scales exactly)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    prompts = [list(range(3, 3 + n)) for n in (21, 30, 17, 26)]
+    prompts.append(prompts[0][:20] + [50])  # shares a full block with the first (prefix hit)
+    sp = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    common = dict(block_size=8, max_model_len=96, kv_cache_dtype=kv_cache_dtype)
+    alone_llm = tiny_llm_factory(**common)
+    alone = [alone_llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+    llm = tiny_llm_factory(
+        **common, num_gpu_blocks_override=14, preemption_mode="swap", enable_prefix_caching=True
+    )
+    batched = llm.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(alone, batched, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    sched = llm.engine.scheduler
+    assert sched.preemptions_by_mode["swap"] > 0 and sched.num_blocks_swapped_in > 0
