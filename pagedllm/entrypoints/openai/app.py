@@ -204,7 +204,7 @@ def build_app(
     from pagedllm.config import served_model_name as default_served_model_name
 
     config = EngineConfig(**(engine_args or {}))
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         # Built on the thread that will step it (AsyncLLMEngine.from_factory: one OpenMP team).
         async_engine = AsyncLLMEngine.from_factory(
             lambda: LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval
