@@ -307,6 +307,13 @@ class EngineConfig:
         min=1,
         aliases=("-tp",),
     )
+    pipeline_parallel_size: int = _option(
+        1,
+        "pipeline stages the layers are split over (contiguous layer ranges; activations sent "
+        "stage to stage); world size = tensor_parallel_size x pipeline_parallel_size; CPU only",
+        min=1,
+        aliases=("-pp",),
+    )
     distributed_executor_backend: str | None = _option(
         None,
         "how the ranks run: uni = in-process (tp 1), mp = worker processes, ray = Ray actors; "
@@ -336,8 +343,9 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_config needs kv_manager 'paged', got {self.kv_manager!r}"
             )
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+            self.distributed_executor_backend = "uni" if world == 1 else "mp"
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata.get("size"):
@@ -356,15 +364,25 @@ class EngineConfig:
                 unit = " bytes" if f.metadata.get("size") else ""
                 raise ValueError(f"{f.name} must be >= {low}{unit}, got {value}")
         self.torch_kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
-        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+        if self.quantization == "gguf" and world > 1:
             raise ValueError(
-                f"quantization 'gguf' runs on one rank: it needs tensor_parallel_size 1, got "
-                f"{self.tensor_parallel_size}"
+                "quantization 'gguf' runs on one rank: it needs tensor_parallel_size and "
+                f"pipeline_parallel_size 1, got {self.tensor_parallel_size} and "
+                f"{self.pipeline_parallel_size}"
             )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one process: it needs "
                 f"tensor_parallel_size 1, got {self.tensor_parallel_size}"
+            )
+        if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one process: it needs "
+                f"pipeline_parallel_size 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pipeline_parallel_size > 1 and str(self.device) != "cpu":
+            raise ValueError(
+                f"pipeline_parallel_size > 1 runs on device 'cpu' only for now, got {self.device!r}"
             )
         self.chat_template_text: str | None = (
             None if self.chat_template is None else resolve_chat_template(self.chat_template)

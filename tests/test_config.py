@@ -75,6 +75,8 @@ def test_config_takes_sizes_with_units():
         ({"distributed_executor_backend": "threads"}, "distributed_executor_backend"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "uni"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+        ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "pipeline_para"),
         ({"dtype": "int8"}, "dtype"),
         ({"block_size": "16"}, "block_size must be an integer"),
         ({"max_model_len": 2.5}, "max_model_len must be an integer"),
@@ -83,6 +85,12 @@ def test_config_takes_sizes_with_units():
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_pipeline_parallel_defaults_to_worker_processes():
+    config = EngineConfig(pipeline_parallel_size=2)
+    assert config.distributed_executor_backend == "mp"
+    assert EngineConfig(pipeline_parallel_size=1).distributed_executor_backend == "uni"
 
 
 def test_dtype_aliases_still_accepted():

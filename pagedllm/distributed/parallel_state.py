@@ -8,16 +8,26 @@ vocabulary-sharded logits to rank 0 (the driver), which alone samples.
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+#: Environment variable that overrides the address this node's ranks bind (multi-node).
+HOST_IP_ENV = "PAGEDLLM_HOST_IP"
+LOOPBACK = "127.0.0.1"
+
+
+def host_ip(default: str = LOOPBACK) -> str:
+    """The address this node's ranks bind: ``$PAGEDLLM_HOST_IP`` when set, else ``default``
+    (the Ray executor passes the node address Ray reports; one-host executors the loopback)."""
+    return os.environ.get(HOST_IP_ENV) or default
 
 
 def create_store(
-    host: str = "127.0.0.1",
+    host: str = LOOPBACK,
     port: int = 0,
     is_master: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -78,41 +88,28 @@ class TensorParallelGroup:
         return None
 
 
-def init_tensor_parallel_group(
+def new_process_group(
     store: dist.Store,
     rank: int,
     world_size: int,
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> TensorParallelGroup:
-    """Join the group: blocks until all ``world_size`` ranks have called it with the same store.
-
-    Args:
-        store: the rendezvous store (``create_store``; rank 0 is the master).
-        rank: 0 .. world_size - 1.
-        world_size: tensor-parallel size (>= 2).
-        backend: "gloo" (CPU tensors, TCP over 127.0.0.1) or "nccl" (CUDA tensors).
-        timeout_s: collective timeout in seconds (a last resort: the executors detect dead
-            workers themselves within a second).
+    host: str = LOOPBACK,
+) -> Any:
+    """A torch.distributed backend group (no global default group) over ``store``; gloo binds
+    its device to ``host``, this rank's address.
 
     Raises:
-        ValueError: naming ``rank``, ``world_size`` or ``backend`` when invalid.
+        ValueError: naming ``backend`` when it is neither "gloo" nor "nccl".
     """
-    if world_size < 2:
-        raise ValueError(f"world_size must be >= 2 for a process group, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    pg: Any
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
-    elif backend == "nccl":
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
-    else:
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    return TensorParallelGroup(pg, rank, world_size)
+        return dist.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

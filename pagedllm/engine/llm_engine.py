@@ -22,6 +22,7 @@ from pagedllm.core.kv_manager import (
 )
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.device import uses_cpu_ops
+from pagedllm.distributed import max_stage_layers
 from pagedllm.engine.admission import QueueFullError
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
@@ -107,14 +108,20 @@ class LLMEngine:
         # Under tensor parallelism the driver counts the blocks for every rank: each rank's
         # block holds only its KV heads (the same number on every rank), and kv_cache_memory
         # is per rank.
+        # Under pipeline parallelism each stage holds its layers' KV; the largest stage sets the
+        # block count (num_blocks = min over stages, kv_cache_memory being per rank).
         tp = config.tensor_parallel_size
         rank_kv_heads = TensorParallelShard.for_rank(mc, 0, tp).num_kv_heads if tp > 1 else None
+        pp = config.pipeline_parallel_size
+        stage_layers = max_stage_layers(mc.num_hidden_layers, pp) if pp > 1 else None
         kv_dtype = config.torch_kv_cache_dtype  # storage; int8 / fp8 blocks hold their scales
         num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
-            mc, config.block_size, kv_dtype, config.kv_cache_memory, rank_kv_heads
+            mc, config.block_size, kv_dtype, config.kv_cache_memory, rank_kv_heads, stage_layers
         )
-        self.num_blocks = num_blocks  # per rank under tensor parallelism
-        self.block_bytes = kv_block_bytes(mc, config.block_size, kv_dtype, rank_kv_heads)
+        self.num_blocks = num_blocks  # per rank under tensor / pipeline parallelism
+        self.block_bytes = kv_block_bytes(
+            mc, config.block_size, kv_dtype, rank_kv_heads, stage_layers
+        )
         num_swap_blocks = config.swap_space // self.block_bytes
         #: KV capacity per GiB of kv_cache_memory (per rank), scales included.
         self.kv_tokens_per_gib = (1 << 30) // self.block_bytes * config.block_size

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.distributed import TensorParallelGroup
+from pagedllm.distributed import ParallelContext
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
@@ -82,13 +82,16 @@ class WorkerInit:
     kv_cache_dtype: torch.dtype | None = None
 
 
-def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
+def build_worker(init: WorkerInit, ctx: ParallelContext) -> Worker:
     """Load this rank's weight slices (from ``init.source`` or ``init.state_dict``, into host
-    memory) and build the ``Worker`` with its KV-cache shard on this rank's device."""
+    memory) and build the ``Worker`` with its KV-cache shard on this rank's device (its
+    pipeline stage's layers only, under pipeline parallelism)."""
     from pagedllm.model.loader.sharded import load_weight_shard
     from pagedllm.model.sharding import TensorParallelShard
 
-    shard = TensorParallelShard.for_rank(init.config, group.rank, group.world_size)
+    group = ctx.tp_group
+    tp = group.world_size if group is not None else 1
+    shard = TensorParallelShard.for_rank(init.config, ctx.tp_rank, tp)
     if init.source is not None:
         state = load_weight_shard(init.source, init.source_kind, init.config, shard, init.dtype)
     else:
@@ -104,9 +107,10 @@ def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
         num_threads=init.num_threads,
         num_swap_blocks=init.num_swap_blocks,
         group=group,
-        weights_sharded=True,
+        weights_sharded=group is not None,
         device=init.device,
         kv_cache_dtype=init.kv_cache_dtype,
+        pipeline=ctx.pipeline,
     )
 
 

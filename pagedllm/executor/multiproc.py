@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
+from pagedllm.distributed import ParallelContext, create_store, host_ip, init_parallel_groups
 from pagedllm.executor.base import DriverStepMixin, WorkerDiedError, WorkerInit
 from pagedllm.executor.worker_main import worker_main
 from pagedllm.worker.model_runner import ModelRunnerOutput
@@ -42,9 +42,10 @@ class MultiprocExecutor(DriverStepMixin):
     """Driver (rank 0, in this process) plus tp - 1 spawned worker processes.
 
     Args:
-        make_driver_worker: builds rank 0's ``Worker`` given the group (called once joined).
-        worker_inits: one ``WorkerInit`` per remote rank (ranks 1 .. tp - 1, in order).
+        make_driver_worker: builds rank 0's ``Worker`` given its groups (called once joined).
+        worker_inits: one ``WorkerInit`` per remote rank (ranks 1 .. tp * pp - 1, in order).
         backend: "gloo" (CPU) or "nccl" (CUDA).
+        pipeline_parallel_size: stages (``distributed.pipeline`` lays the ranks out).
         start_timeout_s: seconds to wait for the workers to load and report ready.
 
     Attributes:
@@ -58,12 +59,16 @@ class MultiprocExecutor(DriverStepMixin):
 
     def __init__(
         self,
-        make_driver_worker: Callable[[TensorParallelGroup], Worker],
+        make_driver_worker: Callable[[ParallelContext], Worker],
         worker_inits: list[WorkerInit],
         backend: str = "gloo",
         start_timeout_s: float = 600.0,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.world_size = len(worker_inits) + 1
+        self.pp = pipeline_parallel_size
+        self.tp = self.world_size // self.pp
+        self.host = host_ip()
         self.last_message_bytes = 0
         self.bytes_sent = 0
         self._closing = False
@@ -76,14 +81,14 @@ class MultiprocExecutor(DriverStepMixin):
         self._monitor: threading.Thread | None = None
         self.driver_worker: Worker | None = None
         ctx = mp.get_context("spawn")
-        self._store: Any = create_store(port=0)
+        self._store: Any = create_store(self.host, port=0)
         port = self._store.port
         try:
             for rank, init in enumerate(worker_inits, start=1):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(child, init, rank, self.world_size, port, backend),
+                    args=(child, init, rank, self.tp, self.pp, self.host, port, backend),
                     name=f"pagedllm-tp-rank{rank}",
                     daemon=True,
                 )
@@ -121,14 +126,16 @@ class MultiprocExecutor(DriverStepMixin):
             pass
         return ""
 
-    def _join_group(self, backend: str, deadline: float) -> TensorParallelGroup:
+    def _join_group(self, backend: str, deadline: float) -> ParallelContext:
         """Join as rank 0 in a helper thread, watching the workers meanwhile (a worker that dies
         before joining would otherwise leave the driver waiting for the store timeout)."""
         box: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                box["group"] = init_tensor_parallel_group(self._store, 0, self.world_size, backend)
+                box["group"] = init_parallel_groups(
+                    self._store, 0, self.tp, self.pp, backend, self.host
+                )
             except BaseException as exc:  # surfaced below
                 box["error"] = exc
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
+from pagedllm.distributed import ParallelContext, create_store, host_ip, init_parallel_groups
 from pagedllm.executor.base import DriverStepMixin, WorkerDiedError, WorkerInit
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
@@ -42,9 +42,19 @@ class RankActor:
         self.worker: Worker | None = None
 
     def setup(
-        self, init: WorkerInit, rank: int, world_size: int, host: str, port: int, backend: str
-    ) -> int:
-        """Join the group and build this rank's shard; returns the actor's process id."""
+        self,
+        init: WorkerInit,
+        rank: int,
+        tp: int,
+        pp: int,
+        store_host: str,
+        port: int,
+        backend: str,
+    ) -> tuple[int, str]:
+        """Join the groups (over the driver's store at ``store_host``, binding this node's own
+        address: ``$PAGEDLLM_HOST_IP`` or the one Ray reports) and build this rank's shard;
+        returns the actor's process id and the address it bound."""
+        import ray
         import torch
 
         torch.set_num_threads(init.num_threads)
@@ -53,10 +63,11 @@ class RankActor:
 
         activate_device(device_for_rank(init.device, rank))
 
-        store = create_store(host, port, is_master=False)
-        group = init_tensor_parallel_group(store, rank, world_size, backend)
-        self.worker = build_worker(init, group)
-        return os.getpid()
+        host = host_ip(ray.util.get_node_ip_address())
+        store = create_store(store_host, port, is_master=False)
+        ctx = init_parallel_groups(store, rank, tp, pp, backend, host)
+        self.worker = build_worker(init, ctx)
+        return os.getpid(), host
 
     def execute(self, data: bytes) -> None:
         """Run one step from the pickled ``SchedulerOutput`` (the logits stay here: unused)."""
@@ -70,13 +81,17 @@ class RankActor:
 class RayExecutor(DriverStepMixin):
     """Driver (rank 0, in this process) plus tp - 1 Ray actors.
 
-    Uses the running Ray instance, or starts a local one (``ray.init()``) and shuts it down with
-    the executor.
+    Uses the running Ray instance, or connects to the cluster at ``$RAY_ADDRESS`` (an existing
+    multi-node cluster), or starts a local one; the executor disconnects (or stops the local one)
+    at shutdown. Actors are spread over the cluster's nodes (Ray's SPREAD strategy); each binds its
+    node's address (``$PAGEDLLM_HOST_IP`` on that node, else the one Ray reports) and the TCP store
+    is served on the driver's address.
 
     Args:
-        make_driver_worker: builds rank 0's ``Worker`` once the group is joined.
-        worker_inits: one ``WorkerInit`` per remote rank (ranks 1 .. tp - 1).
+        make_driver_worker: builds rank 0's ``Worker`` once the groups are joined.
+        worker_inits: one ``WorkerInit`` per remote rank (ranks 1 .. tp * pp - 1).
         backend: "gloo" or "nccl".
+        pipeline_parallel_size: stages (``distributed.pipeline`` lays the ranks out).
         start_timeout_s: seconds for the actors to load and join.
 
     Raises:
@@ -86,15 +101,18 @@ class RayExecutor(DriverStepMixin):
 
     def __init__(
         self,
-        make_driver_worker: Callable[[TensorParallelGroup], Worker],
+        make_driver_worker: Callable[[ParallelContext], Worker],
         worker_inits: list[WorkerInit],
         backend: str = "gloo",
         start_timeout_s: float = 600.0,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         import ray
 
         self._ray = ray
         self.world_size = len(worker_inits) + 1
+        self.pp = pipeline_parallel_size
+        self.tp = self.world_size // self.pp
         self.last_message_bytes = 0
         self.bytes_sent = 0
         self._closed = False
@@ -102,28 +120,36 @@ class RayExecutor(DriverStepMixin):
         self._failed = threading.Event()
         self._stop = threading.Event()
         self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
+        if self._owns_ray and os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        elif self._owns_ray:
             ray.init(include_dashboard=False, log_to_driver=False)
         self.driver_worker: Worker | None = None
         self._monitor: threading.Thread | None = None
         self._actors: list[Any] = []
-        host = "127.0.0.1"
+        self.host = host = host_ip(ray.util.get_node_ip_address())
         self._store: Any = create_store(host, 0)
         # Actors import this same pagedllm (not an installed copy elsewhere).
         code_root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (code_root, os.environ.get("PYTHONPATH")) if p)
         actor_cls = ray.remote(RankActor).options(
-            num_cpus=1, max_concurrency=2, runtime_env={"env_vars": {"PYTHONPATH": path}}
+            num_cpus=1,
+            max_concurrency=2,
+            scheduling_strategy="SPREAD",
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
         )
         try:
             self._actors = [actor_cls.remote() for _ in worker_inits]
             refs = [
-                a.setup.remote(init, rank, self.world_size, host, self._store.port, backend)
+                a.setup.remote(init, rank, self.tp, self.pp, host, self._store.port, backend)
                 for rank, (a, init) in enumerate(zip(self._actors, worker_inits, strict=True), 1)
             ]
             group = self._join(refs, backend, start_timeout_s)
             self.driver_worker = make_driver_worker(group)
-            self.pids = ray.get(refs, timeout=start_timeout_s)
+            started = ray.get(refs, timeout=start_timeout_s)
+            self.pids = [pid for pid, _ in started]
+            #: The address each remote rank bound (ranks 1 ..), for logs and tests.
+            self.rank_hosts = [h for _, h in started]
         except BaseException:
             self.shutdown()
             raise
@@ -132,12 +158,14 @@ class RayExecutor(DriverStepMixin):
         )
         self._monitor.start()
 
-    def _join(self, refs: list[Any], backend: str, timeout_s: float) -> TensorParallelGroup:
+    def _join(self, refs: list[Any], backend: str, timeout_s: float) -> ParallelContext:
         box: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                box["group"] = init_tensor_parallel_group(self._store, 0, self.world_size, backend)
+                box["group"] = init_parallel_groups(
+                    self._store, 0, self.tp, self.pp, backend, self.host
+                )
             except BaseException as exc:
                 box["error"] = exc
 

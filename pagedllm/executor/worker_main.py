@@ -12,9 +12,18 @@ from pagedllm.executor.base import WorkerInit, build_worker
 
 
 def worker_main(
-    conn: Connection, init: WorkerInit, rank: int, world_size: int, port: int, backend: str
+    conn: Connection,
+    init: WorkerInit,
+    rank: int,
+    tp: int,
+    pp: int,
+    host: str,
+    port: int,
+    backend: str,
 ) -> None:
-    """Join the group, build the shard, say "ready", then run every step the driver sends.
+    """Join the groups (tensor-parallel of its stage, pipeline), build the shard, say "ready",
+    then run every step the driver sends. ``host`` is the driver's (the store's) address, which
+    on one host is also this rank's.
 
     Messages from the driver are pickled ``SchedulerOutput`` bytes; a pickled None (or a closed
     pipe) ends the loop. Nothing is sent back per step: rank 0's logits stay in the driver. On an
@@ -23,14 +32,14 @@ def worker_main(
     import torch
 
     from pagedllm.device import activate_device, device_for_rank
-    from pagedllm.distributed import create_store, init_tensor_parallel_group
+    from pagedllm.distributed import create_store, init_parallel_groups
 
     try:
         torch.set_num_threads(init.num_threads)
         activate_device(device_for_rank(init.device, rank))  # NCCL binds to the current GPU
-        store = create_store("127.0.0.1", port, is_master=False)
-        group = init_tensor_parallel_group(store, rank, world_size, backend)
-        worker = build_worker(init, group)
+        store = create_store(host, port, is_master=False)
+        ctx = init_parallel_groups(store, rank, tp, pp, backend, host)
+        worker = build_worker(init, ctx)
         conn.send(("ready", None))
         while True:
             try:

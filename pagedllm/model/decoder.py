@@ -123,7 +123,19 @@ class DecoderForCausalLM(nn.Module):
                 torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False
             )
         self.lm_head_packed: PackedLinear | None = None
+        #: The decoder layers this process runs (all of them unless ``keep_stage_layers``).
+        self.stage_layers = range(config.num_hidden_layers)
         self.requires_grad_(False)
+
+    def keep_stage_layers(self, layers: range) -> None:
+        """Pipeline parallelism: keep only the decoder layers ``layers`` (a contiguous range),
+        replacing the others by parameterless placeholders before the weights are loaded, so
+        that this stage loads and holds only its layers (indices, hence weight names, stay).
+        The embedding, final norm and LM head stay on every stage (small next to the layers)."""
+        for i in range(len(self.layers)):
+            if i not in layers:
+                self.layers[i] = _OtherStageLayer()
+        self.stage_layers = layers
 
     # -- what a model file provides ----------------------------------------------------------
 
@@ -262,18 +274,25 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv: KVCaches,
         meta: AttentionMetadata,
+        h: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The embedding and every layer (writing the step's K/V): the residual stream
         [T, H] in the model dtype, BEFORE the final norm (``self.norm`` of its rows gives the
         final hidden states that pooling / embedding requests reduce; replicated on every
-        tensor-parallel rank)."""
-        h = self.embed(input_ids, positions)
+        tensor-parallel rank).
+
+        Under pipeline parallelism only ``stage_layers`` run (``kv`` then holds their caches,
+        in order) and a later stage passes the previous stage's output as ``h`` [T, H] instead
+        of embedding ``input_ids``."""
+        if h is None:
+            h = self.embed(input_ids, positions)
         rotations = {
             name: cast(RotaryEmbedding, r).for_step(positions, h.dtype, meta)
             for name, r in self.rotary.items()
         }
         ctx = StepContext(rotations, meta, self.backend)
-        for layer, layer_kv in zip(self.layers, kv, strict=True):
+        layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+        for layer, layer_kv in zip(layers, kv, strict=True):
             h = layer(h, layer_kv, ctx)
         return h
 
@@ -318,3 +337,10 @@ class DecoderForCausalLM(nn.Module):
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
         return total
+
+
+class _OtherStageLayer(nn.Module):
+    """Stands in for a decoder layer another pipeline stage holds (no parameters)."""
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise RuntimeError("this decoder layer lives on another pipeline stage")

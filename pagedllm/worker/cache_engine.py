@@ -16,15 +16,19 @@ def kv_block_bytes(
     block_size: int,
     dtype: torch.dtype,
     num_kv_heads: int | None = None,
+    num_layers: int | None = None,
 ) -> int:
     """Bytes one physical block takes across all layers (K and V), in KV storage ``dtype``; a
     quantized (int8 / fp8) block also holds its scale row (``kv_quant``).
 
-    ``num_kv_heads`` is the KV heads one tensor-parallel rank holds (default: all of them).
+    ``num_kv_heads`` is the KV heads one tensor-parallel rank holds (default: all of them);
+    ``num_layers`` the layers one pipeline stage holds (default: all of them).
     """
     per_row = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     if num_kv_heads is not None:
         per_row = per_row // config.num_key_value_heads * num_kv_heads
+    if num_layers is not None:
+        per_row = per_row // config.num_hidden_layers * num_layers
     return cache_rows_per_block(block_size, dtype) * per_row
 
 
@@ -34,10 +38,12 @@ def num_blocks_for_memory(
     dtype: torch.dtype,
     kv_cache_memory: int,
     num_kv_heads: int | None = None,
+    num_layers: int | None = None,
 ) -> int:
     """How many blocks fit in ``kv_cache_memory`` bytes (at least 1); per rank with
-    ``num_kv_heads`` (see ``kv_block_bytes``)."""
-    return max(1, kv_cache_memory // kv_block_bytes(config, block_size, dtype, num_kv_heads))
+    ``num_kv_heads`` / ``num_layers`` (see ``kv_block_bytes``)."""
+    block = kv_block_bytes(config, block_size, dtype, num_kv_heads, num_layers)
+    return max(1, kv_cache_memory // block)
 
 
 class CacheEngine:
@@ -66,6 +72,7 @@ class CacheEngine:
             the worker when it runs the C++ attention backend, so the extension is loaded.
             Ignored unless ``device`` is the CPU.
         num_kv_heads: KV heads this tensor-parallel rank holds (default: all of the model's).
+        num_layers: layers this pipeline stage holds (default: all of the model's).
     """
 
     def __init__(
@@ -78,11 +85,13 @@ class CacheEngine:
         num_swap_blocks: int = 0,
         use_cpu_kernels: bool = False,
         num_kv_heads: int | None = None,
+        num_layers: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.use_cpu_kernels = use_cpu_kernels and uses_cpu_ops(self.device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        layers = config.num_hidden_layers if num_layers is None else num_layers
         kvh = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         check_head_dim(config.head_dim, dtype)
         rows = cache_rows_per_block(block_size, dtype)
@@ -91,7 +100,7 @@ class CacheEngine:
         # Huge pages: a decode step touches one 4 KiB page per block and head otherwise.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeros_huge(shape, dtype, self.device), zeros_huge(shape, dtype, self.device))
-            for _ in range(config.num_hidden_layers)
+            for _ in range(layers)
         ]
         swap_shape = (kvh, num_swap_blocks, rows, config.head_dim)
         pin = pin_host_memory(self.device)
@@ -100,7 +109,7 @@ class CacheEngine:
                 torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
                 torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
             )
-            for _ in range(config.num_hidden_layers if num_swap_blocks else 0)
+            for _ in range(layers if num_swap_blocks else 0)
         ]
 
     @property

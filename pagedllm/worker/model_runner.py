@@ -9,7 +9,9 @@ import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.distributed import PipelineGroup
 from pagedllm.model.decoder import DecoderForCausalLM
+from pagedllm.worker.pipeline_stage import PipelineStats, run_stage
 
 
 @dataclass
@@ -52,6 +54,10 @@ class ModelRunner:
             [num_kv_heads, num_blocks, block_size, head_dim] on ``device``.
         block_size: tokens per KV block.
         device: where the step's tensors go (the device of the weights and the KV cache).
+        pipeline: this rank's pipeline links (``worker.pipeline_stage``); None = pp 1.
+
+    Attributes:
+        pipeline_stats: per-stage busy seconds and wall time (the driver's, under pp > 1).
     """
 
     def __init__(
@@ -60,8 +66,11 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device | str = "cpu",
+        pipeline: PipelineGroup | None = None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
+        self.pipeline_stats = PipelineStats()
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -149,7 +158,16 @@ class ModelRunner:
                 pool_rows.extend(range(starts[i], starts[i + 1]))
         logits_rows = torch.tensor(rows, dtype=torch.long).to(dev)
         hidden_states: dict[int, torch.Tensor] = {}
-        if pool_rows:
+        if self.pipeline is not None:
+            pool_idx = torch.tensor(pool_rows, dtype=torch.long).to(dev) if pool_rows else None
+            ids, pos = input_ids.to(dev), positions.to(dev)
+            logits, hidden = run_stage(
+                self.model, self.pipeline, self.kv_caches, ids, pos, meta, logits_rows,
+                pool_idx, self.pipeline_stats,
+            )  # fmt: skip
+            if hidden is not None:
+                hidden_states = {sid: hidden[lo : lo + n] for sid, lo, n in pool_spans}
+        elif pool_rows:
             h = self.model.run_layers(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
             logits = self.model.compute_logits(h, logits_rows)
             with torch.inference_mode():

@@ -12,7 +12,7 @@ from pagedllm.attention import get_attention_backend
 from pagedllm.attention.cpu import CpuPagedAttention
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.device import activate_device, device_for_rank, resolve_device, uses_cpu_ops
-from pagedllm.distributed import TensorParallelGroup
+from pagedllm.distributed import PipelineGroup, TensorParallelGroup, stage_layer_range
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.packed_linear import packed_linear_available
 from pagedllm.model.registry import model_class
@@ -53,6 +53,8 @@ class Worker:
         num_threads: torch intra-op threads.
         num_swap_blocks: host swap-space blocks.
         group: the tensor-parallel group; None = tp 1.
+        pipeline: the pipeline links; None = pp 1. The worker then holds only its stage's
+            layers (``distributed.stage_layer_range``) and their KV caches.
         weights_sharded: ``state_dict`` already holds only this rank's slices.
         device: "cpu", "cuda" or "cuda:N" (``EngineConfig.device``; rank r adds r to the CUDA
             index).
@@ -85,6 +87,7 @@ class Worker:
         device: torch.device | str = "cpu",
         kv_cache_dtype: torch.dtype | None = None,
         gguf_native: Path | None = None,
+        pipeline: PipelineGroup | None = None,
     ) -> None:
         world = group.world_size if group is not None else 1
         rank = group.rank if group is not None else 0
@@ -99,6 +102,12 @@ class Worker:
             self.model = model_class(config.architecture)(
                 config, dtype, backend, max_positions=max_model_len, group=group
             )
+        layers = range(config.num_hidden_layers)
+        if pipeline is not None:
+            layers = stage_layer_range(
+                config.num_hidden_layers, pipeline.stage, pipeline.num_stages
+            )
+            self.model.keep_stage_layers(layers)
         shard = self.model.shard
         if shard is not None and not weights_sharded:
             state_dict = shard_state_dict(state_dict, shard, config.head_dim)
@@ -121,8 +130,11 @@ class Worker:
             num_swap_blocks=num_swap_blocks,
             use_cpu_kernels=cpu_ops is not None,
             num_kv_heads=shard.num_kv_heads if shard else None,
+            num_layers=len(layers),
         )
-        self.runner = ModelRunner(self.model, self.cache.kv_caches, block_size, self.device)
+        self.runner = ModelRunner(
+            self.model, self.cache.kv_caches, block_size, self.device, pipeline
+        )
         logger.debug(
             "worker rank %d on %s: attention backend %s, %d KV blocks",
             rank,

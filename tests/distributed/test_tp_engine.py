@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 
-from pagedllm.entrypoints.llm import LLM
 from pagedllm.executor.base import WorkerDiedError
-from tests.distributed.tp_utils import child_pids, greedy_tokens, tiny_variant
+from tests.distributed.tp_utils import child_pids, greedy_tokens, small_llm, tiny_variant
 
 LENGTHS = (3, 11, 29, 50)
 
@@ -22,15 +21,7 @@ def prompts_for(vocab_size: int) -> list[list[int]]:
 
 
 def make_llm(loaded, tp, backend=None, **kw):
-    kw.setdefault("num_gpu_blocks_override", 64)
-    kw.setdefault("max_model_len", 128)
-    return LLM(
-        loaded=loaded,
-        tensor_parallel_size=tp,
-        distributed_executor_backend=backend,
-        check_invariants=True,
-        **kw,
-    )
+    return small_llm(loaded, tensor_parallel_size=tp, distributed_executor_backend=backend, **kw)
 
 
 @pytest.mark.parametrize(

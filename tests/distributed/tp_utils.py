@@ -27,6 +27,13 @@ def tiny_variant(base: LoadedModel, **over) -> LoadedModel:
     )
 
 
+def small_llm(loaded: LoadedModel, **kw) -> LLM:
+    """An engine with a small KV pool (64 blocks, 128 tokens) that checks its invariants."""
+    kw.setdefault("num_gpu_blocks_override", 64)
+    kw.setdefault("max_model_len", 128)
+    return LLM(loaded=loaded, check_invariants=True, **kw)
+
+
 def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -224,7 +224,7 @@ def build_app(
             log_stats_interval=log_stats_interval,
         )
         enable_dashboard = False  # the dashboard reads one engine's KV pool
-    elif config.tensor_parallel_size == 1:
+    elif config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         # Built on the thread that will step it (AsyncLLMEngine.from_factory: one OpenMP team).
         async_engine = AsyncLLMEngine.from_factory(
             lambda: LLMEngine(config, loaded=loaded), log_stats_interval=log_stats_interval

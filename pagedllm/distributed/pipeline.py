@@ -1,0 +1,155 @@
+"""Pipeline parallelism: the layer split across stages, the stage-to-stage links, and the
+tensor-parallel x pipeline-parallel layout of the ranks.
+
+Layout (Megatron-LM's, as vLLM uses it): world = tp * pp ranks; global rank ``r`` is tensor-parallel
+rank ``r % tp`` of stage ``r // tp``. Each stage has its own tensor-parallel group; activations go
+from tensor-parallel rank ``t`` of stage ``s`` to rank ``t`` of stage ``s + 1`` (their hidden
+states are replicated within a stage, so every rank sends its own copy), by point-to-point
+send/recv over one group spanning the world. The last stage's rank 0 sends the logits back to the
+driver (global rank 0), which alone samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.distributed.parallel_state import (
+    DEFAULT_TIMEOUT_S,
+    LOOPBACK,
+    TensorParallelGroup,
+    new_process_group,
+)
+
+
+def stage_layer_range(num_layers: int, stage: int, num_stages: int) -> range:
+    """The contiguous decoder layers stage ``stage`` holds: ``num_layers // num_stages`` each,
+    the first ``num_layers % num_stages`` stages one more.
+
+    Raises:
+        ValueError: naming ``pipeline_parallel_size`` when there are fewer layers than stages.
+    """
+    if num_stages > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size ({num_stages}) must be <= the number of layers ({num_layers})"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def max_stage_layers(num_layers: int, num_stages: int) -> int:
+    """Layers of the largest stage: the KV pool is sized by it (num_blocks = min over stages)."""
+    return len(stage_layer_range(num_layers, 0, num_stages))
+
+
+class PipelineGroup:
+    """This rank's place in the pipeline and its links to the neighbouring stages.
+
+    Args:
+        pg: a backend group spanning all ``tp * pp`` ranks (point-to-point only).
+        rank: global rank.
+        tp: tensor-parallel size (ranks per stage).
+        pp: pipeline-parallel size (stages).
+
+    Attributes:
+        stage: 0 .. pp - 1; is_first / is_last: this stage is the first / last.
+    """
+
+    def __init__(self, pg: object, rank: int, tp: int, pp: int) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.tp = tp
+        self.num_stages = pp
+        self.stage = rank // tp
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == pp - 1
+        self.is_driver = rank == 0
+        # Rank 0 of the last stage holds the gathered logits and sends them to the driver.
+        self.sends_output = self.is_last and rank % tp == 0
+
+    def _p2p(self, t: torch.Tensor, peer: int, send: bool) -> None:
+        if t.numel() == 0:
+            return  # both sides know the shape: nothing to move
+        op = self.pg.send if send else self.pg.recv  # type: ignore[attr-defined]
+        op([t], peer, 0).wait()
+
+    def send_next(self, t: torch.Tensor) -> None:
+        """Send ``t`` (contiguous) to the same tensor-parallel rank of the next stage."""
+        self._p2p(t.contiguous(), self.rank + self.tp, send=True)
+
+    def recv_prev(self, t: torch.Tensor) -> torch.Tensor:
+        """Fill ``t`` (its shape and dtype agreed in advance) from the previous stage."""
+        self._p2p(t, self.rank - self.tp, send=False)
+        return t
+
+    def send_to_driver(self, t: torch.Tensor) -> None:
+        """Last stage, rank 0: send ``t`` to the driver (global rank 0)."""
+        self._p2p(t.contiguous(), 0, send=True)
+
+    def recv_from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """Driver: fill ``t`` from the last stage's rank 0."""
+        self._p2p(t, (self.num_stages - 1) * self.tp, send=False)
+        return t
+
+
+@dataclass
+class ParallelContext:
+    """The groups one rank belongs to.
+
+    Attributes:
+        rank: global rank (0 = the driver).
+        tp_group: this stage's tensor-parallel group; None when tp = 1.
+        pipeline: the pipeline links; None when pp = 1.
+    """
+
+    rank: int
+    tp_group: TensorParallelGroup | None
+    pipeline: PipelineGroup | None
+
+    @property
+    def tp_rank(self) -> int:
+        """Rank inside the stage's tensor-parallel group."""
+        return self.tp_group.rank if self.tp_group is not None else 0
+
+
+def init_parallel_groups(
+    store: dist.Store,
+    rank: int,
+    tp: int,
+    pp: int,
+    backend: str = "gloo",
+    host: str = LOOPBACK,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelContext:
+    """Join this rank's tensor-parallel group (its stage's) and the pipeline group; blocks until
+    every rank of each group joined. Groups are separated inside ``store`` by key prefixes.
+
+    Args:
+        store: the rendezvous store (the driver serves it).
+        rank: global rank, 0 .. tp * pp - 1.
+        tp, pp: tensor- and pipeline-parallel sizes (tp * pp >= 2).
+        backend: "gloo" or "nccl".
+        host: this rank's own address (gloo binds to it).
+
+    Raises:
+        ValueError: naming ``rank`` when out of range, or ``backend``.
+    """
+    world = tp * pp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    tp_group = None
+    if tp > 1:
+        stage = rank // tp
+        sub = dist.PrefixStore(f"tp{stage}/", store)
+        pg = new_process_group(sub, rank % tp, tp, backend, timeout_s, host)
+        tp_group = TensorParallelGroup(pg, rank % tp, tp)
+    pipeline = None
+    if pp > 1:
+        pg = new_process_group(
+            dist.PrefixStore("pp/", store), rank, world, backend, timeout_s, host
+        )
+        pipeline = PipelineGroup(pg, rank, tp, pp)
+    return ParallelContext(rank, tp_group, pipeline)
