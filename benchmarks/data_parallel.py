@@ -79,7 +79,8 @@ async def run(dp, prompts, output: int, concurrency: int, timeout: float, kill_a
                 return len(last.outputs[0].token_ids) if last else 0
 
             try:
-                done["tokens"] += await asyncio.wait_for(consume(), timeout)
+                n_tokens = await asyncio.wait_for(consume(), timeout)
+                done["tokens"] += n_tokens  # after the await: no lost update
                 done["ok"] += 1
             except asyncio.TimeoutError:
                 done["hung"] += 1

@@ -60,6 +60,8 @@ class MultiModelApp:
         idle_unload_s: unload a model after this many seconds without requests (None: never).
         max_loaded: most models loaded at once (None: no limit).
         eager: load every model at startup instead of on first use.
+        api_key: when set, ``GET /v1/models`` (answered here) needs ``Authorization: Bearer
+            <api_key>``, as the models' own apps require for their paths.
 
     Raises:
         ValueError: naming ``factories`` when empty, ``max_loaded`` / ``idle_unload_s`` when not
@@ -72,6 +74,7 @@ class MultiModelApp:
         idle_unload_s: float | None = None,
         max_loaded: int | None = None,
         eager: bool = False,
+        api_key: str | None = None,
     ) -> None:
         if not factories:
             raise ValueError("factories must name at least one model")
@@ -84,6 +87,7 @@ class MultiModelApp:
         self.idle_unload_s = idle_unload_s
         self.max_loaded = max_loaded
         self.eager = eager
+        self.api_key = api_key
         self._reaper: asyncio.Task | None = None
         self.num_loads = 0
         self.num_unloads = 0
@@ -144,6 +148,7 @@ class MultiModelApp:
             return
         try:
             if scope["method"] == "GET" and scope["path"] == "/v1/models":
+                self._check_key(scope)
                 await self._send_json(send, 200, self._model_list())
                 return
             if scope["method"] == "GET" and scope["path"] == "/health":
@@ -196,6 +201,14 @@ class MultiModelApp:
                         await self._unload(s)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    def _check_key(self, scope: Scope) -> None:
+        """Raises: APIError 401 when ``api_key`` is set and the request does not carry it."""
+        if self.api_key is None:
+            return
+        headers = dict(scope.get("headers") or [])
+        if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+            raise APIError(401, "missing or wrong API key", code="invalid_api_key")
 
     def _model_list(self) -> dict[str, Any]:
         return {

@@ -75,6 +75,7 @@ def serve_multi_model(args: Any, engine_args: dict[str, Any]) -> int:
         idle_unload_s=getattr(args, "model_idle_unload_s", None),
         max_loaded=getattr(args, "max_loaded_models", None),
         eager=not getattr(args, "lazy_load_models", False),
+        api_key=args.api_key,
     )
     logger.info("serving %s on http://%s:%d", list(paths), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

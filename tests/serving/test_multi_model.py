@@ -148,3 +148,18 @@ def test_budget_of_one_model_swaps_the_least_recently_used(models, reference):
         (reference["tiny-a"], ["tiny-a"]),
     ]
     assert front.num_loads == 3 and front.num_unloads == 3
+
+
+def test_model_list_needs_the_api_key_when_set(models):
+    import asyncio
+
+    front = MultiModelApp({"tiny-a": lambda: None}, api_key="sekrit")
+
+    async def main() -> tuple[int, int]:
+        transport = httpx.ASGITransport(app=front)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            bad = await c.get("/v1/models")
+            good = await c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        return bad.status_code, good.status_code
+
+    assert asyncio.run(main()) == (401, 200)
