@@ -268,22 +268,28 @@ def kernel_build() -> KernelBuild | None:
 
 def compile_check(variant: str, out_dir: str | os.PathLike[str]) -> list[Path]:
     """Compile every source of ``variant`` to an object file in ``out_dir`` (``-O0``, no link,
-    nothing loaded), so a variant this CPU cannot run can still be checked to build. Returns the
-    object files; raises ``subprocess.CalledProcessError`` (with the compiler's output) on an
-    error."""
+    nothing loaded), so a variant this CPU cannot run can still be checked to build. The sources
+    compile in parallel, one compiler per core (the torch bindings alone take most of the time).
+    Returns the object files in ``SOURCES`` order; raises ``subprocess.CalledProcessError`` (with
+    the compiler's output) on an error."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from torch.utils.cpp_extension import include_paths
 
     _check_buildable()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     includes = [f"-I{p}" for p in (str(SRC_DIR), *include_paths())]
-    objects = []
-    for name in SOURCES:
+
+    def compile_one(name: str) -> Path:
         obj = out / f"{variant}_{Path(name).stem}.o"
         cmd = [
             _cxx(), "-std=c++20", "-fPIC", "-O0", "-fopenmp", *isa_flags(variant), *includes,
             "-c", str(SRC_DIR / name), "-o", str(obj),
         ]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True)
-        objects.append(obj)
-    return objects
+        return obj
+
+    workers = max(1, min(len(SOURCES), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(compile_one, SOURCES))
