@@ -43,6 +43,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+QUANTIZATION_METHODS = ("int8",)  # None = the weights in dtype
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The names pagedllm.attention.get_attention_backend accepts: "auto" or a registered backend.
 ATTENTION_BACKENDS = ("auto", *attention_backend_names())
@@ -204,6 +205,13 @@ class EngineConfig:
         "else float32 (see docs/dtype.md)",
         choices=DTYPES,
     )
+    quantization: str | None = _option(
+        None,
+        "quantize the weights at load (lossy, opt-in): int8 = W8A8, int8 weights per output "
+        "channel and int8 activations per token, int32 accumulation (CPU; the LM head stays "
+        "float32); default: none",
+        choices=QUANTIZATION_METHODS,
+    )
     device: str = _option("cpu", "device the model, KV cache and attention run on (cpu, cuda)")
     attention_backend: str = _option(
         "auto",
@@ -326,6 +334,10 @@ class EngineConfig:
         from pagedllm.device import canonical_device  # ValueError naming ``device``
 
         self.device = canonical_device(self.device, self.tensor_parallel_size)
+        if self.quantization == "int8" and not str(self.device).startswith("cpu"):
+            raise ValueError(
+                f"quantization 'int8' runs on device 'cpu' only, got device {self.device!r}"
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

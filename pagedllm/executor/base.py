@@ -64,6 +64,7 @@ class WorkerInit:
         source_kind: "gguf" or "hf" (with ``source``).
         state_dict: this rank's slices, when the model is not loaded from a file (tests).
         device: ``EngineConfig.device``; the rank computes on ``device_for_rank(device, rank)``.
+        quantization: ``EngineConfig.quantization`` (each rank quantizes its own shard).
     """
 
     config: LlamaArchConfig
@@ -78,6 +79,7 @@ class WorkerInit:
     source_kind: str = "gguf"
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     device: str = "cpu"
+    quantization: str | None = None
 
 
 def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
@@ -104,6 +106,7 @@ def build_worker(init: WorkerInit, group: TensorParallelGroup) -> Worker:
         group=group,
         weights_sharded=True,
         device=init.device,
+        quantization=init.quantization,
     )
 
 

@@ -66,6 +66,7 @@ def create_executor(
             num_threads=config.num_threads,
             num_swap_blocks=num_swap_blocks,
             device=device,
+            quantization=config.quantization,
         )
         return UniProcExecutor(worker)
 
@@ -91,6 +92,7 @@ def create_executor(
             num_threads=threads,
             num_swap_blocks=num_swap_blocks,
             device=device,
+            quantization=config.quantization,
         )
         if source is not None:
             init.source, init.source_kind = source
@@ -116,6 +118,7 @@ def create_executor(
             num_swap_blocks=num_swap_blocks,
             group=group,
             device=device,
+            quantization=config.quantization,
         )
 
     # The driver is rank 0: its current CUDA device must be its own before it joins the group.

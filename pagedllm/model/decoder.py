@@ -122,7 +122,7 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head_weight = nn.Parameter(
                 torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False
             )
-        self.lm_head_packed: PackedLinear | None = None
+        self.lm_head_packed: nn.Module | None = None  # PackedLinear, or Int8Linear
         self.requires_grad_(False)
 
     # -- what a model file provides ----------------------------------------------------------

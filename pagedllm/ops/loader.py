@@ -68,8 +68,10 @@ from pagedllm.platform import (
 logger = logging.getLogger(__name__)
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "torch_bindings.cpp")
-HEADERS = ("vec.h", "paged_attention.h", "layer_ops.h", "gemm.h")
+SOURCES = (
+    "paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "int8_gemm.cpp", "torch_bindings.cpp",
+)  # fmt: skip
+HEADERS = ("vec.h", "paged_attention.h", "layer_ops.h", "gemm.h", "int8_gemm.h")
 
 _X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 

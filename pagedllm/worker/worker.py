@@ -13,6 +13,7 @@ from pagedllm.device import activate_device, device_for_rank, resolve_device, us
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.packed_linear import packed_linear_available
+from pagedllm.model.quant.int8 import Int8Linear, int8_lm_head_enabled, quantize_model
 from pagedllm.model.registry import model_class
 from pagedllm.model.sharding import shard_state_dict
 from pagedllm.worker.cache_engine import CacheEngine
@@ -51,6 +52,8 @@ class Worker:
         weights_sharded: ``state_dict`` already holds only this rank's slices.
         device: "cpu", "cuda" or "cuda:N" (``EngineConfig.device``; rank r adds r to the CUDA
             index).
+        quantization: None, or "int8" (``EngineConfig.quantization``): the decoder linears
+            become W8A8 ``Int8Linear`` layers after loading and sharding (``model.quant.int8``).
 
     Attributes:
         device: the device this rank computes on (an explicit index on CUDA).
@@ -75,6 +78,7 @@ class Worker:
         group: TensorParallelGroup | None = None,
         weights_sharded: bool = False,
         device: torch.device | str = "cpu",
+        quantization: str | None = None,
     ) -> None:
         world = group.world_size if group is not None else 1
         rank = group.rank if group is not None else 0
@@ -96,8 +100,12 @@ class Worker:
         self.model.eval()
         on_cpu = uses_cpu_ops(self.device)
         cpu_ops = backend.ops if on_cpu and isinstance(backend, CpuPagedAttention) else None
+        if quantization is not None:
+            quantize_model(self.model, quantization, cpu_ops)
         if on_cpu and packed_linear_available(dtype, self.device, cpu_ops=cpu_ops):
             self.model.pack_linears(cpu_ops)
+        if quantization is not None and int8_lm_head_enabled() and self.model.group is None:
+            self.model.lm_head_packed = Int8Linear(self.model.lm_head_weight, None, cpu_ops)
         if cpu_ops is not None:
             self.model.use_cpu_layer_ops(cpu_ops)
         self.cache = CacheEngine(

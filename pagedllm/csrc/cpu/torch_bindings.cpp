@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "gemm.h"
+#include "int8_gemm.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 
@@ -39,6 +40,12 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gemm_linear_add_(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("gemm_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
+  m.def("int8_pack_weight(Tensor qweight) -> Tensor");
+  m.def("int8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
+  m.def(
+      "int8_linear(Tensor x, Tensor packed, Tensor wscale, Tensor wsum, Tensor? bias, "
+      "int out_features) -> Tensor");
+  m.def("int8_gemm_isa() -> str", &pagedllm::int8_gemm_isa);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -57,4 +64,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("gemm_linear_add_", &pagedllm::gemm_linear_add_);
   m.impl("gemm_swiglu", &pagedllm::gemm_swiglu);
   m.impl("argmax_logsumexp", &pagedllm::argmax_logsumexp);
+  m.impl("int8_pack_weight", &pagedllm::int8_pack_weight);
+  m.impl("int8_quantize_rows", &pagedllm::int8_quantize_rows);
+  m.impl("int8_linear", &pagedllm::int8_linear);
 }
