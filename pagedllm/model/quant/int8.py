@@ -127,6 +127,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features).float()
+        if flat.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         if self.ops is not None:
