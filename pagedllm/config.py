@@ -52,7 +52,7 @@ ADMISSION_POLICIES = ("queue", "slots")
 ATTENTION_BACKENDS = ("auto", *attention_backend_names())
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Lossy weight formats, opt-in only (None = the weights as loaded, in ``dtype``).
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("int8", "gguf")
 
 # The name the bundled model is served under.
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -328,9 +328,11 @@ class EngineConfig:
     )
     quantization: str | None = _option(
         None,
-        "lossy weight format (opt-in): gguf = keep a GGUF file's quantized blocks (Q4_0, Q4_1, "
-        "Q4_K, Q5_0, Q6_K, Q8_0) and compute the linears natively on them (CPU, float32, tp 1); "
-        "default: none, the weights in dtype",
+        "lossy weight format (opt-in): int8 = W8A8 at load, int8 weights per output channel and "
+        "int8 activations per token, int32 accumulation (CPU; the LM head stays float32); "
+        "gguf = keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0) and "
+        "compute the linears natively on them (CPU, float32, one rank); default: none, the "
+        "weights in dtype",
         choices=QUANTIZATION_METHODS,
     )
 
@@ -392,6 +394,10 @@ class EngineConfig:
         from pagedllm.device import canonical_device  # ValueError naming ``device``
 
         self.device = canonical_device(self.device, self.tensor_parallel_size)
+        if self.quantization == "int8" and not str(self.device).startswith("cpu"):
+            raise ValueError(
+                f"quantization 'int8' runs on device 'cpu' only, got device {self.device!r}"
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -65,6 +65,7 @@ class WorkerInit:
         state_dict: this rank's slices, when the model is not loaded from a file (tests).
         device: ``EngineConfig.device``; the rank computes on ``device_for_rank(device, rank)``.
         kv_cache_dtype: KV storage dtype (None = ``dtype``).
+        quantization: ``EngineConfig.quantization`` (each rank quantizes its own shard).
     """
 
     config: LlamaArchConfig
@@ -80,6 +81,7 @@ class WorkerInit:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     device: str = "cpu"
     kv_cache_dtype: torch.dtype | None = None
+    quantization: str | None = None
 
 
 def build_worker(init: WorkerInit, ctx: ParallelContext) -> Worker:
@@ -111,6 +113,7 @@ def build_worker(init: WorkerInit, ctx: ParallelContext) -> Worker:
         device=init.device,
         kv_cache_dtype=init.kv_cache_dtype,
         pipeline=ctx.pipeline,
+        quantization=init.quantization,
     )
 
 

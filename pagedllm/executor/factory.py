@@ -75,6 +75,7 @@ def create_executor(
             device=device,
             kv_cache_dtype=config.torch_kv_cache_dtype,
             gguf_native=loaded.source if config.quantization == "gguf" else None,
+            quantization=config.quantization,
         )
         return UniProcExecutor(worker)
 
@@ -102,6 +103,7 @@ def create_executor(
             num_swap_blocks=num_swap_blocks,
             device=device,
             kv_cache_dtype=config.torch_kv_cache_dtype,
+            quantization=config.quantization,
         )
         if source is not None:
             init.source, init.source_kind = source
@@ -131,6 +133,7 @@ def create_executor(
             device=device,
             kv_cache_dtype=config.torch_kv_cache_dtype,
             pipeline=ctx.pipeline,
+            quantization=config.quantization,
         )
 
     # The driver is rank 0: its current CUDA device must be its own before it joins the group.

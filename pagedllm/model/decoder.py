@@ -122,9 +122,9 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head_weight = nn.Parameter(
                 torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False
             )
-        self.lm_head_packed: PackedLinear | None = None
         #: The decoder layers this process runs (all of them unless ``keep_stage_layers``).
         self.stage_layers = range(config.num_hidden_layers)
+        self.lm_head_packed: nn.Module | None = None  # PackedLinear, or Int8Linear
         self.requires_grad_(False)
 
     def keep_stage_layers(self, layers: range) -> None:

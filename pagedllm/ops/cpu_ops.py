@@ -41,6 +41,10 @@ class CpuOps:
         self._argmax_logsumexp = lib.argmax_logsumexp.default
         self._gguf_q4_linear = lib.gguf_q4_linear.default
         self._gguf_q8_linear = lib.gguf_q8_linear.default
+        self._int8_pack_weight = lib.int8_pack_weight.default
+        self._int8_quantize_rows = lib.int8_quantize_rows.default
+        self._int8_linear = lib.int8_linear.default
+        self._int8_gemm_isa = lib.int8_gemm_isa.default
         self._simd = str(self._simd_level())
 
     def __repr__(self) -> str:
@@ -173,3 +177,30 @@ class CpuOps:
         """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for signed 8-bit weights with one
         scale per 16 (``qs [N, K]`` int8, ``d [N, K/16]`` float32; ``model.quant.gguf_native``)."""
         return self._gguf_q8_linear(x, qs, d)
+    # ---- int8 W8A8 GEMM (int8_gemm.cpp) -------------------------------------------------------
+
+    def int8_pack_weight(self, qweight: Tensor) -> Tensor:
+        """``[N, K]`` int8 weight -> ``[ceil(N / 16), ceil(K / 4), 16, 4]`` int8 panels for
+        :meth:`int8_linear`."""
+        return self._int8_pack_weight(qweight)
+
+    def int8_quantize_rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``[M, K]`` float32 -> (``[M, K]`` int8, ``[M]`` float32 scales), symmetric per row."""
+        q, s = self._int8_quantize_rows(x)
+        return q, s
+
+    def int8_linear(
+        self,
+        x: Tensor,
+        packed: Tensor,
+        wscale: Tensor,
+        wsum: Tensor,
+        bias: Tensor | None,
+        out_features: int,
+    ) -> Tensor:
+        """``[M, K]`` float32 x, quantized per row inside -> ``[M, out_features]`` float32."""
+        return self._int8_linear(x, packed, wscale, wsum, bias, out_features)
+
+    def int8_gemm_isa(self) -> str:
+        """The int8 inner loop this CPU runs: ``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``."""
+        return str(self._int8_gemm_isa())

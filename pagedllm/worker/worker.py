@@ -15,6 +15,7 @@ from pagedllm.device import activate_device, device_for_rank, resolve_device, us
 from pagedllm.distributed import PipelineGroup, TensorParallelGroup, stage_layer_range
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.model.packed_linear import packed_linear_available
+from pagedllm.model.quant.int8 import Int8Linear, int8_lm_head_enabled, quantize_model
 from pagedllm.model.registry import model_class
 from pagedllm.model.sharding import shard_state_dict
 from pagedllm.worker.cache_engine import CacheEngine
@@ -61,6 +62,8 @@ class Worker:
         kv_cache_dtype: KV storage dtype (``EngineConfig.torch_kv_cache_dtype``); None = ``dtype``.
         gguf_native: a GGUF file whose quantized blocks replace the float linears
             (``EngineConfig.quantization == "gguf"``, ``model.quant.gguf_native``); None = off.
+        quantization: ``EngineConfig.quantization``; under "int8" the decoder linears
+            become W8A8 ``Int8Linear`` layers after loading and sharding (``model.quant.int8``).
 
     Attributes:
         device: the device this rank computes on (an explicit index on CUDA).
@@ -88,6 +91,7 @@ class Worker:
         kv_cache_dtype: torch.dtype | None = None,
         gguf_native: Path | None = None,
         pipeline: PipelineGroup | None = None,
+        quantization: str | None = None,
     ) -> None:
         world = group.world_size if group is not None else 1
         rank = group.rank if group is not None else 0
@@ -115,8 +119,12 @@ class Worker:
         self.model.eval()
         on_cpu = uses_cpu_ops(self.device)
         cpu_ops = backend.ops if on_cpu and isinstance(backend, CpuPagedAttention) else None
+        if quantization == "int8":  # "gguf" is applied below, from the file's blocks
+            quantize_model(self.model, quantization, cpu_ops)
         if on_cpu and packed_linear_available(dtype, self.device, cpu_ops=cpu_ops):
             self.model.pack_linears(cpu_ops)
+        if quantization == "int8" and int8_lm_head_enabled() and self.model.group is None:
+            self.model.lm_head_packed = Int8Linear(self.model.lm_head_weight, None, cpu_ops)
         if cpu_ops is not None:
             self.model.use_cpu_layer_ops(cpu_ops)
         if gguf_native is not None:

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "gemm.h"
+#include "int8_gemm.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gguf.h"
@@ -42,6 +43,12 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
   m.def("gguf_q4_linear(Tensor x, Tensor qs, Tensor dm) -> Tensor");
   m.def("gguf_q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("int8_pack_weight(Tensor qweight) -> Tensor");
+  m.def("int8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
+  m.def(
+      "int8_linear(Tensor x, Tensor packed, Tensor wscale, Tensor wsum, Tensor? bias, "
+      "int out_features) -> Tensor");
+  m.def("int8_gemm_isa() -> str", &pagedllm::int8_gemm_isa);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -62,4 +69,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("argmax_logsumexp", &pagedllm::argmax_logsumexp);
   m.impl("gguf_q4_linear", &pagedllm::gguf_q4_linear);
   m.impl("gguf_q8_linear", &pagedllm::gguf_q8_linear);
+  m.impl("int8_pack_weight", &pagedllm::int8_pack_weight);
+  m.impl("int8_quantize_rows", &pagedllm::int8_quantize_rows);
+  m.impl("int8_linear", &pagedllm::int8_linear);
 }

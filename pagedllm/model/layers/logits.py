@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.layers.parallel import vocab_parallel_logits
-from pagedllm.model.packed_linear import PackedLinear
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -21,7 +21,7 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 def lm_head_logits(
     h: torch.Tensor,
     weight: torch.Tensor,
-    packed: PackedLinear | None,
+    packed: nn.Module | None,
     group: TensorParallelGroup | None,
     vocab_size: int,
     final_logit_softcapping: float | None = None,
@@ -31,7 +31,7 @@ def lm_head_logits(
     Args:
         h: [S, d] normalized hidden states of the sampled positions.
         weight: [V, d] LM-head rows (this rank's [ceil(V / tp), d] shard under a group).
-        packed: the prepacked head (``PackedLinear``) or None.
+        packed: the prepacked head (``PackedLinear``, or ``Int8Linear``) or None.
         group: tensor-parallel group or None.
         vocab_size: V, to drop padding rows of the last shard.
         final_logit_softcapping: the soft cap, or None.

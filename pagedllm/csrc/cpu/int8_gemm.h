@@ -1,0 +1,24 @@
+// int8 W8A8 linear layers (int8_gemm.cpp), registered in torch_bindings.cpp.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <tuple>
+
+namespace pagedllm {
+// Output columns per packed int8 weight panel (two AVX2 registers, one AVX-512 register).
+constexpr int kInt8Panel = 16;
+// W [N, K] int8 (symmetric, in [-127, 127]) -> panels [ceil(N / 16), ceil(K / 4), 16, 4] int8:
+// each 64-byte group holds 4 consecutive k of the panel's 16 columns (zero-padded).
+at::Tensor int8_pack_weight(const at::Tensor& qweight);
+// x [M, K] float32 -> (q [M, K] int8, scale [M] float32): per row s = absmax / 127,
+// q = clamp(round_half_even(x * (127 / absmax)), -127, 127) (all zero for a zero row).
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);
+// y [M, N] float32 = (q_x @ q_w^T) * s_x[m] * s_w[n] (+ bias), the activations quantized per row
+// inside the call; wsum [N] int32 holds each weight row's sum (the u8 VNNI paths' zero point).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale,
+                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features);
+// Which inner loop int8_linear runs on this CPU: "avx512_vnni", "avx2" or "scalar".
+std::string int8_gemm_isa();
+}  // namespace pagedllm

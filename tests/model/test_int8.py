@@ -1,0 +1,178 @@
+"""int8 W8A8 linears (``--quantization int8``): the C++ kernel equals the PyTorch reference of
+the quantized math (``torch._int_mm``) over random shapes, stays within int8 tolerance of the
+fp32 linear, and the whole model agrees with fp32 on most greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.quant.int8 import (
+    Int8Linear,
+    int8_matmul,
+    quantize_linear_layers,
+    quantize_symmetric,
+)
+from pagedllm.platform import cpu_flags
+
+SHAPES = [(64, 96), (33, 17), (1536, 576), (5, 1), (40, 130)]  # (out N, in K): K % 4 != 0 too
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pagedllm.attention.cpu import cpu_ops_error, load_cpu_ops
+
+    loaded = load_cpu_ops()
+    if loaded is None:
+        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
+    return loaded
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The quantized math in float64 (exact integer sums), rounded to float32 at the end."""
+    qx, sx = quantize_symmetric(x)
+    qw, sw = quantize_symmetric(w)
+    acc = qx.double() @ qw.double().t()
+    y = (acc.float() * sx.unsqueeze(1) * sw).double()
+    return y if b is None else y + b.double()
+
+
+def test_quantize_symmetric_values():
+    x = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [-254.0, 127.0, 1.0, 0.5]])
+    q, s = quantize_symmetric(x)
+    assert q.tolist() == [[127, -64, 32, 0], [0, 0, 0, 0], [-127, 64, 0, 0]]  # half to even
+    torch.testing.assert_close(s, torch.tensor([1 / 127, 0.0, 2.0]))
+
+
+def test_cpp_quantize_rows_equals_torch(ops):
+    torch.manual_seed(0)
+    x = torch.randn(9, 70) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[3] = 0
+    q, s = ops.int8_quantize_rows(x)
+    rq, rs = quantize_symmetric(x)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_int_mm_reference(ops, rows, shape, bias):
+    torch.manual_seed(rows * 31 + shape[0])
+    n, k = shape
+    w, x = torch.randn(n, k), torch.randn(rows, k) * 3
+    b = torch.randn(n) if bias else None
+    lin = Int8Linear(w, b, ops)
+    assert lin.kernel == f"pagedllm-{ops.int8_gemm_isa()}"
+    got = lin(x)
+    qx, sx = quantize_symmetric(x)
+    qw, sw = quantize_symmetric(w)
+    # Same int32 sums; the scale products may differ by an ulp (torch divides by reciprocal).
+    torch.testing.assert_close(got, int8_matmul(qx, sx, qw, sw, b), rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fallback_equals_kernel_and_fp32_within_int8_tolerance(ops, shape):
+    torch.manual_seed(shape[1])
+    n, k = shape
+    w, x = torch.randn(n, k), torch.randn(7, k)
+    fallback, kernel = Int8Linear(w), Int8Linear(w, None, ops)
+    assert fallback.kernel == "torch._int_mm"
+    torch.testing.assert_close(fallback(x), kernel(x), rtol=2e-6, atol=1e-5)
+    # Per element: |error| <= (|x| s_w / 2 + |w| s_x / 2 + s_x s_w / 4) summed over k.
+    _, sx = quantize_symmetric(x)
+    _, sw = quantize_symmetric(w)
+    bound = 0.5 * (x.abs() @ (sw.unsqueeze(1) * torch.ones_like(w)).t())
+    bound += 0.5 * sx.unsqueeze(1) * (torch.ones_like(x) @ w.abs().t())
+    bound += 0.25 * k * sx.unsqueeze(1) * sw
+    err = (kernel(x) - F.linear(x, w)).abs()
+    assert bool((err <= bound * 1.001 + 1e-6).all())
+    assert err.max() < 0.05 * F.linear(x, w).abs().max()  # and small in practice
+
+
+def test_leading_dims_and_bf16_input(ops):
+    torch.manual_seed(1)
+    w, x = torch.randn(24, 40), torch.randn(2, 3, 40)
+    lin = Int8Linear(w, None, ops)
+    y = lin(x)
+    assert y.shape == (2, 3, 24)
+    torch.testing.assert_close(y, lin(x.reshape(6, 40)).view(2, 3, 24), rtol=0.0, atol=0.0)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_saturation_free_at_the_int8_limits(ops):
+    """|x| = |w| = 127 everywhere: the AVX2 maddubs pair sums reach 2 * 127 * 127 = 32258, just
+    under int16's limit; the result must still be exact."""
+    k = 1000
+    w = torch.full((16, k), 1.0)
+    w[1::2] = -1.0
+    x = torch.ones(3, k)
+    x[1] = -1
+    got = Int8Linear(w, None, ops)(x)
+    want = F.linear(x, w)  # +-1000: the int32 sum is exact, the scales round
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+
+
+def test_kernel_rejects_bad_input(ops):
+    lin = Int8Linear(torch.randn(16, 8), None, ops)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.int8_linear(torch.randn(2, 12), lin.qweight, lin.wscale, lin.wsum, None, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.int8_linear(torch.randn(2, 8).double(), lin.qweight, lin.wscale, lin.wsum, None, 16)
+    with pytest.raises(RuntimeError, match="out_features"):
+        ops.int8_linear(torch.randn(2, 8), lin.qweight, lin.wscale, lin.wsum, None, 40)
+
+
+def test_isa_paths_this_cpu_lacks_are_named():
+    flags = cpu_flags()
+    if not flags.avx512_vnni:
+        pytest.skip("AVX512-VNNI path not tested here: the CPU lacks the avx512_vnni flag")
+    from pagedllm.attention.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None and ops.int8_gemm_isa() == "avx512_vnni"
+
+
+def test_amx_int8_path_skips_without_amx():
+    if not cpu_flags().amx_int8:
+        pytest.skip("AMX-INT8 path: the CPU lacks the amx_int8 flag")
+    pytest.skip("AMX-INT8 tiles are not implemented yet (avx512_vnni runs on AMX CPUs)")
+
+
+def test_quantize_linear_layers_replaces_plain_and_row_parallel():
+    m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8))
+    assert quantize_linear_layers(m) == 2
+    assert all(isinstance(c, Int8Linear) for c in m)
+    assert m[1].bias is not None and m(torch.randn(3, 8)).shape == (3, 8)
+
+
+def _greedy(llm, prompts, n=12):
+    from pagedllm.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_tiny_model_int8_agrees_with_fp32(tiny_llm_factory):
+    """The next token after each of 24 random prompts (independent decisions: a random model's
+    greedy continuations diverge for good after one flip)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in range(3, 27)]
+    ref = _greedy(tiny_llm_factory(dtype="float32"), prompts, n=1)
+    llm = tiny_llm_factory(dtype="float32", quantization="int8")
+    layer = llm.engine.executor.worker.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, Int8Linear)
+    assert isinstance(layer.self_attn.o_proj, Int8Linear)
+    got = _greedy(llm, prompts, n=1)
+    same = sum(r == g for r, g in zip(ref, got))
+    assert same >= 0.8 * len(prompts), (ref, got)
+
+
+def test_int8_refused_off_cpu():
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
