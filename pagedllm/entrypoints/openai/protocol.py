@@ -74,6 +74,9 @@ class SamplingExtensions(OpenAIBaseModel):
     #: Deadline in seconds after the request arrived: the request is then aborted; the answer
     #: holds what was generated, with ``finish_reason: "timeout"`` (504 when nothing was).
     timeout: float | None = None
+    #: Most speculative tokens proposed per step for this request (needs the server's
+    #: ``--speculative-config``): None = the server's default, 0 = off (``docs/spec_decode.md``).
+    num_speculative_tokens: int | None = None
     #: vLLM's beam search: ``best_of`` (default ``n``) is the beam width, the best ``n`` beams
     #: are returned; ranked by ``cumulative_logprob / len ** length_penalty``; ``early_stopping``
     #: is True, False or "never" (transformers' rules). Not with ``stream``.

@@ -162,6 +162,7 @@ class OpenAIServing:
             length_penalty=req.length_penalty,
             early_stopping=req.early_stopping,
             structured_outputs=structured_outputs_from_request(req),
+            num_speculative_tokens=req.num_speculative_tokens,
         )
 
     async def add_all(
