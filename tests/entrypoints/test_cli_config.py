@@ -52,6 +52,7 @@ def non_default(f: dataclasses.Field, template_file: str) -> tuple[list[str], ty
         "model": ("some/model-folder", "some/model-folder"),
         "chat_template": (template_file, template_file),
         "device": ("cuda:0", "cuda:0"),
+        "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}',) * 2,
     }
     base = getattr(BASELINE, f.name)
     kinds = [t for t in typing.get_args(HINTS[f.name]) if t is not type(None)] or [HINTS[f.name]]
