@@ -33,6 +33,22 @@ def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
             return out
     raise RuntimeError(f"only {len(out)} ShareGPT prompts have >= {prompt_len} tokens")
 
+def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[list[int]]:
+    """Token ids of the last ``n`` ShareGPT replies with >= ``min_tokens`` tokens, each cut to
+    ``max_tokens`` (BOS-free, as the reply text tokenizes)."""
+    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
+    out: list[list[int]] = []
+    for r in reversed(records):
+        turns = r.get("conversations") or []
+        if len(turns) < 2 or turns[1].get("from") != "gpt":
+            continue
+        ids = tokenizer(turns[1]["value"], add_special_tokens=False).input_ids
+        if len(ids) >= min_tokens:
+            out.append(ids[:max_tokens])
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT replies have >= {min_tokens} tokens")
+
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)

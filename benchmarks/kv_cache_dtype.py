@@ -29,25 +29,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA_DIR, bench_lock, median, merge_json, sharegpt_prompts  # noqa: E402
-
-
-def held_out_replies(tokenizer, n: int, length: int) -> list[list[int]]:
-    """The last ``n`` ShareGPT replies with at least ``length`` tokens, cut to ``length``."""
-    from pagedllm.bench.datasets import dataset_file
-
-    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
-    out: list[list[int]] = []
-    for r in reversed(records):
-        turns = r.get("conversations") or []
-        if len(turns) < 2 or turns[1].get("from") != "gpt":
-            continue
-        ids = tokenizer(turns[1]["value"], add_special_tokens=False).input_ids
-        if len(ids) >= length:
-            out.append(ids[:length])
-        if len(out) == n:
-            break
-    return out
+from common import (  # noqa: E402
+    bench_lock,
+    held_out_texts,
+    median,
+    merge_json,
+    sharegpt_prompts,
+)
 
 
 def run_all(engine, prompts: list[list[int]], sp) -> list:
@@ -112,7 +100,7 @@ def main() -> None:
     loaded = load_model(None, torch.float32)
     tok = loaded.tokenizer
     decode_prompts = sharegpt_prompts(tok, args.batch, args.prompt_len)
-    texts = held_out_replies(tok, args.nll_texts, args.nll_len)
+    texts = held_out_texts(tok, args.nll_texts, args.nll_len, args.nll_len)
     greedy_prompts = decode_prompts[: args.greedy_prompts]
     print(f"CPU flags: {cpu_flags().summary()}; threads {args.threads}")
     results: dict[str, dict] = {}

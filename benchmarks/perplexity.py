@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -32,8 +31,7 @@ import time
 
 import torch
 
-from benchmarks.common import DATA_DIR
-from pagedllm.bench.datasets import dataset_file
+from benchmarks.common import held_out_texts
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.platform import cpu_flags
@@ -48,21 +46,6 @@ WEIGHTS: dict[str, tuple[dict[str, object], dict[str, str]]] = {
 }
 
 
-def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[list[int]]:
-    """Token ids of the last ``n`` ShareGPT replies with >= ``min_tokens`` tokens, each cut to
-    ``max_tokens`` (BOS-free, as the reply text tokenizes)."""
-    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
-    out: list[list[int]] = []
-    for r in reversed(records):
-        turns = r.get("conversations") or []
-        if len(turns) < 2 or turns[1].get("from") != "gpt":
-            continue
-        ids = tokenizer(turns[1]["value"], add_special_tokens=False).input_ids
-        if len(ids) >= min_tokens:
-            out.append(ids[:max_tokens])
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"only {len(out)} ShareGPT replies have >= {min_tokens} tokens")
 
 
 def teacher_forced(llm: LLM, texts: list[list[int]]) -> tuple[list[float], list[int]]:
