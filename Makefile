@@ -25,7 +25,7 @@ run: install
 	$(VENV)/bin/pagedllm generate --prompts-file examples/prompts.jsonl --max-tokens 64
 
 test: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -16,7 +16,8 @@ fresh server each time), alternating, so a noisy machine affects both alike; the
 each policy's ratios are printed last.
 
 All requests: a ``--prompt-tokens`` prompt (the same long prefix + a number), ``--max-tokens``
-generated tokens (ignore_eos), streamed. The server runs in this process (uvicorn in a thread).
+generated tokens (ignore_eos), streamed. The server is ``pagedllm serve`` in a child process, so
+the load generator (this process) never holds the server's GIL.
 
     .venv/bin/python benchmarks/overload.py                       # bundled SmolLM2, ~2 minutes
     .venv/bin/python benchmarks/overload.py --admission queue,slots --rounds 3 --idle-seconds 0
@@ -24,19 +25,21 @@ generated tokens (ignore_eos), streamed. The server runs in this process (uvicor
 
 from __future__ import annotations
 
-import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch loads libgomp)
-
-# isort: split
 import argparse
 import asyncio
 import json
 import random
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_lock  # noqa: E402
@@ -139,23 +142,73 @@ async def open_loop(url: str, rate: float, args) -> tuple[list, float]:
         return results, time.perf_counter() - t0
 
 
-def run_config(args, admission: str) -> dict:
-    """The four phases against a fresh in-process server built with ``admission``."""
-    from pagedllm.bench.local_server import LocalServer
-    from pagedllm.entrypoints.openai.app import build_app
+class ServerProcess:
+    """``pagedllm serve`` in a child process on a free 127.0.0.1 port (as in production: the load
+    generator in this process never shares the server's GIL or event loop); a context manager.
 
-    app = build_app(
-        {
-            "model": args.model,
-            "max_model_len": 512,
-            "max_num_seqs": args.max_num_seqs,
-            "max_waiting_requests": args.max_waiting_requests,
-            "admission": admission,
-        },
-        log_stats_interval=0,
-    )
+    Raises:
+        RuntimeError: from ``__enter__`` when ``/health`` does not answer within ``timeout_s``.
+    """
+
+    def __init__(self, serve_args: list[str], timeout_s: float = 900.0) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)]
+        self.cmd += serve_args
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        # The log goes to a file: a pipe nobody reads would block the server once full.
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.timeout_s:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                err = self.log.read().decode(errors="replace")
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): {err[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise RuntimeError(f"the server did not answer /health within {self.timeout_s} s")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (s)."""
+        assert self.proc is not None
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run_config(args, admission: str) -> dict:
+    """The four phases against a fresh server process built with ``admission``."""
+    serve_args = [
+        "--max-model-len", "512",
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-waiting-requests", str(args.max_waiting_requests),
+        "--admission", admission,
+        "--log-stats-interval", "0",
+    ]  # fmt: skip
+    if args.model:
+        serve_args += ["--model", args.model]
     res: dict = {"admission": admission}
-    with LocalServer(app) as srv:
+    with ServerProcess(serve_args) as srv:
         base = asyncio.run(unloaded(srv.url, args))
         ttft0 = [t for _, t, _ in base]
         res["unloaded_ttft_p50_s"] = pct(ttft0, 0.5)
@@ -182,10 +235,10 @@ def run_config(args, admission: str) -> dict:
         res["ttft_p99_vs_unloaded"] = res["admitted_ttft_p99_s"] / res["unloaded_ttft_p99_s"]
         if args.idle_seconds > 0:
             time.sleep(1.0)  # let the engine go idle
-            c0, t0 = time.process_time(), time.perf_counter()
+            c0, t0 = srv.cpu_seconds(), time.perf_counter()
             time.sleep(args.idle_seconds)
             res["idle_cpu_percent_of_a_core"] = (
-                100 * (time.process_time() - c0) / (time.perf_counter() - t0)
+                100 * (srv.cpu_seconds() - c0) / (time.perf_counter() - t0)
             )
     return res
 
