@@ -23,11 +23,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pagedllm.engine.async_engine import EngineDeadError, QueueFullError
+from pagedllm.engine.async_engine import EngineDeadError, QueueFullError, call_soon_threadsafe
 from pagedllm.engine.kv_snapshot import EngineCounters
+from pagedllm.engine.model_facts import ModelFactsMixin
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving.counters import sum_counters
@@ -82,7 +83,7 @@ def _ensure_ray(num_cpus: int | None) -> None:
     )
 
 
-class DataParallelEngine:
+class DataParallelEngine(ModelFactsMixin):
     """N replicas of one model behind the router; an ``AsyncLLMEngine`` to the serving layer.
 
     Args:
@@ -137,15 +138,10 @@ class DataParallelEngine:
             self._kill_all()
             cause = e.__cause__ or e
             raise ValueError(f"the data-parallel replicas could not start: {cause}") from None
-        info = infos[0]
-        self._tokenizer = info["tokenizer"]
-        self._max_model_len: int = info["max_model_len"]
-        self._vocab_size: int = info["vocab_size"]
-        self._hidden_size: int = info["hidden_size"]
-        self._default_pooling: str = info["default_pooling"]
-        self._model: str | None = info["model"]
+        # Replica 0 speaks for the model; the memory is every replica's.
+        self._facts = replace(infos[0], memory_bytes=sum(f.memory_bytes for f in infos))
         self.router = ReplicaRouter(
-            num_replicas, policy, block_size=info["block_size"], prefix_blocks=prefix_blocks
+            num_replicas, policy, block_size=self._facts.block_size, prefix_blocks=prefix_blocks
         )
         self._max_waiting: int | None = engine_args.get("max_waiting_requests")
         self._streams: set[ReplicaStream] = set()
@@ -156,37 +152,7 @@ class DataParallelEngine:
         self._stopped = False
         self._counters = sum_counters(ray.get([r.actor.counters.remote() for r in self.replicas]))
 
-    # ---- what the serving layer reads ----------------------------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer (a copy of replica 0's)."""
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """Most tokens (prompt + output) of one sequence."""
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids are in ``[0, vocab_size)``."""
-        return self._vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of an embedding."""
-        return self._hidden_size
-
-    @property
-    def default_pooling(self) -> str:
-        """The replicas' ``--pooling``."""
-        return self._default_pooling
-
-    @property
-    def model(self) -> str | None:
-        """``EngineConfig.model`` of the replicas (None: the bundled default)."""
-        return self._model
-
+    # ---- what the serving layer reads: ModelFactsMixin (tokenizer, max_model_len, ...) ----
     @property
     def counters(self) -> EngineCounters:
         """The replicas' counters summed (``counters.sum_counters``), at most
@@ -205,8 +171,9 @@ class DataParallelEngine:
 
     @property
     def num_live_requests(self) -> int:
-        """Requests routed and not finished (all replicas)."""
-        return len(self._streams)
+        """Requests not finished (all replicas), counting those still being routed (graceful
+        drain waits for them too)."""
+        return len(self._streams) + self._pending_adds
 
     @property
     def dead_reason(self) -> str | None:
@@ -333,7 +300,7 @@ class DataParallelEngine:
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
         if isinstance(prompt, str):
-            prompt = list(self._tokenizer(prompt).input_ids)
+            prompt = list(self.tokenizer(prompt).input_ids)
         self._admit()
         stream = ReplicaStream(self, request_id, list(prompt), params, priority, timeout)
         self._pending_adds += 1
@@ -351,10 +318,7 @@ class DataParallelEngine:
 
     def abort_all_threadsafe(self, error: BaseException) -> None:
         """``abort_all`` from any thread (a signal handler)."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self.abort_all, error)
+        call_soon_threadsafe(self._loop, self.abort_all, error)
 
     # ---- replica health --------------------------------------------------------------------
     def _take_out(self, replica: ReplicaState, error: BaseException) -> None:
