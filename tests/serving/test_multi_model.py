@@ -51,7 +51,7 @@ def server(models):
         )
         for name, loaded in models.items()
     }
-    front = MultiModelApp(factories, idle_unload_s=1.5, max_loaded=2)
+    front = MultiModelApp(factories, idle_unload_s=4.0, max_loaded=2)
     srv = ServerThread(front).start()
     yield srv
     srv.stop()
