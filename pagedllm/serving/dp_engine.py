@@ -14,7 +14,7 @@ puts them back once Ray has restarted them (``max_restarts``), and polls every r
 
 Shared state lives here, in the front process: admission (``max_waiting_requests`` per replica in
 rotation: 503 above it), the ``/v1/responses`` store (one per app), and graceful drain
-(``num_live_requests`` / ``abort_all``).
+(``num_live_requests`` / ``abort_all``, both counting the requests still being routed).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class DataParallelEngine(ModelFactsMixin):
         )
         self._max_waiting: int | None = engine_args.get("max_waiting_requests")
         self._streams: set[ReplicaStream] = set()
-        self._pending_adds = 0
+        self._routing: set[ReplicaStream] = set()  # added, not yet accepted by a replica
         self.num_retries = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task | None = None
@@ -173,7 +173,7 @@ class DataParallelEngine(ModelFactsMixin):
     def num_live_requests(self) -> int:
         """Requests not finished (all replicas), counting those still being routed (graceful
         drain waits for them too)."""
-        return len(self._streams) + self._pending_adds
+        return len(self._streams) + len(self._routing)
 
     @property
     def dead_reason(self) -> str | None:
@@ -227,7 +227,7 @@ class DataParallelEngine(ModelFactsMixin):
             return
         live = [r for r in self.replicas if r.in_rotation]
         waiting = sum(r.counters.num_waiting for r in live if r.counters is not None)
-        if waiting + self._pending_adds >= self._max_waiting * max(1, len(live)):
+        if waiting + len(self._routing) >= self._max_waiting * max(1, len(live)):
             raise QueueFullError(
                 f"the server is overloaded: {waiting} requests are waiting on {len(live)} "
                 "replica(s) (max_waiting_requests per replica); retry later"
@@ -303,17 +303,18 @@ class DataParallelEngine(ModelFactsMixin):
             prompt = list(self.tokenizer(prompt).input_ids)
         self._admit()
         stream = ReplicaStream(self, request_id, list(prompt), params, priority, timeout)
-        self._pending_adds += 1
+        self._routing.add(stream)
         try:
             await self._submit(stream, set())
         finally:
-            self._pending_adds -= 1
-        self._streams.add(stream)
+            self._routing.discard(stream)
+        self._streams.add(stream)  # failed meanwhile (abort_all): its consumer raises at once
         return stream
 
     def abort_all(self, error: BaseException) -> None:
-        """Fail every live request with ``error`` and abort it on its replica."""
-        for s in list(self._streams):
+        """Fail every live request with ``error`` and abort it on its replica (one still being
+        routed fails once a replica accepted it)."""
+        for s in list(self._streams | self._routing):
             s.fail(error)
 
     def abort_all_threadsafe(self, error: BaseException) -> None:
