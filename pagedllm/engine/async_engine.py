@@ -242,6 +242,18 @@ class AsyncLLMEngine(ModelFactsMixin):
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
 
+    def release(self) -> None:
+        """After ``shutdown()``: drop the ``LLMEngine`` (its weights and KV pools) so that their
+        memory is freed even while this object stays referenced (FastAPI keeps the route
+        functions of an app, which hold it, in a module-level cache). ``engine`` is gone then.
+
+        Raises:
+            RuntimeError: the engine thread still runs (call ``shutdown()`` first).
+        """
+        if self.is_running:
+            raise RuntimeError("release() needs the engine shut down first")
+        self.__dict__.pop("engine", None)
+
     # ---- requests ----------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """``LLMEngine.validate_request``: check a request without queueing it (it reads only

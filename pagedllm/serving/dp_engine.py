@@ -205,6 +205,10 @@ class DataParallelEngine(ModelFactsMixin):
             self._monitor.cancel()
         self._kill_all()
 
+    def release(self) -> None:
+        """Nothing to drop: the weights and KV pools live in the replica actors, which
+        ``shutdown()`` killed (``AsyncLLMEngine.release``'s counterpart)."""
+
     def _kill_all(self) -> None:
         import ray
 

@@ -244,8 +244,12 @@ class MultiModelApp:
         if slot.app is None:
             return
         logger.info("unloading model %s", slot.name)
-        lifespan, slot.app, slot.lifespan = slot.lifespan, None, None
-        await lifespan.__aexit__(None, None, None)  # stops the engine, frees its memory
+        app, lifespan = slot.app, slot.lifespan
+        slot.app = slot.lifespan = None
+        await lifespan.__aexit__(None, None, None)  # stops the engine
+        engine = getattr(app.state, "async_engine", None)
+        if engine is not None:
+            engine.release()  # frees its weights and KV pools (FastAPI keeps the app alive)
         self.num_unloads += 1
 
     async def _reap(self) -> None:

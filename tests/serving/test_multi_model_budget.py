@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import signal
+import weakref
 
 import httpx
 import pytest
@@ -87,6 +89,26 @@ def test_measured_bytes_are_weights_plus_kv_pools(models, model_bytes):
     assert rs[1].loaded == ["tiny-a", "tiny-b"]  # both fit: nothing unloaded
     assert [s.memory_bytes for s in front.slots.values()] == [model_bytes, model_bytes]
     assert front.num_unloads == 2  # the two of post_each's clean-up
+
+
+def test_unloading_frees_the_engine(models):
+    """An unloaded model's engine (weights, KV pools) is garbage even while its app is still
+    referenced (FastAPI's caches of route functions keep apps alive; the test holds it here)."""
+    front = make_front(models)
+
+    async def main() -> tuple[object, weakref.ref]:
+        transport = httpx.ASGITransport(app=front)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post(C, json={"model": "tiny-a", "prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200
+        app = front.slots["tiny-a"].app
+        engine_ref = weakref.ref(app.state.async_engine.engine)
+        await front._unload(front.slots["tiny-a"])
+        return app, engine_ref
+
+    app, engine_ref = asyncio.run(main())
+    gc.collect()
+    assert engine_ref() is None and not hasattr(app.state.async_engine, "engine")
 
 
 def test_budget_for_one_unloads_the_least_recently_used_first(models, model_bytes):
