@@ -5,10 +5,7 @@ same, exactly computable number of bytes."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
-import json
-import signal
 import weakref
 
 import httpx
@@ -16,8 +13,13 @@ import pytest
 
 from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.serving.multi_model import MultiModelApp
-from tests.conftest import make_random_state_dict
-from tests.entrypoints.server_utils import ServerThread, assert_error, start_serve_process
+from tests.entrypoints.server_utils import (
+    ServerThread,
+    assert_error,
+    check_drained_stream,
+    start_serve_process,
+    stream_through_sigterm,
+)
 from tests.entrypoints.test_overload import hold_engine, wait_for
 
 BLOCK_SIZE = 16
@@ -31,12 +33,6 @@ ENGINE_ARGS = {
 }
 PROMPT = "the quick brown fox jumps over the lazy dog"
 C = "/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def models(tiny_loaded):
-    sd = make_random_state_dict(tiny_loaded.config, seed=1)
-    return {"tiny-a": tiny_loaded, "tiny-b": dataclasses.replace(tiny_loaded, state_dict=sd)}
 
 
 @pytest.fixture(scope="module")
@@ -276,25 +272,11 @@ def test_serve_two_models_sigterm_drains_in_flight_stream(tmp_path, hf_tiny_mode
         assert [(m["id"], m["loaded"]) for m in models] == [("tiny-a", True), ("tiny-b", True)]
         body = {"model": "tiny-b", "prompt": "the quick brown fox", "max_tokens": 400}
         body |= {"stream": True, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", C, json=body) as r:
-            lines = []
-            probe = None
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 1 and probe is None:
-                    proc.send_signal(signal.SIGTERM)
-                    wait_for(lambda: httpx.get(url + "/health").status_code == 503)
-                    probe = httpx.post(url + C, json={"model": "tiny-a", "prompt": "hi"})
-        assert_error(probe, 503, None, "server_draining")
-        assert lines[-1] == "data: [DONE]"
-        chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
+        probe_body = {"model": "tiny-a", "prompt": "hi"}
+        lines, probe = stream_through_sigterm(proc, url, body, probe_body)
+        chunks = check_drained_stream(proc, lines, probe, 400)
         assert {ch["model"] for ch in chunks} == {"tiny-b"}
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert sum(len(ch["choices"][0]["token_ids"]) for ch in chunks) == 400  # all of it
-        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert b"draining: 1 request(s) in flight" in proc.stdout.read()
