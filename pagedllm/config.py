@@ -453,7 +453,11 @@ def check_engine_kwargs(kwargs: dict[str, Any], caller: str = "EngineConfig") ->
 
 
 class _ModelAction(argparse.Action):
-    """Stores MODEL from the positional or from ``--model``; both at once must agree."""
+    """Stores MODEL from the positional or from ``--model``; both at once must agree, unless
+    ``several`` (``_SeveralModelsAction``)."""
+
+    #: Whether a second, different model is appended to ``extra_model`` instead of refused.
+    several = False
 
     def __call__(
         self,
@@ -465,9 +469,19 @@ class _ModelAction(argparse.Action):
         if values is None:  # the optional positional, absent
             return
         before = getattr(namespace, self.dest, None)
-        if before is not None and before != values:
+        if before is None or before == values:
+            setattr(namespace, self.dest, values)
+        elif not self.several:
             parser.error(f"the model is given twice: {before!r} and {values!r}")
-        setattr(namespace, self.dest, values)
+        elif values not in (extra := list(getattr(namespace, "extra_model", None) or [])):
+            namespace.extra_model = [*extra, values]
+
+
+class _SeveralModelsAction(_ModelAction):
+    """MODEL / ``--model`` for ``pagedllm serve``: the first is ``model``, each other (different)
+    one is appended to ``extra_model``."""
+
+    several = True
 
 
 def _cli_size(text: str) -> int:
@@ -496,14 +510,18 @@ def _flag_help(f: Field[Any]) -> str:
     return f"{text} (default: {default})".replace("%", "%%")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_engine_args(
+    parser: argparse.ArgumentParser, several_models: bool = False
+) -> argparse.ArgumentParser:
     """Add a flag for every ``EngineConfig`` field to ``parser``; returns the parser.
 
     Each field ``x_y`` becomes ``--x-y`` (plus the field's ``aliases``), typed from the
     annotation: booleans as ``--x-y / --no-x-y``, enumerations with their choices, sizes in bytes
-    or with a unit (``2GiB``). ``model`` is also accepted as the positional ``MODEL`` (giving two
-    different models is an error). The help of each flag is the field's sentence and its default.
-    Read the result back with ``EngineConfig.from_cli_args(args)``.
+    or with a unit (``2GiB``). ``model`` is also accepted as the positional ``MODEL``; giving two
+    different models is an error, unless ``several_models`` (``pagedllm serve``): then the first
+    is ``model`` and each other one is appended to ``args.extra_model``. The help of each flag is
+    the field's sentence and its default. Read the result back with
+    ``EngineConfig.from_cli_args(args)``.
 
     Raises:
         TypeError: naming a field whose annotation has no command-line type (a programming error).
@@ -517,15 +535,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         types = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
         kind = types[0] if types else hints[f.name]
         if meta.get("positional"):
+            action = _SeveralModelsAction if several_models else _ModelAction
             parser.add_argument(
                 f.name,
                 nargs="?",
                 default=f.default,
-                action=_ModelAction,
+                action=action,
                 metavar=f.name.upper(),
                 help=f"same as {flag}",
             )
-            kw.update(action=_ModelAction, metavar=f.name.upper())
+            kw.update(action=action, metavar=f.name.upper())
+            if several_models:
+                kw["help"] += "; repeat it to serve several models (the first is the default)"
         elif meta.get("size"):
             kw.update(type=_cli_size, metavar="SIZE")
         elif meta.get("choices"):

@@ -6,7 +6,8 @@ Design:
   thread drains between steps, so new requests join the running batch at the next step and a
   step (blocking CPU work, 10-300 ms) never runs on the event loop.
 - What the server reads about the engine is plain data: immutable facts copied at construction
-  (``tokenizer`` -- a private copy --, ``max_model_len``, ``vocab_size``, ``model``), the
+  (``model_facts.ModelFacts``: ``tokenizer`` -- a private copy --, ``max_model_len``,
+  ``vocab_size``, ``model``, ``memory_bytes``...), the
   ``counters`` the thread publishes after every step (``kv_snapshot.EngineCounters``), and KV
   snapshots taken on the thread between two steps (``capture_kv``).
 - Each request has its own ``asyncio.Queue``; the thread hands every ``RequestOutput`` to the
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import copy
 import logging
 import queue
 import threading
@@ -45,6 +45,7 @@ from typing import Any
 from pagedllm.engine.admission import AdmissionControl
 from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
 from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
+from pagedllm.engine.model_facts import ModelFacts, ModelFactsMixin
 from pagedllm.engine.request_stream import (
     TIMEOUT_FINISH_REASON,
     EngineDeadError,
@@ -73,11 +74,22 @@ __all__ = [
     "RequestAbortedError",
     "RequestStream",
     "TIMEOUT_FINISH_REASON",
+    "call_soon_threadsafe",
     "check_timeout",
 ]
 
 
-class AsyncLLMEngine:
+def call_soon_threadsafe(
+    loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *args: Any
+) -> None:
+    """Schedule ``fn(*args)`` on ``loop`` from any thread (a signal handler); nothing when
+    ``loop`` is None (never started) or closed."""
+    if loop is not None and not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(fn, *args)
+
+
+class AsyncLLMEngine(ModelFactsMixin):
     """Serve an ``LLMEngine`` to asyncio code.
 
     Args:
@@ -95,15 +107,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, log_stats_interval: float = 5.0) -> None:
         self.engine = engine
         # The engine thread decodes with its tokenizer; the event loop gets its own copy.
-        try:
-            self._tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:  # not copyable: share it (HF fast tokenizers copy fine)
-            self._tokenizer = engine.tokenizer
-        self._max_model_len: int = engine.max_model_len
-        self._vocab_size: int = engine.vocab_size
-        self._hidden_size: int = engine.model_config.hidden_size
-        self._default_pooling: str = engine.config.pooling
-        self._model: str | None = engine.config.model
+        self._facts = ModelFacts.of_engine(engine)
         self._policy: str = engine.config.scheduling_policy
         cfg = engine.config
         self._admission = AdmissionControl(
@@ -171,38 +175,7 @@ class AsyncLLMEngine:
         obj._prestarted = (thread, go)
         return obj
 
-    # ---- facts about the model (fixed at construction) -----------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        """The event loop's own copy of the engine's tokenizer (never used by the engine thread)."""
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """Most tokens (prompt + output) of one sequence."""
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids are in ``[0, vocab_size)``."""
-        return self._vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of the model's final hidden state (the size of an embedding)."""
-        return self._hidden_size
-
-    @property
-    def default_pooling(self) -> str:
-        """How embeddings pool the hidden states unless a request says (``--pooling``)."""
-        return self._default_pooling
-
-    @property
-    def model(self) -> str | None:
-        """The model path or name the engine loaded (``EngineConfig.model``; None: the bundled
-        default)."""
-        return self._model
-
+    # ---- facts about the model: ModelFactsMixin (tokenizer, max_model_len, ...) -----------------
     @property
     def counters(self) -> EngineCounters:
         """The newest gauges and counters, published by the engine thread after every step and
@@ -268,6 +241,18 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
+
+    def release(self) -> None:
+        """After ``shutdown()``: drop the ``LLMEngine`` (its weights and KV pools) so that their
+        memory is freed even while this object stays referenced (FastAPI keeps the route
+        functions of an app, which hold it, in a module-level cache). ``engine`` is gone then.
+
+        Raises:
+            RuntimeError: the engine thread still runs (call ``shutdown()`` first).
+        """
+        if self.is_running:
+            raise RuntimeError("release() needs the engine shut down first")
+        self.__dict__.pop("engine", None)
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -384,10 +369,7 @@ class AsyncLLMEngine:
     def abort_all_threadsafe(self, error: BaseException) -> None:
         """``abort_all(error)`` from any thread (e.g. a signal handler): scheduled on the event
         loop the engine was started from; does nothing if it was never started or is closed."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self.abort_all, error)
+        call_soon_threadsafe(self._loop, self.abort_all, error)
 
     async def capture_kv(self) -> dict[str, Any]:
         """The raw KV state (``kv_snapshot.capture``), copied on the engine thread between two

@@ -119,6 +119,7 @@ class LLMEngine:
             mc, config.block_size, kv_dtype, config.kv_cache_memory, rank_kv_heads, stage_layers
         )
         self.num_blocks = num_blocks  # per rank under tensor / pipeline parallelism
+        self.weight_bytes: int = loaded.weight_bytes  # all ranks together
         self.block_bytes = kv_block_bytes(
             mc, config.block_size, kv_dtype, rank_kv_heads, stage_layers
         )

@@ -14,7 +14,7 @@ puts them back once Ray has restarted them (``max_restarts``), and polls every r
 
 Shared state lives here, in the front process: admission (``max_waiting_requests`` per replica in
 rotation: 503 above it), the ``/v1/responses`` store (one per app), and graceful drain
-(``num_live_requests`` / ``abort_all``).
+(``num_live_requests`` / ``abort_all``, both counting the requests still being routed).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pagedllm.engine.async_engine import EngineDeadError, QueueFullError
+from pagedllm.engine.async_engine import EngineDeadError, QueueFullError, call_soon_threadsafe
 from pagedllm.engine.kv_snapshot import EngineCounters
+from pagedllm.engine.model_facts import ModelFactsMixin
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving.counters import sum_counters
@@ -82,7 +83,7 @@ def _ensure_ray(num_cpus: int | None) -> None:
     )
 
 
-class DataParallelEngine:
+class DataParallelEngine(ModelFactsMixin):
     """N replicas of one model behind the router; an ``AsyncLLMEngine`` to the serving layer.
 
     Args:
@@ -137,56 +138,21 @@ class DataParallelEngine:
             self._kill_all()
             cause = e.__cause__ or e
             raise ValueError(f"the data-parallel replicas could not start: {cause}") from None
-        info = infos[0]
-        self._tokenizer = info["tokenizer"]
-        self._max_model_len: int = info["max_model_len"]
-        self._vocab_size: int = info["vocab_size"]
-        self._hidden_size: int = info["hidden_size"]
-        self._default_pooling: str = info["default_pooling"]
-        self._model: str | None = info["model"]
+        # Replica 0 speaks for the model; the memory is every replica's.
+        self._facts = replace(infos[0], memory_bytes=sum(f.memory_bytes for f in infos))
         self.router = ReplicaRouter(
-            num_replicas, policy, block_size=info["block_size"], prefix_blocks=prefix_blocks
+            num_replicas, policy, block_size=self._facts.block_size, prefix_blocks=prefix_blocks
         )
         self._max_waiting: int | None = engine_args.get("max_waiting_requests")
         self._streams: set[ReplicaStream] = set()
-        self._pending_adds = 0
+        self._routing: set[ReplicaStream] = set()  # added, not yet accepted by a replica
         self.num_retries = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task | None = None
         self._stopped = False
         self._counters = sum_counters(ray.get([r.actor.counters.remote() for r in self.replicas]))
 
-    # ---- what the serving layer reads ----------------------------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer (a copy of replica 0's)."""
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """Most tokens (prompt + output) of one sequence."""
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids are in ``[0, vocab_size)``."""
-        return self._vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of an embedding."""
-        return self._hidden_size
-
-    @property
-    def default_pooling(self) -> str:
-        """The replicas' ``--pooling``."""
-        return self._default_pooling
-
-    @property
-    def model(self) -> str | None:
-        """``EngineConfig.model`` of the replicas (None: the bundled default)."""
-        return self._model
-
+    # ---- what the serving layer reads: ModelFactsMixin (tokenizer, max_model_len, ...) ----
     @property
     def counters(self) -> EngineCounters:
         """The replicas' counters summed (``counters.sum_counters``), at most
@@ -205,8 +171,9 @@ class DataParallelEngine:
 
     @property
     def num_live_requests(self) -> int:
-        """Requests routed and not finished (all replicas)."""
-        return len(self._streams)
+        """Requests not finished (all replicas), counting those still being routed (graceful
+        drain waits for them too)."""
+        return len(self._streams) + len(self._routing)
 
     @property
     def dead_reason(self) -> str | None:
@@ -238,6 +205,10 @@ class DataParallelEngine:
             self._monitor.cancel()
         self._kill_all()
 
+    def release(self) -> None:
+        """Nothing to drop: the weights and KV pools live in the replica actors, which
+        ``shutdown()`` killed (``AsyncLLMEngine.release``'s counterpart)."""
+
     def _kill_all(self) -> None:
         import ray
 
@@ -260,7 +231,7 @@ class DataParallelEngine:
             return
         live = [r for r in self.replicas if r.in_rotation]
         waiting = sum(r.counters.num_waiting for r in live if r.counters is not None)
-        if waiting + self._pending_adds >= self._max_waiting * max(1, len(live)):
+        if waiting + len(self._routing) >= self._max_waiting * max(1, len(live)):
             raise QueueFullError(
                 f"the server is overloaded: {waiting} requests are waiting on {len(live)} "
                 "replica(s) (max_waiting_requests per replica); retry later"
@@ -333,28 +304,26 @@ class DataParallelEngine:
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
         if isinstance(prompt, str):
-            prompt = list(self._tokenizer(prompt).input_ids)
+            prompt = list(self.tokenizer(prompt).input_ids)
         self._admit()
         stream = ReplicaStream(self, request_id, list(prompt), params, priority, timeout)
-        self._pending_adds += 1
+        self._routing.add(stream)
         try:
             await self._submit(stream, set())
         finally:
-            self._pending_adds -= 1
-        self._streams.add(stream)
+            self._routing.discard(stream)
+        self._streams.add(stream)  # failed meanwhile (abort_all): its consumer raises at once
         return stream
 
     def abort_all(self, error: BaseException) -> None:
-        """Fail every live request with ``error`` and abort it on its replica."""
-        for s in list(self._streams):
+        """Fail every live request with ``error`` and abort it on its replica (one still being
+        routed fails once a replica accepted it)."""
+        for s in list(self._streams | self._routing):
             s.fail(error)
 
     def abort_all_threadsafe(self, error: BaseException) -> None:
         """``abort_all`` from any thread (a signal handler)."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self.abort_all, error)
+        call_soon_threadsafe(self._loop, self.abort_all, error)
 
     # ---- replica health --------------------------------------------------------------------
     def _take_out(self, replica: ReplicaState, error: BaseException) -> None:

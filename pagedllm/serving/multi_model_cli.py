@@ -1,5 +1,6 @@
-"""``pagedllm serve MODEL --extra-model B [--extra-model C] [--model-dir DIR]``: the command-line
-side of ``MultiModelApp`` (several models behind one endpoint)."""
+"""``pagedllm serve --model A --model B [--model-dir DIR] [--models-memory-budget 6GiB]``: the
+command-line side of ``MultiModelApp`` (several models behind one endpoint). ``--extra-model B``
+is an alias of a repeated ``--model``. Every model gets the same engine flags."""
 
 from __future__ import annotations
 
@@ -11,17 +12,21 @@ from typing import Any
 
 from pagedllm.config import served_model_name
 
-__all__ = ["model_paths", "serve_multi_model"]
+__all__ = ["estimate_model_bytes", "model_paths", "serve_multi_model"]
 
 logger = logging.getLogger(__name__)
 
+#: Files whose bytes count as a model's weights in ``estimate_model_bytes``.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
 
 def model_paths(args: Any) -> dict[str, str | None]:
-    """Served name -> model path: ``MODEL`` (named ``--served-model-name``'s first name or its
-    default), each ``--extra-model``, and each sub-folder / ``.gguf`` file of ``--model-dir``.
+    """Served name -> model path: the first ``--model`` / ``MODEL`` (named by
+    ``--served-model-name``'s first name or its default), each further ``--model`` /
+    ``--extra-model``, and each sub-folder / ``.gguf`` file of ``--model-dir``.
 
     Raises:
-        ValueError: naming ``--model-dir`` when it is not a folder, or ``--extra-model`` when two
+        ValueError: naming ``--model-dir`` when it is not a folder, or ``--model`` when two
             models get the same name.
     """
     paths: dict[str, str | None] = {}
@@ -38,45 +43,80 @@ def model_paths(args: Any) -> dict[str, str | None]:
     for path in extra:
         name = served_model_name(path)
         if name in paths:
-            raise ValueError(f"--extra-model: two models are named {name!r}")
+            raise ValueError(f"--model: two models are named {name!r} ({paths[name]}, {path})")
         paths[name] = path
     return paths
 
 
+def estimate_model_bytes(path: str | None, engine_args: dict[str, Any], replicas: int = 1) -> int:
+    """Bytes a model is expected to hold before it was ever loaded: its weight files on disk
+    (``WEIGHT_SUFFIXES``; 0 for a name that is no local file / folder, such as the bundled
+    model) plus its KV pools (``kv_cache_memory`` + ``swap_space`` per rank), times
+    ``replicas``. A lower bound when weights grow on load (bfloat16 files served in float32);
+    ``MultiModelApp`` replaces it with the engine's measured size after the first load."""
+    from pagedllm.config import EngineConfig
+
+    config = EngineConfig(**engine_args)
+    weights = 0
+    if path is not None and os.path.isfile(path):
+        weights = os.path.getsize(path)
+    elif path is not None and os.path.isdir(path):
+        weights = sum(
+            f.stat().st_size for f in Path(path).rglob("*") if f.suffix in WEIGHT_SUFFIXES
+        )
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    kv = (config.kv_cache_memory + config.swap_space) * ranks
+    return (weights + kv) * replicas
+
+
 def serve_multi_model(args: Any, engine_args: dict[str, Any]) -> int:
     """Serve every model of ``model_paths(args)`` with uvicorn until SIGINT / SIGTERM (each
-    model's app built by ``build_app`` with ``engine_args``, its own ``model``). Returns 0, or 2
-    for bad arguments (logged)."""
-    import uvicorn
-
+    model's app built by ``build_app`` with ``engine_args``, its own ``model``), draining on the
+    first signal like one model (``shutdown.serve_until_signal``). Returns 0, or 2 for bad
+    arguments or a failed startup (a model over the memory budget; logged)."""
+    from pagedllm.entrypoints.openai.api_server import app_options
     from pagedllm.entrypoints.openai.app import build_app
+    from pagedllm.entrypoints.openai.shutdown import serve_until_signal
     from pagedllm.serving.multi_model import MultiModelApp
 
+    replicas = max(1, getattr(args, "data_parallel_size", 1))
     try:
         paths = model_paths(args)
+        estimates = {
+            n: estimate_model_bytes(p, {**engine_args, "model": p}, replicas)
+            for n, p in paths.items()
+        }
+        app = MultiModelApp(
+            {
+                name: _factory(build_app, engine_args, app_options(args), name, path)
+                for name, path in paths.items()
+            },
+            idle_unload_s=getattr(args, "model_idle_unload_s", None),
+            max_loaded=getattr(args, "max_loaded_models", None),
+            eager=not getattr(args, "lazy_load_models", False),
+            api_key=args.api_key,
+            memory_budget=getattr(args, "models_memory_budget", None),
+            memory_estimates=estimates,
+        )
     except ValueError as e:
         logger.error("%s", e)
         return 2
-
-    def factory(name: str, path: str | None) -> Callable[[], Any]:
-        return lambda: build_app(
-            {**engine_args, "model": path},
-            served_model_name=name,
-            api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes,
-            log_stats_interval=args.log_stats_interval,
-            tool_call_parser=getattr(args, "tool_call_parser", None),
-            data_parallel_size=getattr(args, "data_parallel_size", 1),
-            router_policy=getattr(args, "router_policy", "cache_aware"),
-        )
-
-    app = MultiModelApp(
-        {name: factory(name, path) for name, path in paths.items()},
-        idle_unload_s=getattr(args, "model_idle_unload_s", None),
-        max_loaded=getattr(args, "max_loaded_models", None),
-        eager=not getattr(args, "lazy_load_models", False),
-        api_key=args.api_key,
-    )
     logger.info("serving %s on http://%s:%d", list(paths), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    return 0
+    grace_period = float(getattr(args, "shutdown_grace_period", 0.0))
+    started = serve_until_signal(
+        app, app, args.host, args.port, args.uvicorn_log_level, grace_period
+    )
+    return 0 if started else 2
+
+
+def _factory(
+    build_app: Callable[..., Any],
+    engine_args: dict[str, Any],
+    options: dict[str, Any],
+    name: str,
+    path: str | None,
+) -> Callable[[], Any]:
+    """A function building model ``name``'s app (the same flags, its own path and name)."""
+    return lambda: build_app(
+        {**engine_args, "model": path}, **{**options, "served_model_name": name}
+    )

@@ -24,6 +24,7 @@ from pagedllm.engine.async_engine import (
     RequestAbortedError,
 )
 from pagedllm.engine.kv_snapshot import EngineCounters
+from pagedllm.engine.model_facts import ModelFacts
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = ["EngineReplica", "WireError"]
@@ -109,20 +110,11 @@ class EngineReplica:
         if not self.engine.is_running and not self.engine.is_dead:
             self.engine.start()
 
-    async def info(self) -> dict[str, Any]:
-        """Facts the front process needs: the tokenizer, ``max_model_len``, ``vocab_size``,
-        ``hidden_size``, ``default_pooling``, ``model``, ``block_size``."""
+    async def info(self) -> ModelFacts:
+        """The model facts the front process serves from (tokenizer, ``max_model_len``,
+        ``block_size``, ``memory_bytes``...: ``ModelFacts``)."""
         self._ensure_started()
-        e = self.engine
-        return {
-            "tokenizer": e.tokenizer,
-            "max_model_len": e.max_model_len,
-            "vocab_size": e.vocab_size,
-            "hidden_size": e.hidden_size,
-            "default_pooling": e.default_pooling,
-            "model": e.model,
-            "block_size": e.counters.block_size,
-        }
+        return self.engine.facts
 
     async def ping(self) -> bool:
         """True while the engine runs (the router's health check)."""

@@ -180,3 +180,46 @@ def start_serve_process(serve_args: list[str], start_timeout: float = 300.0):
             proc.kill()
             raise AssertionError("server did not start")
         time.sleep(0.3)
+
+
+def stream_through_sigterm(
+    proc, url: str, body: dict, probe_body: dict
+) -> tuple[list[str], httpx.Response]:
+    """Stream ``body`` from a ``pagedllm serve`` process; once its first event arrived, send
+    SIGTERM, wait until ``/health`` answers 503 (draining) and POST ``probe_body``; then read the
+    stream to its end. Returns (the stream's non-empty lines, the probe's response)."""
+    import signal
+
+    lines: list[str] = []
+    probe = None
+    with (
+        httpx.Client(base_url=url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 1 and probe is None:
+                proc.send_signal(signal.SIGTERM)
+                t0 = time.monotonic()
+                while httpx.get(url + "/health").status_code != 503:
+                    assert time.monotonic() - t0 < 30, "the server did not start draining"
+                    time.sleep(0.01)
+                probe = httpx.post(url + "/v1/completions", json=probe_body)
+    assert probe is not None, "the stream ended before its first event"
+    return lines, probe
+
+
+def check_drained_stream(proc, lines: list[str], probe: httpx.Response, num_tokens: int):
+    """After ``stream_through_sigterm``: the probe got 503 ``server_draining``, the stream ran
+    to its end (``num_tokens`` tokens, ``finish_reason`` length, ``[DONE]``), the process exited
+    0 after logging the drain. Returns the stream's chunks."""
+    assert_error(probe, 503, None, "server_draining")
+    assert probe.headers["retry-after"] == "1"
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(ch["choices"][0]["token_ids"]) for ch in chunks) == num_tokens  # all of it
+    assert proc.wait(timeout=60) == 0
+    assert b"draining: 1 request(s) in flight" in proc.stdout.read()
+    return chunks

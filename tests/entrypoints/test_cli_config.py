@@ -112,11 +112,22 @@ def test_model_positional_or_flag(parser, command):
     assert parser.parse_args(command).model is None
 
 
-def test_two_different_models_are_an_error(parser, capsys):
+@pytest.mark.parametrize("command", [["generate"], ["bench", "throughput"]], ids=" ".join)
+def test_two_different_models_are_an_error(parser, capsys, command):
     with pytest.raises(SystemExit) as e:
-        parser.parse_args(["serve", "a.gguf", "--model", "b.gguf"])
+        parser.parse_args([*command, "a.gguf", "--model", "b.gguf"])
     assert e.value.code == 2
     assert "'a.gguf' and 'b.gguf'" in capsys.readouterr().err
+
+
+def test_serve_takes_several_models(parser):
+    """``serve``: the first model is ``model``, the others (and ``--extra-model``) extra ones."""
+    args = parser.parse_args(["serve", "a.gguf", "--model", "b.gguf", "--model", "a.gguf"])
+    assert args.model == "a.gguf" and args.extra_model == ["b.gguf"]
+    args = parser.parse_args(
+        ["serve", "--extra-model", "x", "--model", "a", "--model", "b", "--model", "c"]
+    )
+    assert args.model == "a" and args.extra_model == ["x", "b", "c"]
 
 
 def test_old_spellings_still_work(parser):

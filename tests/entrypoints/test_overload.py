@@ -10,8 +10,6 @@ as long as the test needs.
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
 import threading
 import time
 
@@ -25,9 +23,11 @@ from pagedllm.entrypoints.openai.api_server import drain
 from pagedllm.sampling_params import SamplingParams
 from tests.entrypoints.server_utils import (
     assert_error,
+    check_drained_stream,
     healthy,
     start_serve_process,
     start_tiny_server,
+    stream_through_sigterm,
     wait_idle,
 )
 
@@ -299,27 +299,10 @@ def test_serve_sigterm_drains_in_flight_stream(tmp_path, hf_tiny_model, tiny_tok
     try:
         body = {"prompt": "the quick brown fox", "max_tokens": 400, "stream": True, **GREEDY}
         body["return_token_ids"] = True
-        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", C, json=body) as r:
-            lines = []
-            probe = None
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 1 and probe is None:
-                    proc.send_signal(signal.SIGTERM)
-                    wait_for(lambda: httpx.get(url + "/health").status_code == 503)
-                    probe = httpx.post(url + C, json={"prompt": "hi", "max_tokens": 2})
+        lines, probe = stream_through_sigterm(proc, url, body, {"prompt": "hi", "max_tokens": 2})
         # New requests were refused while the stream went on; the stream ran to its end.
-        assert_error(probe, 503, None, "server_draining")
-        assert probe.headers["retry-after"] == "1"
-        assert lines[-1] == "data: [DONE]"
-        last = json.loads(lines[-2][len("data: ") :])
-        assert last["choices"][0]["finish_reason"] == "length"
-        chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
-        assert sum(len(ch["choices"][0]["token_ids"]) for ch in chunks) == 400  # all of it
-        assert proc.wait(timeout=60) == 0
+        check_drained_stream(proc, lines, probe, 400)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert b"draining: 1 request(s) in flight" in proc.stdout.read()

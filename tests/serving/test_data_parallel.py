@@ -7,6 +7,7 @@ survivor keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import time
@@ -15,8 +16,10 @@ import httpx
 import pytest
 
 from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.entrypoints.openai.shutdown import drain
 from pagedllm.sampling_params import SamplingParams
-from tests.entrypoints.server_utils import ServerThread, sse_events
+from tests.entrypoints.server_utils import ServerThread, assert_error, sse_events
+from tests.entrypoints.test_overload import wait_for
 
 pytestmark = pytest.mark.slow  # starts Ray and two engine processes (~30 s here)
 
@@ -144,6 +147,62 @@ def test_cache_aware_routing_keeps_a_prefix_on_one_replica(server, client):
     assert 'pagedllm:replica_in_rotation{replica="1"} 1.0' in text
     hits = [c.prefix_cache_hit_tokens or 0 for c in (r.counters for r in dp.replicas) if c]
     assert max(hits) >= 3 * 16  # the shared blocks were found in one replica's cache
+
+
+def hold_replicas(dp, release_file: str) -> None:
+    """Park every replica's engine thread between two steps until ``release_file`` exists (the
+    test's event across processes)."""
+
+    def hold(replica) -> None:  # runs inside the replica actor (pickled by value)
+        def wait(_engine) -> None:
+            t0 = time.monotonic()
+            while not os.path.exists(release_file) and time.monotonic() - t0 < 60:
+                time.sleep(0.01)
+
+        replica.engine.call_in_engine_thread(wait)
+
+    ray.get([r.actor.__ray_call__.remote(hold) for r in dp.replicas])
+
+
+def test_drain_lets_routed_streams_finish_then_aborts(server, client, tmp_path):
+    """``drain`` (SIGTERM) on the data-parallel front: new requests 503, the routed stream runs
+    to its end; with the grace period over it is aborted with an error event."""
+    app = server.app
+    dp = app.state.async_engine
+    body = {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    body["stream"] = True
+
+    def stream_lines() -> list[str]:
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            return [line for line in r.iter_lines() if line]
+
+    try:
+        for grace, left, last in ((30.0, 0, '"finish_reason":"length"'), (0.1, 1, "aborted")):
+            release = tmp_path / f"release-{grace}"
+            hold_replicas(dp, str(release))
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                lines = pool.submit(stream_lines)
+                wait_for(lambda: dp.num_live_requests == 1)  # routed, held in its replica
+                fut = asyncio.run_coroutine_threadsafe(drain(app, grace), dp.event_loop)
+                wait_for(lambda: app.state.lifecycle.draining)
+                refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert_error(refused, 503, None, "server_draining")
+                assert_error(client.get("/health"), 503, None, "server_draining")
+                if left:  # the short grace period runs out while the replicas are held
+                    assert fut.result(30) == left
+                release.touch()
+                rest = lines.result(60)
+            assert fut.result(30) == left
+            assert rest[-1] == "data: [DONE]" and last in rest[-2], rest[-2:]
+            app.state.lifecycle.draining = False
+    finally:
+        app.state.lifecycle.draining = False
+        for grace in (30.0, 0.1):
+            (tmp_path / f"release-{grace}").touch()
+    wait_for(lambda: dp.num_live_requests == 0)
 
 
 def test_killed_replica_requests_end_cleanly_and_survivor_serves(server, client):

@@ -1,4 +1,5 @@
-"""``pagedllm serve --extra-model / --model-dir``: which names the models get."""
+"""``pagedllm serve --model A --model B / --extra-model / --model-dir / --models-memory-budget``:
+which names the models get, the budget flag, the size estimate before a first load."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import pytest
 
 from pagedllm.entrypoints.openai.cli_serve import add_serve_parser
-from pagedllm.serving.multi_model_cli import model_paths
+from pagedllm.serving.multi_model_cli import estimate_model_bytes, model_paths
 
 
 def parse(argv):
@@ -36,3 +37,38 @@ def test_model_paths_errors(tmp_path):
         model_paths(parse(["/p/a", "--model-dir", str(tmp_path / "missing")]))
     with pytest.raises(SystemExit):
         parse(["--router-policy", "random"])
+
+
+def test_repeated_model_flag_serves_several_models():
+    args = parse(["--model", "/m/a", "--model", "/m/b", "--extra-model", "/m/c"])
+    assert model_paths(args) == {"a": "/m/a", "b": "/m/b", "c": "/m/c"}
+    args = parse(["/m/a", "--model", "/m/b", "--served-model-name", "first"])
+    assert model_paths(args) == {"first": "/m/a", "b": "/m/b"}
+    with pytest.raises(ValueError, match="two models are named 'a'"):
+        model_paths(parse(["--model", "/p/a", "--model", "/q/a"]))
+
+
+def test_memory_budget_flag(capsys):
+    assert parse(["--models-memory-budget", "6GiB"]).models_memory_budget == 6 << 30
+    assert parse(["--models-memory-budget", "1000"]).models_memory_budget == 1000
+    assert parse([]).models_memory_budget is None
+    for bad in ("6 gigs", "0"):
+        with pytest.raises(SystemExit):
+            parse(["--models-memory-budget", bad])
+        assert "--models-memory-budget" in capsys.readouterr().err
+
+
+def test_estimate_is_weight_files_plus_kv_pools(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "more.bin").write_bytes(b"x" * 24)
+    (tmp_path / "config.json").write_text("{}" * 100)  # not weights
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 77)
+    args = {"kv_cache_memory": 1 << 20, "swap_space": 1 << 10}
+    kv = (1 << 20) + (1 << 10)
+    assert estimate_model_bytes(str(tmp_path), args) == 1000 + 24 + 77 + kv
+    assert estimate_model_bytes(str(gguf), args) == 77 + kv
+    assert estimate_model_bytes(None, args, replicas=3) == 3 * kv  # the bundled model: KV only
+    tp2 = {**args, "tensor_parallel_size": 2}
+    assert estimate_model_bytes(str(gguf), tp2) == 77 + 2 * kv

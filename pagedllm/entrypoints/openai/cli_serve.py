@@ -11,7 +11,7 @@ import importlib.util
 import os
 from typing import Any
 
-from pagedllm.config import add_engine_args, served_model_name
+from pagedllm.config import add_engine_args, parse_size, served_model_name
 from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 from pagedllm.serving.routing import ROUTER_POLICIES
 
@@ -41,6 +41,17 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
+def _size(text: str) -> int:
+    """argparse type: bytes, or a size with a unit (``parse_size``: ``6GiB``, ``500MB``)."""
+    try:
+        value = parse_size(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve [MODEL] --host --port --served-model-name --api-key ...`` and every engine
     flag (``add_engine_args``)."""
@@ -48,7 +59,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)",
     )
-    add_engine_args(p)
+    add_engine_args(p, several_models=True)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -114,19 +125,21 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="PATH",
-        help="serve this model too, behind the same endpoint, routed by the request's `model` "
-        "(its folder's base name / GGUF stem); repeatable (docs/scaling.md)",
+        help="serve this model too (the same as repeating --model; kept as an alias), routed "
+        "by the request's `model` (its folder's base name / GGUF stem); repeatable "
+        "(docs/scaling.md)",
     )
     p.add_argument(
         "--model-dir",
         default=None,
         metavar="DIR",
-        help="serve every model folder / .gguf file in DIR too (as --extra-model)",
+        help="serve every model folder / .gguf file in DIR too (as --model)",
     )
     p.add_argument(
         "--lazy-load-models",
         action="store_true",
-        help="with several models: load each on its first request (default: all at startup)",
+        help="with several models: load each on its first request (default: all that fit the "
+        "budget at startup)",
     )
     p.add_argument(
         "--model-idle-unload-s",
@@ -141,8 +154,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="with several models: the memory budget, in models loaded at once; loading one "
-        "more unloads the least recently used idle one (default: no limit)",
+        help="with several models: most models loaded at once; loading one more unloads the "
+        "least recently used idle one (default: no limit)",
+    )
+    p.add_argument(
+        "--models-memory-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="with several models: most bytes the loaded models may hold together, each "
+        "counted as its weights + KV cache (+ swap space), e.g. 6GiB; loading one more unloads "
+        "the least recently used idle ones to make room, a model larger than the whole budget "
+        "is refused (400 naming `model`) (default: no limit)",
     )
     p.add_argument(
         "--uvicorn-log-level",

@@ -52,6 +52,22 @@ async def send_json(
     await send({"type": "http.response.body", "body": data})
 
 
+async def send_draining(send: Callable) -> None:
+    """Refuse a request while the server drains: 503 ``server_draining`` with ``Retry-After``
+    (every path but ``DRAIN_OPEN_PATHS``)."""
+    await send_json(
+        send,
+        503,
+        error_body(
+            "the server is shutting down and accepts no new requests",
+            "server_error",
+            None,
+            "server_draining",
+        ),
+        {"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 class GuardMiddleware:
     """API key check (``Authorization: Bearer <key>``) and the request body size limit.
 
@@ -81,17 +97,7 @@ class GuardMiddleware:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
         if self.lifecycle.draining and path not in DRAIN_OPEN_PATHS:
-            await send_json(
-                send,
-                503,
-                error_body(
-                    "the server is shutting down and accepts no new requests",
-                    "server_error",
-                    None,
-                    "server_draining",
-                ),
-                {"Retry-After": str(RETRY_AFTER_S)},
-            )
+            await send_draining(send)
             return
         if self.api_key and not (path in OPEN_PATHS or scope.get("method") == "OPTIONS"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
