@@ -63,7 +63,7 @@ def remove_stale_torch_lock(directory: Path) -> bool:
         f"pagedllm: removed the stale kernel-build lock {path} (left by a build that was "
         "killed; no build of this directory is running)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of `with exclusive_build(...)` (through contextlib)
     )
     return True
 
