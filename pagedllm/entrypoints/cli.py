@@ -123,9 +123,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `pagedllm --help` shows under the commands: the opt-in features and their flags (every
+# engine flag is on generate, serve and bench throughput; see `pagedllm serve --help`).
+FEATURES_EPILOG = """\
+opt-in features (flags of generate, serve and bench throughput):
+  --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+                        speculative decoding, greedy output unchanged (docs/spec_decode.md)
+  --quantization {int8,gguf}  lossy weight formats (docs/models.md)
+  --kv-cache-dtype {fp8_e4m3,int8}  lossy KV cache, ~4x the tokens (docs/kv_cache_dtype.md)
+  -tp N / -pp N         tensor / pipeline parallelism (docs/pipeline_parallel.md)
+serve only:
+  --admission slots     refuse at once what could not start at the next step (503)
+  --data-parallel-size N, --extra-model PATH
+                        engine replicas, several models behind one endpoint (docs/scaling.md)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pagedllm`` parser: ``generate``, ``serve`` (with the server extra) and ``bench``."""
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM serving with PagedAttention")
+    parser = argparse.ArgumentParser(
+        prog="pagedllm",
+        description="LLM serving with PagedAttention",
+        epilog=FEATURES_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 

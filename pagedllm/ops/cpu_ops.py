@@ -177,6 +177,7 @@ class CpuOps:
         """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for signed 8-bit weights with one
         scale per 16 (``qs [N, K]`` int8, ``d [N, K/16]`` float32; ``model.quant.gguf_native``)."""
         return self._gguf_q8_linear(x, qs, d)
+
     # ---- int8 W8A8 GEMM (int8_gemm.cpp) -------------------------------------------------------
 
     def int8_pack_weight(self, qweight: Tensor) -> Tensor:

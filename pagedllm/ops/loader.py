@@ -24,7 +24,9 @@ sharing one cache would otherwise keep rebuilding each other's build.
 ``$PAGEDLLM_CACHE_DIR/torch_extensions`` (default ``$XDG_CACHE_HOME/pagedllm`` or
 ``~/.cache/pagedllm``, the directory of the tokenizer cache) and
 ``<tmp>/pagedllm-<uid>/torch_extensions``. A first build takes about 1-2 minutes, a cached load
-well under a second. Concurrent processes share one build (torch's lock file in the directory).
+well under a second. Concurrent processes share one build (torch's lock file in the directory,
+wrapped in :func:`pagedllm.ops.build_lock.exclusive_build`, which removes a lock left by a killed
+build and bounds the wait for a running one).
 
 If the sources are missing, no compiler is found, the CPU cannot run the requested variant, or
 the build fails, :func:`load_cpu_ops` returns ``None`` after one warning and callers use the
@@ -37,6 +39,8 @@ Environment:
     PAGEDLLM_CPU_ARCH_FLAGS: replaces the variant's instruction-set flags (e.g. ``-march=native``
         for the former behaviour); part of the build hash.
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
+    PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
+        past it the loader falls back with a warning naming the lock file.
     CXX: the C++ compiler (default ``c++``).
 """
 
@@ -57,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.ops.build_lock import exclusive_build
 from pagedllm.ops.cpu_ops import CpuOps
 from pagedllm.platform import (
     KERNEL_VARIANTS,
@@ -210,16 +215,17 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
 
             t0 = time.perf_counter()
             directory = build_dir(variant)
-            library = load(
-                name=f"pagedllm_cpu_{variant}",
-                sources=[str(SRC_DIR / n) for n in SOURCES],
-                extra_include_paths=[str(SRC_DIR)],
-                extra_cflags=list(_cflags(variant)),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=verbose,
-                is_python_module=False,  # torch.ops.load_library: registers torch.ops.pagedllm
-            )
+            with exclusive_build(directory):  # clears a lock left by a killed build
+                library = load(
+                    name=f"pagedllm_cpu_{variant}",
+                    sources=[str(SRC_DIR / n) for n in SOURCES],
+                    extra_include_paths=[str(SRC_DIR)],
+                    extra_cflags=list(_cflags(variant)),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                    is_python_module=False,  # torch.ops.load_library: registers torch.ops.pagedllm
+                )
             ops = CpuOps(variant)
             seconds = time.perf_counter() - t0
             _build = KernelBuild(

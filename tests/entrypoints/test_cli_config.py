@@ -188,3 +188,24 @@ def test_serve_defaults_the_served_name_to_the_base_name(parser, monkeypatch, tm
         args = parser.parse_args(["serve", *tokens])
         assert args.func(args) == 0
         assert seen[-1].served_model_name == name
+
+
+def test_top_level_help_names_the_opt_in_features(parser, capsys):
+    """`pagedllm --help` lists the opt-in features; each flag it names is a real flag of a
+    subcommand (serve's help lists them all)."""
+    import re
+
+    from pagedllm.entrypoints.cli import FEATURES_EPILOG
+
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    top = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    serve_help = capsys.readouterr().out
+    flags = set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", FEATURES_EPILOG))
+    assert {"--speculative-config", "--quantization", "--kv-cache-dtype", "-pp", "--admission",
+            "--data-parallel-size"} <= flags  # fmt: skip
+    for flag in flags:
+        assert flag in top
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", serve_help), flag

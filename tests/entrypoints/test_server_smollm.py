@@ -4,6 +4,12 @@ disconnects. Greedy and short outputs keep the module at a few minutes on 2 core
 
 Stop strings and tokens are taken from a reference run R0 (the same greedy request without the
 stop condition), never hard-coded; token ids come from the tokenizer.
+
+Replaying the cases against an engine feature: ``PAGEDLLM_CASES_ENGINE_ARGS`` (a JSON object of
+``EngineConfig`` fields, e.g. ``'{"quantization": "int8"}'`` or
+``'{"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}'``) is merged into
+every engine this module builds. Every property here holds under any such feature, since R0 is
+taken from the same engine.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import os
 import signal
 import time
 
@@ -31,6 +38,7 @@ from tests.entrypoints.server_utils import (
 pytestmark = pytest.mark.slow
 
 MODEL = "smol"
+FEATURE_ARGS = json.loads(os.environ.get("PAGEDLLM_CASES_ENGINE_ARGS") or "{}")
 C = "/v1/completions"
 CH = "/v1/chat/completions"
 FRANCE = "The capital of France is"
@@ -39,7 +47,7 @@ FRANCE = "The capital of France is"
 @pytest.fixture(scope="module")
 def server(smollm):
     app = build_app(
-        {"max_model_len": 1024, "kv_cache_memory": 96 << 20},
+        {"max_model_len": 1024, "kv_cache_memory": 96 << 20, **FEATURE_ARGS},
         loaded=smollm,
         served_model_name=MODEL,
     )
@@ -300,7 +308,7 @@ def test_c08_empty_prompt(client, server):
 
 def test_c09_context_length(smollm):
     app = build_app(
-        {"max_model_len": 128, "kv_cache_memory": 8 << 20},
+        {"max_model_len": 128, "kv_cache_memory": 8 << 20, **FEATURE_ARGS},
         loaded=smollm,
         served_model_name=MODEL,
     )
