@@ -1,15 +1,17 @@
 """Pipeline parallelism on this machine: throughput of the bundled SmolLM2-135M (30 layers) at
-pp = 1 vs pp = 2 (multi-process executor, one host), and each stage's idle share at pp = 2.
+pp = 1 and pp = 2 (multi-process executor, one host), and each stage's idle share at pp = 2 with
+1 micro-batch per step (the schedule before micro-batching: a step's forward crosses the stages
+one after the other) and with more (``--micro-batches``, default 1,2; 2 = the default, pp).
 
-The engine runs one scheduled batch per step and samples before the next, so a step's forward
-crosses the stages one after the other: without micro-batches, a stage idles while the other
-computes (about half the time each at pp = 2). On 2 shared cores there is no gain to expect; the
-point is the measured idle share, the input to any micro-batching work.
+With ``m`` equal micro-batches a stage idles about ``(pp - 1) / (m + pp - 1)`` of the step
+instead of ``(pp - 1) / pp``: 1/3 instead of 1/2 at pp = 2, m = 2. The configurations run one
+after the other in the same process, so they meet similar loads from other jobs; compare the
+ratios, not the absolute figures, on a shared machine.
 
 Workload: ``--num-prompts`` random prompts of ``--prompt-len`` tokens, ``--output-len`` greedy
 tokens each (ignore_eos), all submitted at once; throughput = (prompt + output tokens) / wall s.
 
-    .venv/bin/python benchmarks/pipeline_parallel.py      # ~1-2 min on 2 cores
+    .venv/bin/python benchmarks/pipeline_parallel.py      # ~2-3 min on 2 cores
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_lock  # noqa: E402
 
 
-def run(pp: int, args: argparse.Namespace) -> dict:
-    """Throughput (tokens/s) and, at pp > 1, each stage's idle share."""
+def run(pp: int, micro_batches: int, args: argparse.Namespace) -> dict:
+    """Throughput (tokens/s) and, at pp > 1, each stage's busy seconds and idle share."""
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     llm = LLM(
         pipeline_parallel_size=pp,
+        pipeline_micro_batches=micro_batches,
         max_model_len=args.prompt_len + args.output_len + 16,
         num_gpu_blocks_override=1024,
         enable_prefix_caching=False,
@@ -54,6 +57,7 @@ def run(pp: int, args: argparse.Namespace) -> dict:
             wall = time.perf_counter() - start
         out = {
             "pp": pp,
+            "micro_batches": micro_batches if pp > 1 else None,
             "tokens_per_s": args.num_prompts * (args.prompt_len + args.output_len) / wall,
         }
         if pp > 1:
@@ -70,9 +74,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument(
+        "--micro-batches",
+        default="1,2",
+        help="comma-separated micro-batches per step to run at pp = 2 (1 = no micro-batching)",
+    )
     args = ap.parse_args()
-    for pp in (1, 2):
-        print(json.dumps(run(pp, args)), flush=True)
+    print(json.dumps(run(1, 1, args)), flush=True)
+    for m in (int(x) for x in args.micro_batches.split(",")):
+        print(json.dumps(run(2, m, args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -314,6 +314,14 @@ class EngineConfig:
         min=1,
         aliases=("-pp",),
     )
+    pipeline_micro_batches: int | None = _option(
+        None,
+        "micro-batches per step under pipeline parallelism: each step's sequences are split into "
+        "this many groups that follow one another through the stages, so the stages compute at "
+        "the same time (docs/pipeline_parallel.md); default: pipeline_parallel_size",
+        min=1,
+        aliases=("--pp-micro-batches",),
+    )
     distributed_executor_backend: str | None = _option(
         None,
         "how the ranks run: uni = in-process (tp 1), mp = worker processes, ray = Ray actors; "

@@ -70,29 +70,48 @@ class PipelineGroup:
         # Rank 0 of the last stage holds the gathered logits and sends them to the driver.
         self.sends_output = self.is_last and rank % tp == 0
 
-    def _p2p(self, t: torch.Tensor, peer: int, send: bool) -> None:
+    def _p2p(self, t: torch.Tensor, peer: int, send: bool, tag: int) -> PendingOp:
+        """Post a send / receive of ``t`` and return at once; ``wait()`` the result. Both sides
+        know the shape, so an empty tensor moves nothing. Each (micro-batch, kind) has its own
+        ``tag``, so receives posted ahead of time match their sends whatever the order."""
         if t.numel() == 0:
-            return  # both sides know the shape: nothing to move
+            return PendingOp(t, None)
         op = self.pg.send if send else self.pg.recv  # type: ignore[attr-defined]
-        op([t], peer, 0).wait()
+        return PendingOp(t, op([t], peer, tag))
 
-    def send_next(self, t: torch.Tensor) -> None:
-        """Send ``t`` (contiguous) to the same tensor-parallel rank of the next stage."""
-        self._p2p(t.contiguous(), self.rank + self.tp, send=True)
+    def send_next(self, t: torch.Tensor, tag: int = 0) -> PendingOp:
+        """Post a send of ``t`` (made contiguous) to the same tensor-parallel rank of the next
+        stage."""
+        return self._p2p(t.contiguous(), self.rank + self.tp, True, tag)
 
-    def recv_prev(self, t: torch.Tensor) -> torch.Tensor:
-        """Fill ``t`` (its shape and dtype agreed in advance) from the previous stage."""
-        self._p2p(t, self.rank - self.tp, send=False)
-        return t
+    def recv_prev(self, t: torch.Tensor, tag: int = 0) -> PendingOp:
+        """Post a receive into ``t`` (its shape and dtype agreed in advance) from the previous
+        stage."""
+        return self._p2p(t, self.rank - self.tp, False, tag)
 
-    def send_to_driver(self, t: torch.Tensor) -> None:
-        """Last stage, rank 0: send ``t`` to the driver (global rank 0)."""
-        self._p2p(t.contiguous(), 0, send=True)
+    def send_to_driver(self, t: torch.Tensor, tag: int = 0) -> PendingOp:
+        """Last stage, rank 0: post a send of ``t`` to the driver (global rank 0)."""
+        return self._p2p(t.contiguous(), 0, True, tag)
 
-    def recv_from_last(self, t: torch.Tensor) -> torch.Tensor:
-        """Driver: fill ``t`` from the last stage's rank 0."""
-        self._p2p(t, (self.num_stages - 1) * self.tp, send=False)
-        return t
+    def recv_from_last(self, t: torch.Tensor, tag: int = 0) -> PendingOp:
+        """Driver: post a receive into ``t`` from the last stage's rank 0."""
+        return self._p2p(t, (self.num_stages - 1) * self.tp, False, tag)
+
+
+class PendingOp:
+    """A posted point-to-point send or receive: ``wait()`` blocks until it completed and returns
+    its tensor (a receive's buffer is filled then). Keeps the tensor alive meanwhile."""
+
+    def __init__(self, tensor: torch.Tensor, work: object | None) -> None:
+        self.tensor = tensor
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        """Block until done; the tensor (filled, for a receive)."""
+        if self._work is not None:
+            self._work.wait()  # type: ignore[attr-defined]
+            self._work = None
+        return self.tensor
 
 
 @dataclass

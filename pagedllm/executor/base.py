@@ -66,6 +66,8 @@ class WorkerInit:
         device: ``EngineConfig.device``; the rank computes on ``device_for_rank(device, rank)``.
         kv_cache_dtype: KV storage dtype (None = ``dtype``).
         quantization: ``EngineConfig.quantization`` (each rank quantizes its own shard).
+        pipeline_micro_batches: ``EngineConfig.pipeline_micro_batches`` (every rank splits a
+            step the same way).
     """
 
     config: LlamaArchConfig
@@ -82,6 +84,7 @@ class WorkerInit:
     device: str = "cpu"
     kv_cache_dtype: torch.dtype | None = None
     quantization: str | None = None
+    pipeline_micro_batches: int | None = None
 
 
 def build_worker(init: WorkerInit, ctx: ParallelContext) -> Worker:
@@ -114,6 +117,7 @@ def build_worker(init: WorkerInit, ctx: ParallelContext) -> Worker:
         kv_cache_dtype=init.kv_cache_dtype,
         pipeline=ctx.pipeline,
         quantization=init.quantization,
+        pipeline_micro_batches=init.pipeline_micro_batches,
     )
 
 

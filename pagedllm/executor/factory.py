@@ -104,6 +104,7 @@ def create_executor(
             device=device,
             kv_cache_dtype=config.torch_kv_cache_dtype,
             quantization=config.quantization,
+            pipeline_micro_batches=config.pipeline_micro_batches,
         )
         if source is not None:
             init.source, init.source_kind = source
@@ -134,6 +135,7 @@ def create_executor(
             kv_cache_dtype=config.torch_kv_cache_dtype,
             pipeline=ctx.pipeline,
             quantization=config.quantization,
+            pipeline_micro_batches=config.pipeline_micro_batches,
         )
 
     # The driver is rank 0: its current CUDA device must be its own before it joins the group.

@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.distributed import PipelineGroup
 from pagedllm.model.decoder import DecoderForCausalLM
-from pagedllm.worker.pipeline_stage import PipelineStats, run_stage
+from pagedllm.worker.pipeline_stage import (
+    MicroBatch,
+    PipelineStats,
+    run_pipeline,
+    split_micro_batches,
+)
 
 
 @dataclass
@@ -55,6 +60,8 @@ class ModelRunner:
         block_size: tokens per KV block.
         device: where the step's tensors go (the device of the weights and the KV cache).
         pipeline: this rank's pipeline links (``worker.pipeline_stage``); None = pp 1.
+        micro_batches: micro-batches per step under pipeline parallelism
+            (``pipeline_micro_batches``); None = the number of stages.
 
     Attributes:
         pipeline_stats: per-stage busy seconds and wall time (the driver's, under pp > 1).
@@ -67,9 +74,11 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         pipeline: PipelineGroup | None = None,
+        micro_batches: int | None = None,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
+        self.micro_batches = micro_batches or (pipeline.num_stages if pipeline else 1)
         self.pipeline_stats = PipelineStats()
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -96,10 +105,54 @@ class ModelRunner:
         return out
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step's forward; under pipeline parallelism in micro-batches
+        (``pipeline_stage.run_pipeline``), whose outputs are put back in the step's order."""
         works = [w for _, w in sched.scheduled]
         # Decodes first (stable sort keeps FCFS order within each kind).
         works.sort(key=lambda w: len(w.token_ids) > 1)
+        if self.pipeline is not None:
+            return self._execute_pipeline(works)
+        step = self._prepare(works, reuse_tables=True)
+        batch = step.batch
+        hidden = None
+        if batch.pool_rows is not None:
+            h = self.model.run_layers(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            logits = self.model.compute_logits(h, batch.logits_rows)
+            with torch.inference_mode():
+                hidden = self.model.norm(h[batch.pool_rows])
+        else:
+            logits = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_rows
+            )
+        return step.output(logits, hidden)
 
+    def _execute_pipeline(self, works: list[ScheduledSequence]) -> ModelRunnerOutput:
+        """Split ``works`` into micro-batches, pipeline them through the stages, and merge their
+        outputs (sampled rows in ``works`` order, as one batch would give them)."""
+        assert self.pipeline is not None
+        ranges = split_micro_batches([len(w.token_ids) for w in works], self.micro_batches)
+        # Each micro-batch keeps its own block-table matrix: all are prepared before the first
+        # runs, so the reused buffer would be overwritten.
+        steps = [self._prepare(works[r.start : r.stop], reuse_tables=False) for r in ranges]
+        results = run_pipeline(
+            self.model, self.pipeline, self.kv_caches, [s.batch for s in steps],
+            self.pipeline_stats,
+        )  # fmt: skip
+        outs = [s.output(lg, hid) for s, (lg, hid) in zip(steps, results, strict=True)]
+        return ModelRunnerOutput(
+            [sid for o in outs for sid in o.sample_seq_ids],
+            torch.cat([o.logits for o in outs]),
+            {k: v for o in outs for k, v in o.prompt_logits.items()},
+            {k: v for o in outs for k, v in o.hidden_states.items()},
+        )
+
+    def _prepare(self, works: list[ScheduledSequence], reuse_tables: bool) -> _PreparedStep:
+        """The flat forward inputs of ``works`` (decodes first) and where each output row goes.
+
+        Args:
+            reuse_tables: pad the block tables into the buffer kept across steps (valid until
+                the next ``_prepare``); False copies them out.
+        """
         query_lens = [len(w.token_ids) for w in works]
         start_pos_list = [w.start_pos for w in works]
         seq_lens = [s + n for s, n in zip(start_pos_list, query_lens, strict=True)]
@@ -117,6 +170,8 @@ class ModelRunner:
         positions = (start_pos - q_start[:-1])[seq_idx] + torch.arange(num_tokens)
 
         tables = self._block_tables([w.block_table for w in works])
+        if not reuse_tables:
+            tables = tables.clone()
         bs = self.block_size
         slot_mapping = tables[seq_idx, positions // bs] * bs + positions % bs
 
@@ -156,28 +211,32 @@ class ModelRunner:
             if w.pool:
                 pool_spans.append((w.seq_id, len(pool_rows), query_lens[i]))
                 pool_rows.extend(range(starts[i], starts[i + 1]))
-        logits_rows = torch.tensor(rows, dtype=torch.long).to(dev)
+        batch = MicroBatch(
+            input_ids.to(dev),
+            positions.to(dev),
+            meta,
+            torch.tensor(rows, dtype=torch.long).to(dev),
+            torch.tensor(pool_rows, dtype=torch.long).to(dev) if pool_rows else None,
+        )
+        return _PreparedStep(batch, sample_ids, len(sample_rows), prompt_spans, pool_spans)
+
+
+@dataclass
+class _PreparedStep:
+    """A (micro-)batch's forward inputs and how its output rows map back to sequences."""
+
+    batch: MicroBatch
+    sample_ids: list[int]
+    num_sample_rows: int
+    prompt_spans: list[tuple[int, int, int]]  # (seq_id, first logits row, count)
+    pool_spans: list[tuple[int, int, int]]  # (seq_id, first hidden row, count)
+
+    def output(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> ModelRunnerOutput:
+        """The runner's output from this batch's ``logits`` [rows, V] and pooled ``hidden``."""
+        prompt_logits = {sid: logits[lo : lo + n] for sid, lo, n in self.prompt_spans}
         hidden_states: dict[int, torch.Tensor] = {}
-        if self.pipeline is not None:
-            pool_idx = torch.tensor(pool_rows, dtype=torch.long).to(dev) if pool_rows else None
-            ids, pos = input_ids.to(dev), positions.to(dev)
-            logits, hidden = run_stage(
-                self.model, self.pipeline, self.kv_caches, ids, pos, meta, logits_rows,
-                pool_idx, self.pipeline_stats,
-            )  # fmt: skip
-            if hidden is not None:
-                hidden_states = {sid: hidden[lo : lo + n] for sid, lo, n in pool_spans}
-        elif pool_rows:
-            h = self.model.run_layers(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
-            logits = self.model.compute_logits(h, logits_rows)
-            with torch.inference_mode():
-                hidden = self.model.norm(h[torch.tensor(pool_rows, dtype=torch.long).to(dev)])
-            hidden_states = {sid: hidden[lo : lo + n] for sid, lo, n in pool_spans}
-        else:
-            logits = self.model(
-                input_ids.to(dev), positions.to(dev), self.kv_caches, meta, logits_rows
-            )
-        prompt_logits = {sid: logits[lo : lo + n] for sid, lo, n in prompt_spans}
+        if hidden is not None:
+            hidden_states = {sid: hidden[lo : lo + n] for sid, lo, n in self.pool_spans}
         return ModelRunnerOutput(
-            sample_ids, logits[: len(sample_rows)], prompt_logits, hidden_states
+            self.sample_ids, logits[: self.num_sample_rows], prompt_logits, hidden_states
         )

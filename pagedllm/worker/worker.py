@@ -64,6 +64,8 @@ class Worker:
             (``EngineConfig.quantization == "gguf"``, ``model.quant.gguf_native``); None = off.
         quantization: ``EngineConfig.quantization``; under "int8" the decoder linears
             become W8A8 ``Int8Linear`` layers after loading and sharding (``model.quant.int8``).
+        pipeline_micro_batches: micro-batches per step under pipeline parallelism
+            (``EngineConfig.pipeline_micro_batches``); None = the number of stages.
 
     Attributes:
         device: the device this rank computes on (an explicit index on CUDA).
@@ -92,6 +94,7 @@ class Worker:
         gguf_native: Path | None = None,
         pipeline: PipelineGroup | None = None,
         quantization: str | None = None,
+        pipeline_micro_batches: int | None = None,
     ) -> None:
         world = group.world_size if group is not None else 1
         rank = group.rank if group is not None else 0
@@ -141,7 +144,12 @@ class Worker:
             num_layers=len(layers),
         )
         self.runner = ModelRunner(
-            self.model, self.cache.kv_caches, block_size, self.device, pipeline
+            self.model,
+            self.cache.kv_caches,
+            block_size,
+            self.device,
+            pipeline,
+            micro_batches=pipeline_micro_batches,
         )
         logger.debug(
             "worker rank %d on %s: attention backend %s, %d KV blocks",

@@ -52,6 +52,8 @@ def test_pp_greedy_equals_one_rank(tiny_loaded, tp, pp):
         assert greedy_tokens(llm, prompts) == ref
         stats = driver.runner.pipeline_stats
         assert stats.steps > 0 and len(stats.busy_s) == pp
+        # Default: pp micro-batches per step (a step of one sequence cannot be split).
+        assert stats.steps < stats.micro_batches <= pp * stats.steps
         assert all(b > 0 for b in stats.busy_s)
         assert all(0.0 <= s <= 1.0 for s in stats.idle_share())
     finally:
