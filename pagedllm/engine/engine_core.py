@@ -85,6 +85,8 @@ class EngineCore:
         self.speculator = speculator
         if structured is not None:
             scheduler.is_ready = structured.is_ready
+        if speculator is not None:
+            speculator.structured = structured  # checks and masks constrained proposals
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:

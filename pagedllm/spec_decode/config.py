@@ -22,7 +22,8 @@ class SpeculativeConfig:
         prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram matched (tokens).
         disable_by_batch_size: no sequence speculates in a step once this many decoding
             sequences run (the step is then compute-bound, so verifying k tokens per sequence
-            costs about k + 1 decodes; see docs/spec_decode.md for where that is on a CPU).
+            costs about k + 1 decodes). Default 16: from there on this CPU breaking even with k = 4
+            needs a per-draft acceptance of ~0.5-0.7 (``benchmarks/spec_cutoff.py``, docs).
         suffix_max_depth / suffix_max_cached_requests: the suffix proposer's tree depth and how
             many finished requests' outputs it keeps.
 

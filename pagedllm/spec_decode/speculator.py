@@ -24,7 +24,12 @@ on rejection, a draw from ``norm(max(0, p - q))`` = p without ``d``.
 
 Policy: each sequence's ``k`` grows by one after a fully accepted run and halves after a run with
 no accepted draft (at least 1); nobody speculates in a step with ``disable_by_batch_size`` or more
-decoding sequences, nor do beam-search, structured-output or pooling requests.
+decoding sequences, nor do beam-search or pooling requests.
+
+Structured outputs: a proposal is cut at the first token the request's grammar rejects, and row
+``j`` is sampled under the grammar's mask after ``d_1 .. d_j`` (``StructuredOutputManager.
+valid_draft_length`` / ``fill_draft_bitmask``), so the emitted tokens are again exactly what the
+speculation-off engine samples.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.output_processor import OutputProcessor
     from pagedllm.engine.stats import EngineStats
     from pagedllm.sequence import Sequence, SequenceGroup
+    from pagedllm.structured.manager import StructuredOutputManager
 
 
 class Speculator:
@@ -53,6 +59,10 @@ class Speculator:
         config: the engine's speculative config.
         max_model_len: longest sequence (no position past it is ever proposed).
         proposer: the proposer; default ``make_proposer(config)``.
+
+    Attributes:
+        structured: the engine's grammar manager (set by ``EngineCore``), which checks and masks
+            the proposals of structured-output requests; None = no request is constrained.
     """
 
     def __init__(
@@ -62,13 +72,14 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else make_proposer(config)
         self._k: dict[int, int] = {}  # seq_id -> current adaptive k
+        self.structured: StructuredOutputManager | None = None
 
     # ---- before the step ---------------------------------------------------------------------
     def wanted_k(self, group: SequenceGroup) -> int:
         """The most tokens ``group`` may speculate (0: never): its ``num_speculative_tokens``,
-        else the engine's; 0 for beam search, structured outputs and pooling."""
+        else the engine's; 0 for beam search and pooling."""
         params = group.sampling_params
-        if group.beam is not None or params.structured_outputs is not None:
+        if group.beam is not None:
             return 0
         if params.pooling is not None:
             return 0
@@ -105,6 +116,8 @@ class Speculator:
             draft = self.proposer.propose(
                 seq.token_ids, seq.num_prompt_tokens, k, group.request_id
             )[:k]
+            if self.structured is not None:  # cut at the first token the grammar rejects
+                draft = draft[: self.structured.valid_draft_length(seq, group, draft)]
             seq.spec_token_ids = draft
             total += len(draft)
         return total
@@ -181,6 +194,10 @@ class Speculator:
                 batch.seeds.append(seq.seed)
                 batch.output_token_ids.append(out_ids + drafts[seq_id][:j])
                 batch.prompt_token_ids.append(seq.prompt_token_ids)
+        if self.structured is not None:
+            batch.token_bitmask = self.structured.fill_draft_bitmask(
+                [(*seqs[seq_id], drafts[seq_id][:k]) for seq_id, _, k in spec]
+            )
         out = sampler(logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], batch)
         now = time.monotonic()
         base = 0

@@ -39,6 +39,11 @@ class GrammarMatcher(Protocol):
         """Whether a stop token was accepted (nothing more may follow)."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a stop token included): how speculative
+        drafts are checked without committing to them."""
+        ...
+
 
 class GrammarBackend(Protocol):
     """Compiles constraints for one tokenizer / vocabulary."""
@@ -74,6 +79,9 @@ class _XGrammarMatcher:
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)  # xgrammar keeps an unlimited rollback history
 
 
 class XGrammarBackend:

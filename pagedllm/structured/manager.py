@@ -14,7 +14,11 @@ Life of a constrained request:
    accepted exactly once, whatever happened to the sequence's KV (preemption by recompute or
    swap, prefix-cache hits). A forked sample (``n > 1``) gets a new matcher that replays the
    parent's tokens.
-4. ``release`` drops a finished request's matchers.
+4. With speculative decoding, ``valid_draft_length`` cuts a proposal at the first token the
+   grammar rejects and ``fill_draft_bitmask`` masks each of the ``k + 1`` verification rows as
+   if the drafts before it had been generated; both roll the matcher back afterwards, so it
+   advances only by the tokens really emitted (on the next catch-up).
+5. ``release`` drops a finished request's matchers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -226,6 +231,82 @@ class StructuredOutputManager:
                 logger.error("seq %d: token %d rejected by its grammar", seq.seq_id, tid)
             state.num_accepted += 1
         return state.matcher
+
+    # ---- speculative decoding (engine thread) ------------------------------------------------
+    def valid_draft_length(self, seq: Sequence, group: SequenceGroup, draft: list[int]) -> int:
+        """How many leading tokens of ``draft`` (proposed continuation of ``seq``) its grammar
+        allows: the proposer's draft is cut there. Unconstrained requests allow all. The
+        matcher is walked through the draft and rolled back (nothing is committed)."""
+        if group.request_id not in self._requests:
+            return len(draft)
+        past_end = group.sampling_params.ignore_eos  # else the sequence ends at the grammar's end
+        return self._walk_draft(self._matcher_for(seq, group), draft, None, past_end)
+
+    def fill_draft_bitmask(
+        self, items: list[tuple[Sequence, SequenceGroup, list[int]]]
+    ) -> TokenBitmask | None:
+        """The allowed tokens of the verification rows of speculative sequences.
+
+        Args:
+            items: ``(sequence, group, draft)``; item ``i`` owns ``1 + len(draft)`` consecutive
+                rows, row ``j`` of them the allowed next tokens *as if* ``draft[:j]`` had been
+                generated (the mask the speculation-off engine would apply there). Drafts must
+                be grammar-valid prefixes (``valid_draft_length``); rows past a draft token the
+                grammar rejects can never be emitted and stay unconstrained.
+
+        Returns:
+            A [sum(1 + len(draft)), ceil(V / 32)] int32 ``TokenBitmask`` with the constrained
+            rows, or None when no item is constrained. Every matcher is rolled back to the
+            sequence's real tokens: it advances only by the accepted ones, on the next catch-up.
+        """
+        if not any(g.request_id in self._requests for _, g, _ in items):
+            return None
+        total = sum(1 + len(d) for _, _, d in items)
+        bitmask = torch.empty(total, bitmask_width(self.vocab_size), dtype=torch.int32)
+        rows: list[int] = []
+        first = 0
+        for seq, group, draft in items:
+            if group.request_id in self._requests:
+
+                def fill(j: int, matcher: GrammarMatcher, at: int = first) -> None:
+                    rows.append(at + j)
+                    if matcher.is_terminated():
+                        bitmask[at + j] = -1  # past the grammar's end (``ignore_eos``): free
+                    else:
+                        matcher.fill_bitmask(bitmask, at + j)
+
+                self._walk_draft(self._matcher_for(seq, group), draft, fill, True)
+            first += 1 + len(draft)
+        return TokenBitmask(bitmask, rows)
+
+    @staticmethod
+    def _walk_draft(
+        matcher: GrammarMatcher,
+        draft: list[int],
+        fill: Callable[[int, GrammarMatcher], None] | None,
+        past_end: bool,
+    ) -> int:
+        """Advance ``matcher`` through ``draft`` (calling ``fill(j, matcher)`` in the state
+        after ``draft[:j]``, for every reachable ``j`` up to ``len(draft)``), stop at the first
+        token it rejects (or at the grammar's end unless ``past_end``: there everything is
+        allowed), then roll it back. Returns the number of allowed leading tokens."""
+        advanced = 0
+        for j, tid in enumerate(draft):
+            if fill is not None:
+                fill(j, matcher)
+            if matcher.is_terminated() and not past_end:
+                break
+            if not matcher.is_terminated():
+                if not matcher.accept_token(tid):
+                    break
+                advanced += 1
+        else:
+            j = len(draft)
+            if fill is not None:
+                fill(j, matcher)
+        if advanced:
+            matcher.rollback(advanced)
+        return j
 
     @property
     def num_matchers(self) -> int:
