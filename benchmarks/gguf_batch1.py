@@ -7,7 +7,10 @@ for this CPU (AVX2/FMA/F16C; AVX-512 added where present, AMX kept off), in a ch
 loads the same file with the same thread count. Each engine prefills the same prompt and then
 decodes ``--tokens`` greedy tokens one at a time; decode tokens/s = tokens / decode seconds. The
 three are run alternately ``--runs`` times; medians, the ratio to llama.cpp and the CPU flags are
-printed. ``--split`` also times where one pagedllm gguf decode step goes (linears, attention,
+printed. Each engine's process CPU seconds over the decode are also turned into a "CPU-time"
+tokens/s: on a shared machine where other jobs take the cores, wall time mostly measures the
+wait, while at one thread the CPU time is close to what a quiet machine gives (both are
+printed; at two threads CPU time also counts the threads' spinning at barriers). ``--split`` also times where one pagedllm gguf decode step goes (linears, attention,
 the rest of the model, engine overhead outside the model).
 
     .venv/bin/python benchmarks/gguf_batch1.py --runs 5 --split
@@ -55,12 +58,12 @@ LLAMA_CHILD = textwrap.dedent(
         llm.reset()
         llm.eval(ids)
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(tokens):
             llm.eval([tok])
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        dt = time.perf_counter() - t0
-        print(json.dumps({"tok_s": tokens / dt}), flush=True)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        print(json.dumps({"tok_s": tokens / dt, "cpu_tok_s": tokens / dc}), flush=True)
     """
 )
 
@@ -126,11 +129,13 @@ class LlamaCpp:
             raise RuntimeError("llama.cpp child exited")
         return line
 
-    def run(self) -> float:
+    def run(self) -> tuple[float, float]:
+        """(wall tokens/s, CPU-time tokens/s) of one decode."""
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        return float(json.loads(self._line())["tok_s"])
+        got = json.loads(self._line())
+        return float(got["tok_s"]), float(got["cpu_tok_s"])
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -154,9 +159,9 @@ def pagedllm_engine(loaded: Any, quantization: str | None, threads: int, tokens:
 
 def pagedllm_decode(
     engine: Any, tokens: int, on_prefilled: Callable[[], None] | None = None
-) -> tuple[float, list[float]]:
-    """(decode tokens/s, per-step seconds) of one greedy request: the first step (prefill and
-    the first token) is excluded; ``on_prefilled`` runs after it."""
+) -> tuple[float, list[float], float]:
+    """(decode tokens/s, per-step seconds, CPU-time tokens/s) of one greedy request: the first
+    step (prefill and the first token) is excluded; ``on_prefilled`` runs after it."""
     from pagedllm.sampling_params import SamplingParams
 
     engine.add_request(
@@ -168,11 +173,12 @@ def pagedllm_decode(
     if on_prefilled is not None:
         on_prefilled()
     steps = []
+    c0 = time.process_time()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t0)
-    return len(steps) / sum(steps), steps
+    return len(steps) / sum(steps), steps, len(steps) / (time.process_time() - c0)
 
 
 def step_split(engine: Any, tokens: int) -> dict[str, float]:
@@ -212,7 +218,7 @@ def step_split(engine: Any, tokens: int) -> dict[str, float]:
     head = model.lm_head_packed
     if head is not None and not any(head is m for m in model.modules()):
         timed("linear", head)  # the LM head is called, not a submodule
-    _, steps = pagedllm_decode(engine, tokens, on_prefilled=spent.clear)
+    _, steps, _ = pagedllm_decode(engine, tokens, on_prefilled=spent.clear)
     calls = len(steps)
     step_ms = 1e3 * sum(steps) / len(steps)
 
@@ -268,21 +274,26 @@ def main() -> None:
             llama.run()
         for _ in range(args.runs):
             for name, eng in engines.items():
-                results[f"pagedllm {name}"].append(pagedllm_decode(eng, args.tokens)[0])
+                wall, _, cpu = pagedllm_decode(eng, args.tokens)
+                results[f"pagedllm {name}"].append(wall)
+                results[f"pagedllm {name} (CPU time)"].append(cpu)
             if llama is not None:
-                results["llama.cpp"].append(llama.run())
+                wall, cpu = llama.run()
+                results["llama.cpp"].append(wall)
+                results["llama.cpp (CPU time)"].append(cpu)
         split = step_split(engines["gguf"], args.tokens) if args.split else None
     if llama is not None:
         llama.close()
     summary: dict[str, Any] = {"cpu_flags": cpu_flags().summary(), "threads": args.threads}
     for name, xs in results.items():
         summary[name] = median(xs)
-        print(f"{name:>18}: median {median(xs):7.1f} tok/s  runs {[round(x, 1) for x in xs]}")
+        print(f"{name:>29}: median {median(xs):7.1f} tok/s  runs {[round(x, 1) for x in xs]}")
     if llama is not None:
-        for name in ("pagedllm fp32", "pagedllm gguf"):
-            ratio = summary[name] / summary["llama.cpp"]
-            summary[f"{name} / llama.cpp"] = ratio
-            print(f"{name} / llama.cpp: {ratio:.2f}x")
+        for clock in ("", " (CPU time)"):
+            for name in ("pagedllm fp32", "pagedllm gguf"):
+                ratio = summary[name + clock] / summary["llama.cpp" + clock]
+                summary[f"{name} / llama.cpp{clock}"] = ratio
+                print(f"{name} / llama.cpp{clock}: {ratio:.2f}x")
     if split is not None:
         summary["gguf_step_split_ms"] = split
         for k, v in split.items():

@@ -170,12 +170,14 @@ class CpuOps:
 
     def gguf_q4_linear(self, x: Tensor, qs: Tensor, dm: Tensor) -> Tensor:
         """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for 4-bit affine blocks of 32
-        (``qs [N, K/2]`` uint8, ``dm [N, K/32, 2]`` float32 (d, m); ``model.quant.gguf_native``)."""
+        (``qs [N, K/2]`` uint8, ``dm [N, K/32, 2]`` float32 or float16 (d, m);
+        ``model.quant.gguf_native``)."""
         return self._gguf_q4_linear(x, qs, dm)
 
     def gguf_q8_linear(self, x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
-        """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for signed 8-bit weights with one
-        scale per 16 (``qs [N, K]`` int8, ``d [N, K/16]`` float32; ``model.quant.gguf_native``)."""
+        """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for signed 8-bit weights (``qs [N, K]``
+        int8) with one scale per 16, ``d [N, K/16]`` float32, or one per 32, ``d [N, K/32]``
+        float16 (``model.quant.gguf_native``)."""
         return self._gguf_q8_linear(x, qs, d)
 
     # ---- int8 W8A8 GEMM (int8_gemm.cpp) -------------------------------------------------------

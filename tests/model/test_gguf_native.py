@@ -19,7 +19,8 @@ from pagedllm.model.quant.gguf_native import (
     repack,
 )
 
-SHAPES = [(1, 5, 256), (3, 17, 512), (8, 64, 768)]  # (M, N, K): odd N exercises the row tail
+# (M, N, K): odd N exercises the row tail; (1, 9, 576) is a decode row of the bundled model's width.
+SHAPES = [(1, 5, 256), (3, 17, 512), (8, 64, 768), (1, 9, 576)]
 
 
 def gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -54,6 +55,51 @@ def test_repack_is_exact(qtype: str) -> None:
     packed = repack(qtype, data, 6)
     assert packed.kind == ("q4" if qtype.startswith("Q4") else "q8")
     assert torch.equal(dequantize_packed(packed), reference(qtype, data, 6, 512))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q6_K"])
+def test_scales_are_float16_where_exact(qtype: str) -> None:
+    """Formats whose scales are float16 in the file keep them so (q8: one per 32); Q6_K's
+    products d * sc stay float32, one per 16."""
+    rng = np.random.default_rng(2)
+    packed = repack(qtype, gguf_blocks(qtype, 3, 512, rng), 3)
+    if qtype == "Q6_K":
+        assert packed.scales.dtype == torch.float32 and packed.scales.shape == (3, 32)
+    else:
+        assert packed.scales.dtype == torch.float16
+        expected = (3, 16, 2) if packed.kind == "q4" else (3, 16)
+        assert packed.scales.shape == expected
+    wide = packed.widened()
+    assert wide.scales.dtype == torch.float32
+    assert torch.equal(dequantize_packed(wide), dequantize_packed(packed))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 13, 576), (4, 8, 1536)])
+def test_float16_scales_equal_float32_scales(ops, qtype: str, m: int, n: int, k: int) -> None:  # noqa: ANN001
+    """The kernel on float16 scales (one per 32) gives bit-identical results to the same scales
+    widened to float32 (q8: one per 16)."""
+    rng = np.random.default_rng(m + n)
+    packed = repack(qtype, gguf_blocks(qtype, n, k, rng), n)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    assert torch.equal(GGUFLinear([packed], ops)(x), GGUFLinear([packed.widened()], ops)(x))
+
+
+def test_activation_rounding_ties_to_even(ops) -> None:  # noqa: ANN001
+    """Activations quantize as round-half-to-even of x / (max|x| / 127) (llama.cpp's Q8_0): a
+    row of exact halves against an identity Q8_0 weight gives back the rounded codes."""
+    k = 64
+    x = torch.zeros(1, k)
+    x[0, 0] = 127.0  # block max: scale exactly 1
+    x[0, 1:6] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5])
+    x[0, 32] = -127.0
+    x[0, 33:36] = torch.tensor([3.5, -3.5, 4.5])
+    blocks = np.zeros((k, k // 32, 34), np.uint8)  # Q8_0 identity: d = 1, q = 1 on the diagonal
+    blocks[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+    for i in range(k):
+        blocks[i, i // 32, 2 + i % 32] = 1
+    y = GGUFLinear([repack("Q8_0", blocks.reshape(k, -1), k)], ops)(x)
+    assert torch.equal(y, torch.round(x))  # torch.round: half to even
 
 
 def test_repack_rejects_other_types() -> None:
