@@ -50,6 +50,22 @@ def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[
     raise RuntimeError(f"only {len(out)} ShareGPT replies have >= {min_tokens} tokens")
 
 
+def cpu_description() -> str:
+    """One line naming this CPU for benchmark output: the ``model name`` of /proc/cpuinfo, the
+    ISA flags pagedllm dispatches on (avx2 / avx512* / amx*, :func:`pagedllm.platform.cpu_flags`)
+    and the core count, e.g. ``AMD EPYC | flags: avx2 fma f16c | 2 cores``."""
+    from pagedllm.platform import cpu_flags
+
+    name = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name":
+                name = value.strip()
+                break
+    return f"{name} | flags: {cpu_flags().summary()} | {os.cpu_count()} cores"
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
