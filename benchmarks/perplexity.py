@@ -26,15 +26,13 @@ import argparse
 import dataclasses
 import math
 import os
-import platform
 import time
 
 import torch
 
-from benchmarks.common import held_out_texts
+from benchmarks.common import cpu_description, held_out_texts
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.platform import cpu_flags
 from pagedllm.sampling_params import SamplingParams
 
 # weight setting -> (LLM keyword arguments, environment variables set while it is built)
@@ -112,8 +110,7 @@ def main() -> None:
         p.error(f"--weights: unknown {unknown}; known: {', '.join(WEIGHTS)}")
     kvs = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
 
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print(f"CPU flags: {cpu_flags().summary()} | torch threads {torch.get_num_threads()}")
+    print(f"CPU: {cpu_description()} | torch threads {torch.get_num_threads()}")
     ref = run_setting(args.model, "fp32", "auto", args.texts, args)
     print(f"held-out: last {ref['texts']} ShareGPT replies, {ref['positions']} predicted tokens")
     print(

@@ -68,13 +68,15 @@ DTYPES = {
 }
 
 
-def workload_requests(name: str, tokenizer, num_b: int) -> list[dict]:
-    """Requests of workload ``name`` as ``{"prompt_token_ids", "max_tokens"}`` dicts."""
+def workload_requests(name: str, tokenizer, num: int | None = None) -> list[dict]:
+    """Requests of workload ``name`` as ``{"prompt_token_ids", "max_tokens"}`` dicts; ``num``
+    requests (default: the workload's own count, 64 for a and 512 for b)."""
     if name == "a":
-        return [{"prompt_token_ids": p, "max_tokens": 128} for p in sharegpt_prompts(tokenizer, 64, 100)]
+        prompts = sharegpt_prompts(tokenizer, num or 64, 100)
+        return [{"prompt_token_ids": p, "max_tokens": 128} for p in prompts]
     return [
         {"prompt_token_ids": p, "max_tokens": n}
-        for p, n in dataset_requests(tokenizer, "sharegpt", num_b)
+        for p, n in dataset_requests(tokenizer, "sharegpt", num or 512)
     ]
 
 
@@ -108,7 +110,12 @@ def main() -> None:
         help="both engines' dtype; default = each engine's own (pagedllm auto, vLLM auto)",
     )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-requests", type=int, default=512, help="workload b's request count")
+    ap.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="request count (default: the workload's, 64 for a, 512 for b; fewer for a smoke run)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV pool of both engines")
     ap.add_argument("--max-num-seqs", type=int, default=256)
