@@ -33,6 +33,7 @@ def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
             return out
     raise RuntimeError(f"only {len(out)} ShareGPT prompts have >= {prompt_len} tokens")
 
+
 def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[list[int]]:
     """Token ids of the last ``n`` ShareGPT replies with >= ``min_tokens`` tokens, each cut to
     ``max_tokens`` (BOS-free, as the reply text tokenizes)."""

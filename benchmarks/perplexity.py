@@ -51,8 +51,6 @@ WEIGHTS: dict[str, tuple[dict[str, object], dict[str, str]]] = {
 }
 
 
-
-
 def teacher_forced(llm: LLM, texts: list[list[int]]) -> tuple[list[float], list[int]]:
     """Per predicted position of every text (positions 1..L-1): the log-probability of the true
     token and the model's top-1 token."""
@@ -120,8 +118,10 @@ def main() -> None:
     print(f"CPU: {cpu_description()} | torch threads {torch.get_num_threads()}")
     flags = cpu_flags()
     if "bf16" in weights and not (flags.amx_bf16 or flags.avx512_bf16):
-        print("note: no bf16 hardware here, the bf16 row is 3-5x slower than fp32; a shorter set: "
-              "--texts 8 --min-tokens 256 --max-tokens 256")
+        print(
+            "note: no bf16 hardware here, the bf16 row is 3-5x slower than fp32; a shorter set: "
+            "--texts 8 --min-tokens 256 --max-tokens 256"
+        )
     ref = run_setting(args.model, "fp32", "auto", args.texts, args)
     print(f"held-out: last {ref['texts']} ShareGPT replies, {ref['positions']} predicted tokens")
     print(

@@ -83,12 +83,16 @@ def workload_requests(name: str, tokenizer, num: int | None = None) -> list[dict
 def run_pagedllm(llm, reqs: list[dict]) -> dict:
     from pagedllm.sampling_params import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
+    ]
     # Every round starts with an empty prefix cache, as vLLM's does (a fresh process per round):
     # otherwise a repeated round finds its prompts cached and skips their prefill.
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False
+    )
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
@@ -216,10 +220,14 @@ def main() -> None:
         "pagedllm_share_of_floor": ours_med / floor_tok_s,
         "vllm_share_of_floor": theirs_med / floor_tok_s if theirs_med else None,
         "highest_possible_ratio": floor_tok_s / theirs_med if theirs_med else None,
-        "same_first_tokens": (ours[0]["first_output"] == theirs[0]["first_output"]) if theirs else None,
+        "same_first_tokens": (ours[0]["first_output"] == theirs[0]["first_output"])
+        if theirs
+        else None,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    print(json.dumps({k: v for k, v in result.items() if k not in ("pagedllm", "vllm_cpu")}, indent=1))
+    print(
+        json.dumps({k: v for k, v in result.items() if k not in ("pagedllm", "vllm_cpu")}, indent=1)
+    )
     # workload_<w> is the latest run (ab_revisions.py reads it); workload_<w>_<dtype> keeps each mode.
     key = f"workload_{args.workload}"
     merge_json(args.out, {key: result, f"{key}_{args.dtype}": result})
