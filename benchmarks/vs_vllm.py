@@ -38,6 +38,7 @@ import pagedllm  # noqa: F401 (first: it sets OpenMP's barrier spin before torch
 
 # isort: split
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -132,6 +133,11 @@ def main() -> None:
         "its CPU default, 128)",
     )
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument(
+        "--no-lock",
+        action="store_true",
+        help="do not wait for the machine-wide benchmark lock (smoke runs; figures are then noisy)",
+    )
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
     ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
     args = ap.parse_args()
@@ -177,7 +183,7 @@ def main() -> None:
     ours: list[dict] = []
     theirs: list[dict] = []
     vllm_error: str | None = "skipped (--skip-vllm)" if args.skip_vllm else None
-    with bench_lock():
+    with contextlib.nullcontext() if args.no_lock else bench_lock():
         run_pagedllm(llm, [dict(r, max_tokens=8) for r in reqs[:8]])  # warm-up
         shapes: list[tuple[int, int]] = []
         for r in range(args.rounds):
