@@ -46,8 +46,9 @@ def main() -> None:
     params = [
         SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
     ]
-    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     llm.reset_prefix_cache()  # the timed run starts cold, as pagedllm's rounds do
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -66,7 +67,11 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("output_tok_s", "elapsed_s", "num_output_tokens", "dtype")}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("output_tok_s", "elapsed_s", "num_output_tokens", "dtype")}
+        )
+    )
 
 
 if __name__ == "__main__":
