@@ -33,6 +33,7 @@ def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
             return out
     raise RuntimeError(f"only {len(out)} ShareGPT prompts have >= {prompt_len} tokens")
 
+
 def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[list[int]]:
     """Token ids of the last ``n`` ShareGPT replies with >= ``min_tokens`` tokens, each cut to
     ``max_tokens`` (BOS-free, as the reply text tokenizes)."""
@@ -48,6 +49,22 @@ def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[
         if len(out) == n:
             return out
     raise RuntimeError(f"only {len(out)} ShareGPT replies have >= {min_tokens} tokens")
+
+
+def cpu_description() -> str:
+    """One line naming this CPU for benchmark output: the ``model name`` of /proc/cpuinfo, the
+    ISA flags pagedllm dispatches on (avx2 / avx512* / amx*, :func:`pagedllm.platform.cpu_flags`)
+    and the core count, e.g. ``AMD EPYC | flags: avx2 fma f16c | 2 cores``."""
+    from pagedllm.platform import cpu_flags
+
+    name = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name":
+                name = value.strip()
+                break
+    return f"{name} | flags: {cpu_flags().summary()} | {os.cpu_count()} cores"
 
 
 def median(xs: list[float]) -> float:

@@ -18,6 +18,12 @@ passed as ``kv_cache_dtype`` when the engine has that option). Targets (issue 22
 int8 W8A8 within 3%, fp8/int8 KV within 2% of fp32's perplexity.
 
     python benchmarks/perplexity.py --weights fp32,bf16,int8 --texts 16
+
+On a CPU without bf16 hardware (no AMX-BF16 / AVX512-BF16, e.g. AMD Zen 3) the bf16 row runs
+torch's emulated bf16 matmuls, 3-5x slower than fp32 (docs/dtype.md); a shorter set keeps it to a
+few CPU-minutes (figures in docs/dtype.md):
+
+    python benchmarks/perplexity.py --weights fp32,bf16 --texts 8 --min-tokens 256 --max-tokens 256
 """
 
 from __future__ import annotations
@@ -26,12 +32,11 @@ import argparse
 import dataclasses
 import math
 import os
-import platform
 import time
 
 import torch
 
-from benchmarks.common import held_out_texts
+from benchmarks.common import cpu_description, held_out_texts
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.platform import cpu_flags
@@ -44,8 +49,6 @@ WEIGHTS: dict[str, tuple[dict[str, object], dict[str, str]]] = {
     "int8": ({"dtype": "float32", "quantization": "int8"}, {}),
     "int8-head": ({"dtype": "float32", "quantization": "int8"}, {"PAGEDLLM_INT8_LM_HEAD": "1"}),
 }
-
-
 
 
 def teacher_forced(llm: LLM, texts: list[list[int]]) -> tuple[list[float], list[int]]:
@@ -112,8 +115,13 @@ def main() -> None:
         p.error(f"--weights: unknown {unknown}; known: {', '.join(WEIGHTS)}")
     kvs = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
 
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print(f"CPU flags: {cpu_flags().summary()} | torch threads {torch.get_num_threads()}")
+    print(f"CPU: {cpu_description()} | torch threads {torch.get_num_threads()}")
+    flags = cpu_flags()
+    if "bf16" in weights and not (flags.amx_bf16 or flags.avx512_bf16):
+        print(
+            "note: no bf16 hardware here, the bf16 row is 3-5x slower than fp32; a shorter set: "
+            "--texts 8 --min-tokens 256 --max-tokens 256"
+        )
     ref = run_setting(args.model, "fp32", "auto", args.texts, args)
     print(f"held-out: last {ref['texts']} ShareGPT replies, {ref['positions']} predicted tokens")
     print(

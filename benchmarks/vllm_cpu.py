@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".bench" / "vllm-venv"
+# PAGEDLLM_VLLM_VENV points several checkouts at one install (it is ~3.4 GB).
+VENV = Path(os.environ.get("PAGEDLLM_VLLM_VENV", REPO / ".bench" / "vllm-venv"))
 VLLM_PYTHON = VENV / "bin" / "python"
 MODEL_DIR = REPO / ".bench" / "smollm2-135m-hf"
 VLLM_VERSION = "0.32.0"
@@ -163,23 +165,51 @@ def vllm_server(
         log.close()
 
 
+class VllmFailed(RuntimeError):
+    """vLLM's process failed; the message names the exit status (and the signal, e.g. SIGILL when
+    the wheel uses instructions this CPU lacks), this CPU's flags and the last lines it printed."""
+
+
+def describe_failure(returncode: int, output: str, lines: int = 15) -> str:
+    """A readable account of a failed vLLM process: exit status or signal, this CPU's flags and
+    the last ``lines`` lines of its output."""
+    from pagedllm.platform import cpu_flags
+
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
+        why = f"killed by {sig}"
+        if sig == "SIGILL":
+            why += " (an instruction this CPU lacks: the wheel may need AVX-512)"
+    else:
+        why = f"exit status {returncode}"
+    tail = "\n".join(output.rstrip().splitlines()[-lines:])
+    return f"vLLM CPU {VLLM_VERSION} failed: {why}; this CPU: {cpu_flags().summary()}\n{tail}"
+
+
 def run_offline(workload: dict, kv_cache_gib: int = 4, timeout: float = 7200.0) -> dict:
     """Run ``vllm_offline.py`` under the vLLM venv on ``workload`` (see that script) and return its
-    JSON result (``output_tok_s``, ``elapsed_s``, ``num_output_tokens``, ...).
+    JSON result (``output_tok_s``, ``elapsed_s``, ``num_output_tokens``, ``dtype``, ...). vLLM's
+    output goes to ``.bench/vllm_offline.log``.
 
     Raises:
-        subprocess.CalledProcessError: vLLM failed (its output is printed).
+        VllmFailed: vLLM exited non-zero or was killed (message: status, CPU flags, output tail).
+        subprocess.TimeoutExpired: it ran longer than ``timeout`` s.
     """
     python = ensure_venv()
     wl = REPO / ".bench" / "workload.json"
     res = REPO / ".bench" / "vllm_result.json"
+    log = REPO / ".bench" / "vllm_offline.log"
+    wl.parent.mkdir(parents=True, exist_ok=True)
     wl.write_text(json.dumps(workload))
     res.unlink(missing_ok=True)
     script = Path(__file__).resolve().parent / "peers" / "vllm_offline.py"
-    subprocess.run(
-        [str(python), str(script), "--workload", str(wl), "--out", str(res)],
-        env=vllm_env(kv_cache_gib), check=True, timeout=timeout,
-    )  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [str(python), str(script), "--workload", str(wl), "--out", str(res)],
+            env=vllm_env(kv_cache_gib), stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+        )  # fmt: skip
+    if proc.returncode != 0 or not res.exists():
+        raise VllmFailed(describe_failure(proc.returncode, log.read_text(errors="replace")))
     return dict(json.loads(res.read_text()))
 
 
