@@ -37,6 +37,7 @@ import torch
 
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_verify import verify_with_draft_probs
 from pagedllm.spec_decode.proposer import Proposer, make_proposer
 
 if TYPE_CHECKING:
@@ -108,6 +109,15 @@ class Speculator:
             seq.spec_token_ids = draft
             total += len(draft)
         return total
+
+    def after_schedule(
+        self, sched: SchedulerOutput, seqs: dict[int, tuple[Sequence, SequenceGroup]]
+    ) -> None:
+        """Between scheduling and the forward pass: a proposer that drafts on the scheduled
+        block tables (``draft_model.DraftModelProposer``) fills in its reserved proposals."""
+        hook = getattr(self.proposer, "after_schedule", None)
+        if hook is not None:
+            hook(sched, seqs)
 
     # ---- after the step ----------------------------------------------------------------------
     def verify(
@@ -181,14 +191,26 @@ class Speculator:
                 batch.seeds.append(seq.seed)
                 batch.output_token_ids.append(out_ids + drafts[seq_id][:j])
                 batch.prompt_token_ids.append(seq.prompt_token_ids)
-        out = sampler(logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], batch)
+        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        out = sampler(row_logits, batch)
+        # A draft model's sampled proposals: rejection sampling with its probabilities q.
+        draft_probs = getattr(self.proposer, "draft_probs", None)
+        forced = (
+            verify_with_draft_probs(
+                spec, drafts, row_logits, batch, out, sampler, seqs, draft_probs
+            )
+            if draft_probs
+            else {}
+        )
         now = time.monotonic()
         base = 0
         for seq_id, _, k in spec:
             seq, group = seqs[seq_id]
             draft = drafts[seq_id]
-            accepted = 0
-            while accepted < k and out.sampled_token_ids[base + accepted] == draft[accepted]:
+            accepted = forced.get(seq_id, 0)
+            while seq_id not in forced and accepted < k and (
+                out.sampled_token_ids[base + accepted] == draft[accepted]
+            ):
                 accepted += 1
             self._record(seq.seq_id, k, accepted, stats)
             start = seq.num_computed_tokens - (k + 1)  # position of the last real token
