@@ -57,7 +57,8 @@ def load_draft_model(config: EngineConfig, target: LoadedModel) -> LoadedModel:
 
     Raises:
         ValueError: naming ``speculative_config.model`` when the draft's vocabulary size or
-            tokenizer differs from the target's, or ``speculative_config.method`` under tensor /
+            tokenizer differs from the target's or its learned position table is shorter than
+            ``max_model_len``, or ``speculative_config.method`` under tensor /
             pipeline parallelism (the draft runs in the driver, one rank).
     """
     from pagedllm.model.loader import LoadedModel, load_model
@@ -82,6 +83,16 @@ def load_draft_model(config: EngineConfig, target: LoadedModel) -> LoadedModel:
         raise ValueError(
             "speculative_config.model must share the target's tokenizer: the vocabularies "
             "differ (token -> id maps)"
+        )
+    dc = draft.config
+    if (
+        dc.position_offset is not None
+        and config.max_model_len is not None
+        and config.max_model_len > dc.max_position_embeddings
+    ):
+        raise ValueError(
+            f"speculative_config.model has learned positions up to {dc.max_position_embeddings}, "
+            f"fewer than max_model_len ({config.max_model_len})"
         )
     return draft
 
