@@ -90,10 +90,20 @@ def test_budget_split_by_block_bytes(tiny_llm_factory, tiny_loaded, small_draft)
 
 def test_small_draft_mixed_batch_and_n2(tiny_llm_factory, small_draft, reference):
     llm = tiny_llm_factory(speculative_config=spec(small_draft, k=4))
-    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True,
+                             logprobs=1)  # fmt: skip
     n2 = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
     params = [GREEDY, sampled, GREEDY, n2]
-    first = run(llm, PROMPTS, params)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    # Rejection-sampled tokens carry their own logprob and rank (the sampled token leads each
+    # entry; when it is not the top-1 token, it ranks below it).
+    lp = outs[1].outputs[0].logprobs
+    assert [next(iter(d)) for d in lp] == list(outs[1].outputs[0].token_ids)
+    for entry in lp:
+        mine, *top = entry.values()
+        assert (mine.rank == 1) == (not top)
+        assert all(mine.logprob <= t.logprob and t.rank == 1 for t in top)
+    first = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
     assert first[0] == reference[0] and first[2] == reference[2]
     assert len(first[3]) == 2 and all(len(t) == 20 for t, _ in first[1] + first[3])
     assert run(llm, PROMPTS, params) == first  # seeded requests are reproducible
