@@ -1,5 +1,5 @@
 """Speculative decoding benchmark (issue 25): time per output token with and without n-gram /
-suffix speculation on the bundled SmolLM2-135M-Instruct (fp32, greedy).
+suffix / draft-model speculation on the bundled SmolLM2-135M-Instruct (fp32, greedy).
 
 Workloads:
 - repetitive (``benchmarks/spec_workload.py``: fix typos, extract, to JSON, bullets built from
@@ -12,7 +12,8 @@ TPOT of a request = (finished - first token) / (output tokens - 1); the figure i
 requests. Greedy outputs are checked identical across methods (they must be: verification is
 exact). Acceptance rates come from ``EngineStats``.
 
-Run: ``PYTHONPATH=. python benchmarks/spec_decode.py [--n 8] [--batches 1 8] [--sharegpt]``
+Run: ``PYTHONPATH=. python benchmarks/spec_decode.py [--n 8] [--batches 1 8] [--sharegpt]
+[--methods off ngram suffix draft_model] [--draft-model NAME_OR_PATH]``
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft of --methods draft_model (registry name or path); default: the "
+                         "bundled SmolLM2 as its own draft (100%% greedy acceptance expected)")
     args = ap.parse_args()
 
     loaded = load_model(None, torch.float32)
@@ -84,10 +88,12 @@ def main() -> None:
           f"max_tokens mean {statistics.mean(max_tokens):.0f}")
     results: dict[str, Any] = {}
     for method in args.methods:
-        spec = None
+        spec: dict[str, Any] | None = None
         if method != "off":
-            spec = json.dumps({"method": method, "num_speculative_tokens": args.k,
-                               "disable_by_batch_size": 10_000})
+            spec = {"method": method, "num_speculative_tokens": args.k, "disable_by_batch_size": 10_000}
+        if method == "draft_model":  # default draft: the bundled target itself (already loaded)
+            assert spec is not None
+            spec["model"] = args.draft_model or loaded
         llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29, speculative_config=spec)
         for b in args.batches:
             r = run_batch(llm, prompts, max_tokens, b)

@@ -148,6 +148,8 @@ class EngineCore:
             elif self.structured is not None and self.structured.has_pending:
                 self.structured.wait_pending(0.01)  # idle until a grammar is ready, no spinning
             return list(touched.values())
+        if self.speculator is not None:
+            self.speculator.after_schedule(sched, self._seqs)  # a draft model drafts here
         now = time.monotonic()
         result = self.executor.execute_model(sched)
         self.scheduler.on_step_done(sched)

@@ -36,6 +36,12 @@ from pagedllm.platform import cpu_flags
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceGroup
+from pagedllm.spec_decode.draft_model import (
+    DraftModelProposer,
+    build_draft_worker,
+    draft_kv_split,
+    load_draft_model,
+)
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.worker.cache_engine import kv_block_bytes, num_blocks_for_memory
@@ -115,15 +121,23 @@ class LLMEngine:
         pp = config.pipeline_parallel_size
         stage_layers = max_stage_layers(mc.num_hidden_layers, pp) if pp > 1 else None
         kv_dtype = config.torch_kv_cache_dtype  # storage; int8 / fp8 blocks hold their scales
-        num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
-            mc, config.block_size, kv_dtype, config.kv_cache_memory, rank_kv_heads, stage_layers
-        )
-        self.num_blocks = num_blocks  # per rank under tensor / pipeline parallelism
-        self.weight_bytes: int = loaded.weight_bytes  # all ranks together
         self.block_bytes = kv_block_bytes(
             mc, config.block_size, kv_dtype, rank_kv_heads, stage_layers
         )
-        num_swap_blocks = config.swap_space // self.block_bytes
+        # A draft model's cache mirrors the target's blocks: the budget is split by block bytes.
+        spec = config.speculative
+        draft = load_draft_model(config, loaded) if spec and spec.method == "draft_model" else None
+        draft_block_bytes = (
+            kv_block_bytes(draft.config, config.block_size, kv_dtype) if draft is not None else 0
+        )
+        num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
+            mc, config.block_size, kv_dtype,
+            draft_kv_split(config.kv_cache_memory, self.block_bytes, draft_block_bytes),
+            rank_kv_heads, stage_layers,
+        )  # fmt: skip
+        self.num_blocks = num_blocks  # per rank under tensor / pipeline parallelism
+        self.weight_bytes: int = loaded.weight_bytes  # all ranks together
+        num_swap_blocks = config.swap_space // (self.block_bytes + draft_block_bytes)
         #: KV capacity per GiB of kv_cache_memory (per rank), scales included.
         self.kv_tokens_per_gib = (1 << 30) // self.block_bytes * config.block_size
         logger.info(
@@ -217,11 +231,25 @@ class LLMEngine:
             check_invariants=config.check_invariants,
             structured=self.structured,
             speculator=(
-                Speculator(config.speculative, self.max_model_len)
+                Speculator(config.speculative, self.max_model_len, self._draft_proposer(draft))
                 if config.speculative is not None
                 else None
             ),
         )
+
+    def _draft_proposer(self, draft: LoadedModel | None) -> DraftModelProposer | None:
+        """The draft-model proposer (its worker in this process, a KV cache of the target's
+        block count), or None for the other methods."""
+        if draft is None:
+            return None
+        worker = build_draft_worker(
+            self.config, draft, self.num_blocks, self.block_manager.num_swap_blocks
+        )
+        logger.info(
+            "speculative decoding: draft model %s, %d KV blocks mirroring the target's",
+            draft.source, self.num_blocks,
+        )  # fmt: skip
+        return DraftModelProposer(worker, self.sampler, list(self.model_config.eos_token_ids))
 
     def shutdown(self) -> None:
         """Stop the executor's workers (no process is left behind); idempotent."""

@@ -164,6 +164,17 @@ class SamplingBatch:
     eos_token_ids: list[int]
     token_bitmask: TokenBitmask | None = None
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The sub-batch of ``rows`` (in that order), without a grammar bitmask (callers use it
+        for rows that have none: speculating requests)."""
+        return SamplingBatch(
+            [self.params[i] for i in rows],
+            [self.seeds[i] for i in rows],
+            [self.output_token_ids[i] for i in rows],
+            [self.prompt_token_ids[i] for i in rows],
+            self.eos_token_ids,
+        )
+
 
 @dataclass
 class SamplerOutput:
@@ -260,8 +271,56 @@ class Sampler:
             return SamplerOutput([], [], [], [])
         raw = logits[:, :V].float()  # a view when already float32: never modified in place
         device = raw.device
-        outs = batch.output_token_ids
+        processed = self._process(raw, batch)
 
+        # Greedy rows keep ``sampled``; ``lse`` (logsumexp of the raw rows) serves the logprobs.
+        sampled, lse = self._argmax_and_lse(raw, processed)
+        rand_rows = [i for i, p in enumerate(params) if p.sampling_type != SamplingType.GREEDY]
+        if rand_rows:
+            sampled[torch.tensor(rand_rows, device=device)] = self._sample_random(
+                processed, batch, rand_rows
+            )
+
+        return self._build_output(raw, sampled, params, lse)
+
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each row's sampled token is drawn from (logit bias, ``min_tokens``,
+        penalties, grammar, then temperature / top-k / top-p / min-p, softmax): what
+        ``__call__`` samples with its exponential race. Speculative decoding's rejection
+        sampling (``spec_decode.rejection``) needs it for the target and the draft model.
+
+        Args:
+            logits: [B, vocab] float logits (vocab >= V); batch: B rows, none greedy.
+
+        Returns:
+            [B, V] float32 probabilities (rows sum to 1).
+
+        Raises:
+            ValueError: a greedy row (its distribution is the argmax, not a softmax).
+        """
+        if any(p.sampling_type == SamplingType.GREEDY for p in batch.params):
+            raise ValueError("Sampler.probs: greedy rows have no sampling distribution")
+        processed = self._process(logits[:, : self.vocab_size].float(), batch)
+        return self._filtered_probs(processed, batch, list(range(processed.shape[0])))
+
+    def output_for(
+        self, logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]
+    ) -> SamplerOutput:
+        """A ``SamplerOutput`` for tokens chosen elsewhere (rejection sampling): their raw
+        logprobs, ranks and the rows' top logprobs, as ``__call__`` reports its own samples.
+
+        Args:
+            logits: [B, vocab] float logits; token_ids: [B] chosen ids; params: [B].
+        """
+        raw = logits[:, : self.vocab_size].float()
+        chosen = torch.tensor(token_ids, dtype=torch.int64, device=raw.device)
+        return self._build_output(raw, chosen, params)
+
+    def _process(self, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """``raw`` [B, V] after logit bias, ``min_tokens``, penalties and the grammar mask (a
+        copy when any applies; ``raw`` itself otherwise)."""
+        params = batch.params
+        outs = batch.output_token_ids
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         min_tok_rows = [i for i, p in enumerate(params) if len(outs[i]) < p.min_tokens]
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
@@ -279,16 +338,7 @@ class Sampler:
             apply_token_bitmask_(processed, grammar.bitmask, grammar.rows)
             if min_tok_rows:
                 self._unblock_grammar_rows(processed, raw, grammar)
-
-        # Greedy rows keep ``sampled``; ``lse`` (logsumexp of the raw rows) serves the logprobs.
-        sampled, lse = self._argmax_and_lse(raw, processed)
-        rand_rows = [i for i, p in enumerate(params) if p.sampling_type != SamplingType.GREEDY]
-        if rand_rows:
-            sampled[torch.tensor(rand_rows, device=device)] = self._sample_random(
-                processed, batch, rand_rows
-            )
-
-        return self._build_output(raw, sampled, params, lse)
+        return processed
 
     # ------------------------------------------------------------------------------------------
     def _apply_logit_bias(
@@ -384,9 +434,39 @@ class Sampler:
         """
         V = self.vocab_size
         dev = logits.device
+        R = len(rows)
+        probs = self._filtered_probs(logits, batch, rows)
+        seeds = torch.tensor([_to_i64(batch.seeds[i]) for i in rows], dtype=torch.int64, device=dev)
+        steps = torch.tensor(
+            [len(batch.output_token_ids[i]) for i in rows], dtype=torch.int64, device=dev
+        )
+        n_cand = int(torch.count_nonzero(probs > 0, dim=-1).max())
+        chosen = torch.empty(R, dtype=torch.int64, device=dev)
+        if n_cand * 4 <= V:
+            # Few candidates (top-k / small nucleus): hash only their ids. The uniform of a token
+            # depends on its id, not its position, so the result equals the full-vocab race.
+            cand_p, cand_ids = probs.topk(max(n_cand, 1), dim=-1)
+            width = cand_ids.shape[1]
+        else:
+            cand_p, cand_ids, width = probs, None, V
+        chunk = max(1, _RACE_CHUNK_ELEMENTS // width)
+        for s in range(0, R, chunk):
+            e = min(s + chunk, R)
+            ids = V if cand_ids is None else cand_ids[s:e]
+            expo = counter_uniform(seeds[s:e], steps[s:e], ids).log_().neg_()  # Exp(1), > 0
+            pick = (cand_p[s:e] / expo).argmax(dim=-1)
+            chosen[s:e] = pick if cand_ids is None else cand_ids[s:e].gather(1, pick[:, None])[:, 0]
+        return chosen
+
+    def _filtered_probs(
+        self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
+    ) -> torch.Tensor:
+        """[len(rows), V] float32: softmax of ``rows`` of ``logits`` after temperature, top-k,
+        top-p and min-p (truncation keeps ties, see ``_sample_random``)."""
+        V = self.vocab_size
+        dev = logits.device
         neg_inf = float("-inf")
         params = [batch.params[i] for i in rows]
-        R = len(rows)
         x = logits.index_select(0, torch.tensor(rows, device=dev))
         temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
         x /= temps[:, None]
@@ -424,29 +504,7 @@ class Sampler:
             thresh = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             x.masked_fill_(probs < thresh, neg_inf)
 
-        # ---- exponential race over the tokens left ------------------------------------------
-        probs = x.softmax(dim=-1)
-        seeds = torch.tensor([_to_i64(batch.seeds[i]) for i in rows], dtype=torch.int64, device=dev)
-        steps = torch.tensor(
-            [len(batch.output_token_ids[i]) for i in rows], dtype=torch.int64, device=dev
-        )
-        n_cand = int(torch.count_nonzero(probs > 0, dim=-1).max())
-        chosen = torch.empty(R, dtype=torch.int64, device=dev)
-        if n_cand * 4 <= V:
-            # Few candidates (top-k / small nucleus): hash only their ids. The uniform of a token
-            # depends on its id, not its position, so the result equals the full-vocab race.
-            cand_p, cand_ids = probs.topk(max(n_cand, 1), dim=-1)
-            width = cand_ids.shape[1]
-        else:
-            cand_p, cand_ids, width = probs, None, V
-        chunk = max(1, _RACE_CHUNK_ELEMENTS // width)
-        for s in range(0, R, chunk):
-            e = min(s + chunk, R)
-            ids = V if cand_ids is None else cand_ids[s:e]
-            expo = counter_uniform(seeds[s:e], steps[s:e], ids).log_().neg_()  # Exp(1), > 0
-            pick = (cand_p[s:e] / expo).argmax(dim=-1)
-            chosen[s:e] = pick if cand_ids is None else cand_ids[s:e].gather(1, pick[:, None])[:, 0]
-        return chosen
+        return x.softmax(dim=-1)
 
     def _argmax_and_lse(
         self, raw: torch.Tensor, processed: torch.Tensor

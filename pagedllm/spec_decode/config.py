@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-#: Proposal methods; "suffix" needs ``pagedllm.spec_decode.suffix``.
-SPEC_METHODS = ("ngram", "suffix")
+#: Proposal methods; "suffix" needs ``pagedllm.spec_decode.suffix``; "draft_model" a ``model``.
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
@@ -26,6 +26,10 @@ class SpeculativeConfig:
             needs a per-draft acceptance of ~0.5-0.7 (``benchmarks/spec_cutoff.py``, docs).
         suffix_max_depth / suffix_max_cached_requests: the suffix proposer's tree depth and how
             many finished requests' outputs it keeps.
+        model: the draft model of method "draft_model" (required there, refused elsewhere): a
+            registry name or path as ``EngineConfig.model`` takes, or an already loaded
+            ``pagedllm.model.loader.LoadedModel`` (tests share one). It must share the
+            target's tokenizer (``spec_decode.draft_model``).
 
     Raises:
         ValueError: naming the field (``speculative_config.<field>``) when invalid.
@@ -38,6 +42,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 16
     suffix_max_depth: int = 24
     suffix_max_cached_requests: int = 1000
+    model: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -47,7 +52,7 @@ class SpeculativeConfig:
             )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "method":
+            if f.name in ("method", "model"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{f.name} must be an integer >= 1, got {value!r}")
@@ -55,6 +60,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and (self.model is None or self.model == ""):
+            raise ValueError(
+                "speculative_config.model is required with method 'draft_model' (a registry "
+                "name or path of a model sharing the target's tokenizer)"
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(
+                f"speculative_config.model is only used with method 'draft_model', not "
+                f"{self.method!r}"
             )
 
 

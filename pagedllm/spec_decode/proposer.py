@@ -95,10 +95,16 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 
     Raises:
         ValueError: naming ``speculative_config.method`` when "suffix" is asked for but the
-            suffix proposer (``pagedllm.spec_decode.suffix``) is not available.
+            suffix proposer (``pagedllm.spec_decode.suffix``) is not available, or for
+            "draft_model" (the engine builds that one, with its worker).
     """
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        raise ValueError(
+            "speculative_config.method 'draft_model' needs the engine's draft worker: "
+            "LLMEngine builds it (spec_decode.draft_model.DraftModelProposer)"
+        )
     try:
         suffix = importlib.import_module("pagedllm.spec_decode.suffix")
     except ImportError as e:

@@ -42,6 +42,7 @@ import torch
 
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_verify import verify_with_draft_probs
 from pagedllm.spec_decode.proposer import Proposer, make_proposer
 
 if TYPE_CHECKING:
@@ -77,9 +78,13 @@ class Speculator:
     # ---- before the step ---------------------------------------------------------------------
     def wanted_k(self, group: SequenceGroup) -> int:
         """The most tokens ``group`` may speculate (0: never): its ``num_speculative_tokens``,
-        else the engine's; 0 for beam search and pooling."""
+        else the engine's; 0 for beam search and pooling, and for structured outputs when the
+        proposer drafts only after scheduling (a draft model: its proposals do not exist yet when
+        ``propose`` checks them against the grammar)."""
         params = group.sampling_params
         if group.beam is not None:
+            return 0
+        if params.structured_outputs is not None and hasattr(self.proposer, "after_schedule"):
             return 0
         if params.pooling is not None:
             return 0
@@ -121,6 +126,15 @@ class Speculator:
             seq.spec_token_ids = draft
             total += len(draft)
         return total
+
+    def after_schedule(
+        self, sched: SchedulerOutput, seqs: dict[int, tuple[Sequence, SequenceGroup]]
+    ) -> None:
+        """Between scheduling and the forward pass: a proposer that drafts on the scheduled
+        block tables (``draft_model.DraftModelProposer``) fills in its reserved proposals."""
+        hook = getattr(self.proposer, "after_schedule", None)
+        if hook is not None:
+            hook(sched, seqs)
 
     # ---- after the step ----------------------------------------------------------------------
     def verify(
@@ -198,14 +212,26 @@ class Speculator:
             batch.token_bitmask = self.structured.fill_draft_bitmask(
                 [(*seqs[seq_id], drafts[seq_id][:k]) for seq_id, _, k in spec]
             )
-        out = sampler(logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], batch)
+        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        out = sampler(row_logits, batch)
+        # A draft model's sampled proposals: rejection sampling with its probabilities q.
+        draft_probs = getattr(self.proposer, "draft_probs", None)
+        forced = (
+            verify_with_draft_probs(
+                spec, drafts, row_logits, batch, out, sampler, seqs, draft_probs
+            )
+            if draft_probs
+            else {}
+        )
         now = time.monotonic()
         base = 0
         for seq_id, _, k in spec:
             seq, group = seqs[seq_id]
             draft = drafts[seq_id]
-            accepted = 0
-            while accepted < k and out.sampled_token_ids[base + accepted] == draft[accepted]:
+            accepted = forced.get(seq_id, 0)
+            while seq_id not in forced and accepted < k and (
+                out.sampled_token_ids[base + accepted] == draft[accepted]
+            ):
                 accepted += 1
             self._record(seq.seq_id, k, accepted, stats)
             start = seq.num_computed_tokens - (k + 1)  # position of the last real token
