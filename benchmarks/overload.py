@@ -21,6 +21,8 @@ the load generator (this process) never holds the server's GIL.
 
     .venv/bin/python benchmarks/overload.py                       # bundled SmolLM2, ~2 minutes
     .venv/bin/python benchmarks/overload.py --admission queue,slots --rounds 3 --idle-seconds 0
+    # on a small host, keep the load generator off the server's core(s):
+    .venv/bin/python benchmarks/overload.py --server-cpus 0 --server-threads 1 --client-cpus 1
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -150,20 +153,29 @@ class ServerProcess:
         RuntimeError: from ``__enter__`` when ``/health`` does not answer within ``timeout_s``.
     """
 
-    def __init__(self, serve_args: list[str], timeout_s: float = 900.0) -> None:
+    def __init__(
+        self, serve_args: list[str], cpus: set[int] | None = None, timeout_s: float = 900.0
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)]
         self.cmd += serve_args
+        self.cpus = cpus  # the cores the server may run on (None: any)
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
         # The log goes to a file: a pipe nobody reads would block the server once full.
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        cpus = self.cpus
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.timeout_s:
             if self.proc.poll() is not None:
@@ -196,6 +208,17 @@ class ServerProcess:
         self.log.close()
 
 
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``"0,2-3"`` -> {0, 2, 3}; None or "" -> None (any core)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def run_config(args, admission: str) -> dict:
     """The four phases against a fresh server process built with ``admission``."""
     serve_args = [
@@ -205,10 +228,12 @@ def run_config(args, admission: str) -> dict:
         "--admission", admission,
         "--log-stats-interval", "0",
     ]  # fmt: skip
+    if args.server_threads:
+        serve_args += ["--num-threads", str(args.server_threads)]
     if args.model:
         serve_args += ["--model", args.model]
     res: dict = {"admission": admission}
-    with ServerProcess(serve_args) as srv:
+    with ServerProcess(serve_args, cpus=parse_cpus(args.server_cpus)) as srv:
         base = asyncio.run(unloaded(srv.url, args))
         ttft0 = [t for _, t, _ in base]
         res["unloaded_ttft_p50_s"] = pct(ttft0, 0.5)
@@ -260,9 +285,27 @@ def main() -> int:
     p.add_argument("--phase-seconds", type=float, default=30.0)
     p.add_argument("--unloaded-requests", type=int, default=10)
     p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--server-cpus",
+        default=None,
+        help="cores for the server process, e.g. '0' (default: any); see --client-cpus",
+    )
+    p.add_argument(
+        "--client-cpus",
+        default=None,
+        help="cores for this load generator, e.g. '1', so it never takes the server's cores",
+    )
+    p.add_argument("--server-threads", type=int, default=None, help="the server's --num-threads")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     policies = args.admission.split(",")
+    client_cpus = parse_cpus(args.client_cpus)
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
+    print(
+        f"server cores {args.server_cpus or 'any'}, threads {args.server_threads or 'default'}; "
+        f"load generator cores {args.client_cpus or 'any'}"
+    )
 
     runs: list[dict] = []
     with bench_lock():
