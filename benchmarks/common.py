@@ -17,38 +17,39 @@ from pagedllm.bench.datasets import dataset_file, default_data_dir
 DATA_DIR = default_data_dir()
 
 
+def _sharegpt_turns(
+    tokenizer, n: int, turn: int, role: str, min_tokens: int, max_tokens: int, newest_first: bool
+) -> list[list[int]]:
+    """Token ids (no special tokens) of ``n`` ShareGPT conversations' turn ``turn`` when it is
+    from ``role`` and has >= ``min_tokens`` tokens, each cut to ``max_tokens``.
+
+    Raises:
+        RuntimeError: fewer than ``n`` such turns exist.
+    """
+    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
+    out: list[list[int]] = []
+    for r in reversed(records) if newest_first else records:
+        turns = r.get("conversations") or []
+        if len(turns) <= turn or turns[turn].get("from") != role:
+            continue
+        ids = tokenizer(turns[turn]["value"], add_special_tokens=False).input_ids
+        if len(ids) >= min_tokens:
+            out.append(ids[:max_tokens])
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT {role} turns have >= {min_tokens} tokens")
+
+
 def sharegpt_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
     """``n`` prompts of exactly ``prompt_len`` tokens: first human turns of ShareGPT, truncated
     (turns shorter than ``prompt_len`` are skipped)."""
-    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
-    out: list[list[int]] = []
-    for r in records:
-        turns = r.get("conversations") or []
-        if not turns or turns[0].get("from") != "human":
-            continue
-        ids = tokenizer(turns[0]["value"], add_special_tokens=False).input_ids
-        if len(ids) >= prompt_len:
-            out.append(ids[:prompt_len])
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"only {len(out)} ShareGPT prompts have >= {prompt_len} tokens")
+    return _sharegpt_turns(tokenizer, n, 0, "human", prompt_len, prompt_len, newest_first=False)
 
 
 def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[list[int]]:
     """Token ids of the last ``n`` ShareGPT replies with >= ``min_tokens`` tokens, each cut to
     ``max_tokens`` (BOS-free, as the reply text tokenizes)."""
-    records = json.loads(dataset_file("sharegpt", data_dir=DATA_DIR).read_text())
-    out: list[list[int]] = []
-    for r in reversed(records):
-        turns = r.get("conversations") or []
-        if len(turns) < 2 or turns[1].get("from") != "gpt":
-            continue
-        ids = tokenizer(turns[1]["value"], add_special_tokens=False).input_ids
-        if len(ids) >= min_tokens:
-            out.append(ids[:max_tokens])
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"only {len(out)} ShareGPT replies have >= {min_tokens} tokens")
+    return _sharegpt_turns(tokenizer, n, 1, "gpt", min_tokens, max_tokens, newest_first=True)
 
 
 def cpu_description() -> str:

@@ -7,7 +7,6 @@ control); nothing leaks after aborts. ``tiny_llm_factory`` checks the pool invar
 every step and that every block is free at the end."""
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from pagedllm.model.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_random_state_dict, make_tiny_config
+from tests.spec_decode.stress import drive_with_aborts
 
 PROMPTS = [
     [10, 11, 12, 13, 14] * 6,
@@ -165,24 +165,7 @@ def test_aborts_and_preemption_leak_nothing(tiny_llm_factory, small_draft):
         preemption_mode="auto",
     )  # fmt: skip
     engine = llm.engine
-    rng = random.Random(0)
-    live: list[str] = []
-    for i in range(20):
-        prompt = PROMPTS[i % len(PROMPTS)][: rng.randint(8, 40)]
-        sp = SamplingParams(
-            n=rng.choice([1, 1, 2]), temperature=rng.choice([0.0, 0.9]), seed=i,
-            max_tokens=rng.randint(4, 24), ignore_eos=True,
-        )  # fmt: skip
-        engine.add_request(f"r{i}", prompt, sp)
-        live.append(f"r{i}")
-        for _ in range(rng.randint(1, 3)):
-            for out in engine.step():
-                if out.finished:
-                    live.remove(out.request_id)
-        if rng.random() < 0.3 and live:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-    while engine.has_unfinished_requests():
-        engine.step()
+    drive_with_aborts(engine, PROMPTS, num_requests=20, max_tokens_hi=24)
     proposer = engine.engine_core.speculator.proposer
     assert engine.stats.spec_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
     assert not proposer._computed and not proposer._request_of  # the draft side forgot all

@@ -4,12 +4,12 @@ preemption (swap, recompute), chunked prefill and prefix caching; no KV block le
 stress run with aborts (issue 25). ``tiny_llm_factory`` checks the pool invariants after every
 step and that every block is free at the end."""
 
-import random
 from collections.abc import Sequence
 
 import pytest
 
 from pagedllm.sampling_params import SamplingParams
+from tests.spec_decode.stress import drive_with_aborts
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}'
 PROMPTS = [
@@ -168,25 +168,7 @@ def test_stress_aborts_and_preemption_leak_nothing(tiny_llm_factory):
         speculative_config=SPEC, block_size=8, num_gpu_blocks_override=24, preemption_mode="auto",
     )
     engine = llm.engine
-    rng = random.Random(0)
-    live: list[str] = []
-    for i in range(24):
-        prompt = PROMPTS[i % len(PROMPTS)][: rng.randint(8, 40)]
-        sp = SamplingParams(
-            n=rng.choice([1, 1, 2]), temperature=rng.choice([0.0, 0.9]), seed=i,
-            max_tokens=rng.randint(4, 32), ignore_eos=True,
-        )
-        engine.add_request(f"r{i}", prompt, sp)
-        live.append(f"r{i}")
-        for _ in range(rng.randint(1, 3)):
-            for out in engine.step():
-                if out.finished:
-                    live.remove(out.request_id)
-        if rng.random() < 0.3 and live:
-            victim = live.pop(rng.randrange(len(live)))
-            engine.abort_request(victim)
-    while engine.has_unfinished_requests():
-        engine.step()
+    drive_with_aborts(engine, PROMPTS, num_requests=24, max_tokens_hi=32)
     assert engine.stats.spec_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
 
 
