@@ -90,6 +90,41 @@ async def one(c: httpx.AsyncClient, body: dict) -> tuple[int, float, float]:
     return 200, ttft if ttft is not None else float("nan"), time.perf_counter() - t0
 
 
+SPLIT_METRICS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+)
+
+
+def server_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum s, count) of the server's TTFT, queue-time and prefill-time histograms so far."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for name in SPLIT_METRICS:
+        vals = [
+            float(ln.split()[-1])
+            for suffix in ("_sum", "_count")
+            for ln in text.splitlines()
+            if ln.startswith(name + suffix)
+        ]
+        out[name] = (vals[0], vals[1])
+    return out
+
+
+def server_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean server-side TTFT, queue time and prefill time (s) of the requests finished between
+    two :func:`server_sums` snapshots."""
+    means = {}
+    for name in SPLIT_METRICS:
+        n = after[name][1] - before[name][1]
+        key = name.removeprefix("vllm:").removesuffix("_seconds")
+        means[f"server_{key}_mean_s"] = (
+            (after[name][0] - before[name][0]) / n if n else float("nan")
+        )
+    return means
+
+
 def make_body(rng: random.Random, args) -> dict:
     words = [WORDS[i % len(WORDS)] for i in range(args.prompt_tokens - 2)]
     return {
@@ -101,11 +136,11 @@ def make_body(rng: random.Random, args) -> dict:
     }
 
 
-async def unloaded(url: str, args) -> list[tuple[int, float, float]]:
-    rng = random.Random(1)
+async def unloaded(url: str, args, n: int, seed: int = 1) -> list[tuple[int, float, float]]:
+    """``n`` requests one at a time (nothing else in flight)."""
+    rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-        await one(c, make_body(rng, args))  # warm-up
-        return [await one(c, make_body(rng, args)) for _ in range(args.unloaded_requests)]
+        return [await one(c, make_body(rng, args)) for _ in range(n)]
 
 
 async def closed_loop(url: str, args) -> float:
@@ -234,14 +269,21 @@ def run_config(args, admission: str) -> dict:
         serve_args += ["--model", args.model]
     res: dict = {"admission": admission}
     with ServerProcess(serve_args, cpus=parse_cpus(args.server_cpus)) as srv:
-        base = asyncio.run(unloaded(srv.url, args))
+        asyncio.run(unloaded(srv.url, args, 1, seed=0))  # warm-up
+        snap0 = server_sums(srv.url)
+        base = asyncio.run(unloaded(srv.url, args, args.unloaded_requests))
+        res.update(
+            {f"unloaded_{k}": v for k, v in server_means(snap0, server_sums(srv.url)).items()}
+        )
         ttft0 = [t for _, t, _ in base]
         res["unloaded_ttft_p50_s"] = pct(ttft0, 0.5)
         res["unloaded_ttft_p99_s"] = pct(ttft0, 0.99)
         sustainable = asyncio.run(closed_loop(srv.url, args))
         res["sustainable_rps"] = sustainable
         rate = args.overload_factor * sustainable
+        snap1 = server_sums(srv.url)
         results, wall = asyncio.run(open_loop(srv.url, rate, args))
+        split = server_means(snap1, server_sums(srv.url))
         ok = [r for r in results if r[0] == 200]
         refused = [r for r in results if r[0] == 503]
         res.update(
@@ -257,6 +299,7 @@ def run_config(args, admission: str) -> dict:
             refusal_latency_p50_s=pct([t for _, t, _ in refused], 0.5),
             refusal_latency_p99_s=pct([t for _, t, _ in refused], 0.99),
         )
+        res.update({f"admitted_{k}": v for k, v in split.items()})
         res["ttft_p99_vs_unloaded"] = res["admitted_ttft_p99_s"] / res["unloaded_ttft_p99_s"]
         if args.idle_seconds > 0:
             time.sleep(1.0)  # let the engine go idle
@@ -283,7 +326,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="times each policy is run, alternating")
     p.add_argument("--overload-factor", type=float, default=3.0)
     p.add_argument("--phase-seconds", type=float, default=30.0)
-    p.add_argument("--unloaded-requests", type=int, default=10)
+    p.add_argument(
+        "--unloaded-requests",
+        type=int,
+        default=40,
+        help="sequential unloaded requests; p99 by nearest rank is their slowest, so a sample "
+        "near the admitted count (~80 at the default rates) compares like with like",
+    )
     p.add_argument("--idle-seconds", type=float, default=10.0)
     p.add_argument(
         "--server-cpus",

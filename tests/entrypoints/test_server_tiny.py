@@ -99,6 +99,8 @@ def test_metrics(client):
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:time_per_output_token_seconds_bucket",
         "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_count",
         'vllm:num_preemptions_by_mode_total{mode="swap"',
         "vllm:num_requests_swapped",
         "vllm:swap_out_bytes_total",
@@ -109,6 +111,19 @@ def test_metrics(client):
         assert name in text, name
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
+
+    def value(name: str) -> float:
+        return float([ln for ln in text.splitlines() if ln.startswith(name)][0].split()[-1])
+
+    # TTFT splits into queue + prefill time: one observation of each per finished request.
+    n_ttft = value("vllm:time_to_first_token_seconds_count")
+    assert n_ttft >= 1
+    assert value("vllm:request_queue_time_seconds_count") == n_ttft
+    assert value("vllm:request_prefill_time_seconds_count") == n_ttft
+    split = value("vllm:request_queue_time_seconds_sum") + value(
+        "vllm:request_prefill_time_seconds_sum"
+    )
+    assert split == pytest.approx(value("vllm:time_to_first_token_seconds_sum"), abs=1e-6)
     # A repeated long prompt hits the prefix cache: the hit counter moves.
     prompt = "paged attention stores keys and values in blocks " * 4
 

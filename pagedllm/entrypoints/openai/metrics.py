@@ -197,6 +197,18 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             **kw,
         ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to the first step that schedules the request.",
+            buckets=_LATENCY_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time from the first scheduling step to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            **kw,
+        ).labels(model_name)
 
     def observe_prefilled(self, out: RequestOutput) -> None:
         """Count the prompt tokens of a request whose prompt is done (its first output)."""
@@ -212,6 +224,11 @@ class ServerMetrics:
             return
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            # TTFT = queue time + prefill time (vLLM's split of where a first token waits).
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         end = m.finished_time
         if end is None:
             return
