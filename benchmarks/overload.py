@@ -13,7 +13,9 @@
 
 ``--admission queue,slots --rounds 3`` runs the phases for each admission policy in turn (a
 fresh server each time), alternating, so a noisy machine affects both alike; the medians of
-each policy's ratios are printed last.
+each policy's ratios are printed last. ``slots/prefill-first`` is ``slots`` with the server's
+``--prefill-first`` scheduling. The server's split of TTFT (mean queue time and prefill time
+from its ``/metrics``) is printed beside the client's figures.
 
 All requests: a ``--prompt-tokens`` prompt (the same long prefix + a number), ``--max-tokens``
 generated tokens (ignore_eos), streamed. The server is ``pagedllm serve`` in a child process, so
@@ -254,20 +256,24 @@ def parse_cpus(text: str | None) -> set[int] | None:
     return cpus
 
 
-def run_config(args, admission: str) -> dict:
-    """The four phases against a fresh server process built with ``admission``."""
+def run_config(args, variant: str) -> dict:
+    """The four phases against a fresh server process built with ``variant``: an admission
+    policy, optionally followed by ``/``-separated boolean serve flags (``slots/prefill-first``
+    adds ``--prefill-first``)."""
+    admission, *flags = variant.split("/")
     serve_args = [
         "--max-model-len", "512",
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-waiting-requests", str(args.max_waiting_requests),
         "--admission", admission,
         "--log-stats-interval", "0",
+        *(f"--{flag}" for flag in flags),
     ]  # fmt: skip
     if args.server_threads:
         serve_args += ["--num-threads", str(args.server_threads)]
     if args.model:
         serve_args += ["--model", args.model]
-    res: dict = {"admission": admission}
+    res: dict = {"admission": variant}
     with ServerProcess(serve_args, cpus=parse_cpus(args.server_cpus)) as srv:
         asyncio.run(unloaded(srv.url, args, 1, seed=0))  # warm-up
         snap0 = server_sums(srv.url)
@@ -321,7 +327,8 @@ def main() -> int:
     p.add_argument(
         "--admission",
         default="queue",
-        help="comma-separated EngineConfig.admission policies, run in turn each round",
+        help="comma-separated EngineConfig.admission policies, run in turn each round; a "
+        "policy may carry /-separated boolean serve flags, e.g. slots,slots/prefill-first",
     )
     p.add_argument("--rounds", type=int, default=1, help="times each policy is run, alternating")
     p.add_argument("--overload-factor", type=float, default=3.0)

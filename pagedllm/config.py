@@ -275,6 +275,12 @@ class EngineConfig:
         "first, ties by arrival), preempting less urgent running requests for a more urgent one",
         choices=SCHEDULING_POLICIES,
     )
+    prefill_first: bool = _option(
+        False,
+        "when a waiting request can start, run its prefill in a step of its own before the "
+        "running requests' next decode (vLLM V0's order) instead of in one batch with them: a "
+        "lower time to first token under load for a little less throughput (fcfs only)",
+    )
     max_waiting_requests: int | None = _option(
         None,
         "most requests waiting for admission; a new one beyond it is refused at once (the "

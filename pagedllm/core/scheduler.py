@@ -118,6 +118,13 @@ class SchedulerConfig:
             swap space is full.
         policy: "fcfs" (arrival order) or "priority" (``(priority, arrival)`` order with
             priority preemption; see the module docstring).
+        prefill_first: (fcfs only) when the first ready waiting group can be admitted, the
+            step runs only the admissions, not the running groups' decodes: the new request's
+            first token does not wait for the batch's decode rows (vLLM V0's order).
+
+    Raises:
+        ValueError: naming ``policy``, ``preemption_mode`` or ``prefill_first`` (with the
+            priority policy, whose admissions preempt running groups instead).
     """
 
     max_num_seqs: int
@@ -126,10 +133,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     preemption_mode: str = "auto"
     policy: str = "fcfs"
+    prefill_first: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.prefill_first and self.policy != "fcfs":
+            raise ValueError("prefill_first works with the fcfs scheduling policy only")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
@@ -224,7 +234,7 @@ class Scheduler:
 
         # 1. Running groups, oldest first. A victim is always taken from the newest end, which
         #    is never a group already scheduled in this loop.
-        idx = 0
+        idx = len(self.running) if self._admissions_only() else 0
         while idx < len(self.running):
             group = self.running[idx]
             plan = self._plan(group.unfinished_seqs(), budget)
@@ -284,6 +294,16 @@ class Scheduler:
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _admissions_only(self) -> bool:
+        """``prefill_first``: whether this step should run only admissions (the first ready
+        waiting group fits now, nothing is swapped out, and some group runs)."""
+        if not (self.config.prefill_first and self.running) or self.swapped:
+            return False
+        head = self._first_ready_waiting()
+        num_seqs = sum(self._width(g) for g in self.running)
+        budget = self.config.max_num_batched_tokens
+        return head is not None and self._can_admit(head, budget, num_seqs)
 
     def _can_admit(self, group: SequenceGroup, budget: int, num_seqs: int) -> bool:
         """Whether waiting ``group`` fits now: ``max_num_seqs``, the token budget (whole

@@ -186,6 +186,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 policy=config.scheduling_policy,
+                prefill_first=config.prefill_first,
             ),
             self.block_manager,
         )

@@ -1,5 +1,7 @@
 """Scheduler: FCFS admission, continuous batching, limits and preemption by recompute."""
 
+import pytest
+
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.outputs import RequestMetrics
@@ -177,3 +179,36 @@ def test_chunked_prefill_splits_prompt_over_steps():
         finish_step(out, [a])
     assert spans == [(0, 4, False), (4, 4, False), (8, 2, True)]
     assert bm.get_block_table(a.seqs[0]) == [0, 1, 2]
+
+
+def test_prefill_first_runs_an_admission_in_a_step_of_its_own():
+    """``prefill_first``: a new request that fits is prefilled alone (the running decode waits
+    one step); one that does not fit never stalls the decodes."""
+    bm = BlockManager(8, 4, watermark=0)
+    sch = Scheduler(SchedulerConfig(2, 64, 256, prefill_first=True), bm)
+    a = group("a", 4, 0)
+    sch.add_seq_group(a)
+    out = sch.schedule()
+    assert [(r, len(w.token_ids)) for r, w in out.scheduled] == [("a", 4)]
+    finish_step(out, [a])
+    b = group("b", 6, 1)
+    sch.add_seq_group(b)
+    out = sch.schedule()  # b's prefill alone: a's decode (and its next block) wait a step
+    assert [(r, w.start_pos, len(w.token_ids), w.block_table) for r, w in out.scheduled] == [
+        ("b", 0, 6, [1, 2])
+    ]
+    finish_step(out, [a, b])
+    c = group("c", 3, 2)  # a third request: max_num_seqs (2) is full, so decodes go on
+    sch.add_seq_group(c)
+    out = sch.schedule()
+    assert [(r, w.token_ids, w.start_pos, w.block_table) for r, w in out.scheduled] == [
+        ("a", [7], 4, [0, 3]),
+        ("b", [7], 6, [1, 2]),
+    ]
+    assert list(sch.waiting) == [c]
+    bm.check_invariants()
+
+
+def test_prefill_first_needs_fcfs():
+    with pytest.raises(ValueError, match="prefill_first"):
+        SchedulerConfig(2, 64, 256, policy="priority", prefill_first=True)

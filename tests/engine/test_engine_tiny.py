@@ -264,3 +264,29 @@ def test_streamed_text_only_grows_and_ends_equal(tiny_llm_factory):
         assert b.startswith(a)
     final = texts[-1]
     assert len(texts[-2]) <= len(final) - 0  # held-back tail released at the end
+
+
+def test_prefill_first_keeps_greedy_outputs(tiny_llm_factory, reference):
+    """``prefill_first``: requests arriving while others decode (and waiting for a slot) are
+    prefilled in steps of their own; every output still equals transformers'."""
+    llm = tiny_llm_factory(prefill_first=True, max_num_seqs=2)
+    eng = llm.engine
+    lengths = {p: 8 + 4 * i for i, p in enumerate(PROMPTS)}  # staggered finishes free slots
+    got: dict[str, list[int]] = {}
+    pending = list(PROMPTS)
+    steps_alone = 0
+    while pending or eng.has_unfinished_requests():
+        if pending:  # one arrival per step while others run
+            p = pending.pop(0)
+            eng.add_request(
+                p, p, SamplingParams(temperature=0, max_tokens=lengths[p], ignore_eos=True)
+            )
+        running_before = len(eng.scheduler.running)
+        outs = eng.step()
+        if running_before and outs and all(o.request_id not in got for o in outs):
+            steps_alone += all(len(o.outputs[0].token_ids) == 1 for o in outs)
+        for o in outs:
+            got[o.request_id] = list(o.outputs[0].token_ids)
+    assert steps_alone >= 1  # some admission ran without the running decodes
+    for p in PROMPTS:
+        assert got[p] == reference[p][: lengths[p]]
