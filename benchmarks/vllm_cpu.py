@@ -139,7 +139,10 @@ def vllm_server(
         "--no-enable-log-requests", *(extra_args or []),
     ]  # fmt: skip
     log = open(REPO / ".bench" / "vllm_server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, env=vllm_env(kv_cache_gib), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, env=vllm_env(kv_cache_gib), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # its engine-core / worker children go with it (below)
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
@@ -162,6 +165,8 @@ def vllm_server(
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
         log.close()
 
 
@@ -204,12 +209,22 @@ def run_offline(workload: dict, kv_cache_gib: int = 4, timeout: float = 7200.0) 
     res.unlink(missing_ok=True)
     script = Path(__file__).resolve().parent / "peers" / "vllm_offline.py"
     with open(log, "w") as out:
-        proc = subprocess.run(
+        # Its own process group: vLLM starts engine-core and worker processes, which an
+        # interrupted benchmark must not leave behind (they hold GiBs and both cores).
+        proc = subprocess.Popen(
             [str(python), str(script), "--workload", str(wl), "--out", str(res)],
-            env=vllm_env(kv_cache_gib), stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+            env=vllm_env(kv_cache_gib), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )  # fmt: skip
-    if proc.returncode != 0 or not res.exists():
-        raise VllmFailed(describe_failure(proc.returncode, log.read_text(errors="replace")))
+        try:
+            returncode = proc.wait(timeout)
+        except BaseException:  # timeout, Ctrl-C, SIGTERM (as SystemExit): stop the whole group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if returncode != 0 or not res.exists():
+        raise VllmFailed(describe_failure(returncode, log.read_text(errors="replace")))
     return dict(json.loads(res.read_text()))
 
 

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,8 @@ def run_pagedllm(llm, reqs: list[dict]) -> dict:
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so the vLLM process group is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=["a", "b"], default="a")
     ap.add_argument(
