@@ -139,6 +139,18 @@ serve only:
 """
 
 
+def _package_version() -> str:
+    from pagedllm import __version__
+
+    return __version__
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pagedllm`` parser: ``generate``, ``serve`` (with the server extra) and ``bench``."""
     parser = argparse.ArgumentParser(
@@ -148,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_package_version()} (torch {_torch_version()})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions offline for a batch of prompts")

@@ -209,3 +209,14 @@ def test_top_level_help_names_the_opt_in_features(parser, capsys):
     for flag in flags:
         assert flag in top
         assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", serve_help), flag
+
+
+def test_version_flag(parser, capsys):
+    import torch
+
+    from pagedllm import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pagedllm {__version__} (torch {torch.__version__})"
