@@ -289,7 +289,7 @@ class EngineConfig:
     )
     admission: str = _option(
         "queue",
-        "which new server requests are refused at once (503): queue = only beyond "
+        "(serve only) which new requests the server refuses at once (503): queue = only beyond "
         "max_waiting_requests; slots = also any request that could not start at the next step "
         "(no free batch slot of max_num_seqs, or no KV room for its prompt), which keeps the "
         "time to first token of admitted requests near the unloaded value under overload",
