@@ -17,8 +17,9 @@ cache made on one kind of CPU is correct on another: each variant has its own bu
 
 Builds: JIT with ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -fopenmp``) on first use, into
 ``<root>/pagedllm_cpu_<variant>_<hash>/``; the hash covers the source files' names and contents,
-the compiler flags, the variant, the compiler command and the torch version (not where the sources
-are, nor the build host). The sources are copied into that directory (``src/``) and compiled from
+the compiler flags, the variant, the compiler command, the torch version and the folder torch is
+installed in (its headers' paths are in ninja's compile commands; not where the sources are, nor the
+build host). The sources are copied into that directory (``src/``) and compiled from
 there: ninja records absolute source and include paths, so compiling them where they lie would make
 two checkouts sharing one cache rebuild each other's build. From the copy, identical sources
 anywhere (another checkout, a git worktree, an installed wheel) share one build.
@@ -161,11 +162,14 @@ def cache_root() -> Path:
 
 def build_key(variant: str) -> str:
     """Hash of what the build depends on: the sources' names and contents (not their directory),
-    flags, variant, compiler and torch version."""
+    flags, variant, compiler, torch version and torch's install folder (each environment with its
+    own torch has its own build, instead of ninja recompiling one build for the other's headers)."""
     h = hashlib.sha1()
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode() + b"\0" + (SRC_DIR / name).read_bytes() + b"\0")
+    torch_dir = str(Path(torch.__file__).resolve().parent)
     h.update(" ".join((variant, *_cflags(variant), _cxx(), torch.__version__)).encode())
+    h.update(b"\0" + torch_dir.encode())
     return h.hexdigest()[:12]
 
 

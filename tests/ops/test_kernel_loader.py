@@ -118,6 +118,10 @@ def test_build_key_covers_contents_not_the_directory(
     header = elsewhere / loader.HEADERS[0]
     header.write_bytes(header.read_bytes() + b"\n// changed\n")
     assert loader.build_key("avx2") != here  # headers count, not only the .cpp files
+    edited = loader.build_key("avx2")
+    # Another environment's torch (its headers' paths are in ninja's commands): its own build.
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2" / "torch" / "__init__.py"))
+    assert loader.build_key("avx2") != edited
 
 
 def test_stage_sources_copies_once_and_repairs(
