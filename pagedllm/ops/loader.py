@@ -16,10 +16,13 @@ Variants: the same sources are compiled with explicit instruction-set flags, nev
 cache made on one kind of CPU is correct on another: each variant has its own build.
 
 Builds: JIT with ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -fopenmp``) on first use, into
-``<root>/pagedllm_cpu_<variant>_<hash>/``; the hash covers the source files' contents and their
-directory, the compiler flags, the variant, the compiler command and the torch version (not the
-build host). The directory is in it because ninja records absolute include paths: two checkouts
-sharing one cache would otherwise keep rebuilding each other's build.
+``<root>/pagedllm_cpu_<variant>_<hash>/``; the hash covers the source files' names and contents,
+the compiler flags, the variant, the compiler command, the torch version and the folder torch is
+installed in (its headers' paths are in ninja's compile commands; not where the sources are, nor the
+build host). The sources are copied into that directory (``src/``) and compiled from
+there: ninja records absolute source and include paths, so compiling them where they lie would make
+two checkouts sharing one cache rebuild each other's build. From the copy, identical sources
+anywhere (another checkout, a git worktree, an installed wheel) share one build.
 ``<root>`` is the first writable of ``$PAGEDLLM_KERNEL_CACHE_DIR``,
 ``$PAGEDLLM_CACHE_DIR/torch_extensions`` (default ``$XDG_CACHE_HOME/pagedllm`` or
 ``~/.cache/pagedllm``, the directory of the tokenizer cache) and
@@ -158,12 +161,15 @@ def cache_root() -> Path:
 
 
 def build_key(variant: str) -> str:
-    """Hash of what the build depends on: sources and their directory, flags, variant, compiler
-    and torch version."""
-    h = hashlib.sha1(str(SRC_DIR.resolve()).encode())
+    """Hash of what the build depends on: the sources' names and contents (not their directory),
+    flags, variant, compiler, torch version and torch's install folder (each environment with its
+    own torch has its own build, instead of ninja recompiling one build for the other's headers)."""
+    h = hashlib.sha1()
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode() + b"\0" + (SRC_DIR / name).read_bytes() + b"\0")
+    torch_dir = str(Path(torch.__file__).resolve().parent)
     h.update(" ".join((variant, *_cflags(variant), _cxx(), torch.__version__)).encode())
+    h.update(b"\0" + torch_dir.encode())
     return h.hexdigest()[:12]
 
 
@@ -181,6 +187,35 @@ def build_dir(variant: str) -> Path:
         except OSError:
             continue
     raise OSError(f"no writable directory for the CPU kernel build (tried {roots})")
+
+
+STAGED_SOURCES_DIR = "src"
+
+
+def stage_sources(directory: Path) -> Path:
+    """Copy the kernel sources and headers into ``directory/src`` and return that folder.
+
+    ``directory`` is the content-keyed build directory (:func:`build_dir`), so the compile reads
+    its sources from a path that depends only on their contents (see the module docstring). A file
+    already there with the same bytes is left alone, its modification time too (ninja would
+    rebuild otherwise); any other is written to a temporary name and renamed into place, so a copy
+    killed part way never leaves a truncated source. Call it while holding
+    :func:`pagedllm.ops.build_lock.exclusive_build` on ``directory``.
+
+    Raises:
+        OSError: a source cannot be read or the copy cannot be written.
+    """
+    staged = directory / STAGED_SOURCES_DIR
+    staged.mkdir(exist_ok=True)
+    for name in (*SOURCES, *HEADERS):
+        data = (SRC_DIR / name).read_bytes()
+        target = staged / name
+        if target.is_file() and target.read_bytes() == data:
+            continue
+        partial = staged / f".{name}.{os.getpid()}.partial"
+        partial.write_bytes(data)
+        os.replace(partial, target)
+    return staged
 
 
 def _check_buildable() -> None:
@@ -216,10 +251,11 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
             t0 = time.perf_counter()
             directory = build_dir(variant)
             with exclusive_build(directory):  # clears a lock left by a killed build
+                staged = stage_sources(directory)
                 library = load(
                     name=f"pagedllm_cpu_{variant}",
-                    sources=[str(SRC_DIR / n) for n in SOURCES],
-                    extra_include_paths=[str(SRC_DIR)],
+                    sources=[str(staged / n) for n in SOURCES],
+                    extra_include_paths=[str(staged)],
                     extra_cflags=list(_cflags(variant)),
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(directory),
@@ -279,6 +315,13 @@ def compile_check(variant: str, out_dir: str | os.PathLike[str]) -> list[Path]:
     """Compile every source of ``variant`` to an object file in ``out_dir`` (``-O0``, no link,
     nothing loaded), so a variant this CPU cannot run can still be checked to build. The sources
     compile in parallel, one compiler per core (the torch bindings alone take most of the time).
+
+    An object's name carries a hash of everything its compile depends on (:func:`build_key`:
+    the sources' contents, compiler, torch version; plus this check's flags), and an object
+    already in ``out_dir`` under that name is not compiled again: pass a lasting folder (such as
+    one under :func:`cache_root`) to check the same sources once. Objects are written to a
+    temporary name and renamed, so a killed compile leaves none behind.
+
     Returns the object files in ``SOURCES`` order; raises ``subprocess.CalledProcessError`` (with
     the compiler's output) on an error."""
     from concurrent.futures import ThreadPoolExecutor
@@ -288,15 +331,21 @@ def compile_check(variant: str, out_dir: str | os.PathLike[str]) -> list[Path]:
     _check_buildable()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    flags = ("-std=c++20", "-fPIC", "-O0", "-fopenmp", *isa_flags(variant))
+    tag = hashlib.sha1(" ".join((build_key(variant), *flags)).encode()).hexdigest()[:12]
     includes = [f"-I{p}" for p in (str(SRC_DIR), *include_paths())]
 
     def compile_one(name: str) -> Path:
-        obj = out / f"{variant}_{Path(name).stem}.o"
-        cmd = [
-            _cxx(), "-std=c++20", "-fPIC", "-O0", "-fopenmp", *isa_flags(variant), *includes,
-            "-c", str(SRC_DIR / name), "-o", str(obj),
-        ]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        obj = out / f"{variant}_{Path(name).stem}_{tag}.o"
+        if obj.is_file() and obj.stat().st_size > 0:
+            return obj  # these very sources, flags and compiler compiled before
+        partial = obj.with_name(f".{obj.name}.{os.getpid()}.partial")
+        cmd = [_cxx(), *flags, *includes, "-c", str(SRC_DIR / name), "-o", str(partial)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            os.replace(partial, obj)
+        finally:
+            partial.unlink(missing_ok=True)
         return obj
 
     workers = max(1, min(len(SOURCES), os.cpu_count() or 1))

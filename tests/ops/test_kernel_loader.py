@@ -68,6 +68,10 @@ def test_loaded_variant_matches_the_cpu(cpu_ops) -> None:
         assert build.variant == cpu_kernel_variant()
     assert build.build_dir.name.startswith(f"pagedllm_cpu_{build.variant}_")
     assert build.library.is_file() and build.library.parent == build.build_dir
+    # Compiled from the content-keyed copy of the sources, not from where they lie.
+    ninja = (build.build_dir / "build.ninja").read_text()
+    assert str(build.build_dir / loader.STAGED_SOURCES_DIR / "torch_bindings.cpp") in ninja
+    assert str(loader.SRC_DIR) not in ninja
     assert str(build.build_dir).startswith(str(loader.cache_root())) or "pagedllm-" in str(
         build.build_dir
     )  # the preferred root, or the temporary fallback when it is not writable
@@ -94,6 +98,95 @@ def test_build_key_covers_variant_and_flags_not_the_host(monkeypatch: pytest.Mon
     monkeypatch.setenv("PAGEDLLM_CPU_ARCH_FLAGS", "-march=native")
     assert loader.isa_flags("avx2") == ("-march=native",)
     assert loader.build_key("avx2") != keys["avx2"]
+
+
+def _copy_sources(dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for name in (*loader.SOURCES, *loader.HEADERS):
+        (dst / name).write_bytes((loader.SRC_DIR / name).read_bytes())
+    return dst
+
+
+def test_build_key_covers_contents_not_the_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("PAGEDLLM_CPU_ARCH_FLAGS", raising=False)
+    here = loader.build_key("avx2")
+    elsewhere = _copy_sources(tmp_path / "other_checkout" / "csrc" / "cpu")
+    monkeypatch.setattr(loader, "SRC_DIR", elsewhere)
+    assert loader.build_key("avx2") == here  # a worktree or an installed wheel shares the build
+    header = elsewhere / loader.HEADERS[0]
+    header.write_bytes(header.read_bytes() + b"\n// changed\n")
+    assert loader.build_key("avx2") != here  # headers count, not only the .cpp files
+    edited = loader.build_key("avx2")
+    # Another environment's torch (its headers' paths are in ninja's commands): its own build.
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2" / "torch" / "__init__.py"))
+    assert loader.build_key("avx2") != edited
+
+
+def test_stage_sources_copies_once_and_repairs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    src = _copy_sources(tmp_path / "checkout")
+    monkeypatch.setattr(loader, "SRC_DIR", src)
+    build = tmp_path / "build"
+    build.mkdir()
+    staged = loader.stage_sources(build)
+    assert staged == build / loader.STAGED_SOURCES_DIR
+    names = (*loader.SOURCES, *loader.HEADERS)
+    assert sorted(p.name for p in staged.iterdir()) == sorted(names)  # no partial files left
+    for name in names:
+        assert (staged / name).read_bytes() == (src / name).read_bytes()
+    # Unchanged files keep their mtime (ninja would rebuild otherwise) ...
+    old = {n: (staged / n).stat().st_mtime_ns for n in names}
+    for name in names:
+        os.utime(staged / name, ns=(old[name] - 10**9, old[name] - 10**9))
+    before = {n: (staged / n).stat().st_mtime_ns for n in names}
+    loader.stage_sources(build)
+    assert {n: (staged / n).stat().st_mtime_ns for n in names} == before
+    # ... and a damaged copy (say, truncated by a killed process) is rewritten.
+    (staged / loader.SOURCES[0]).write_bytes(b"")
+    loader.stage_sources(build)
+    assert (staged / loader.SOURCES[0]).read_bytes() == (src / loader.SOURCES[0]).read_bytes()
+
+
+_FAKE_CXX = """#!/bin/sh
+# Records each call, then writes the object named after -o.
+echo "$@" >> "$(dirname "$0")/calls.log"
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-o" ]; then printf obj > "$2"; fi
+  shift
+done
+"""
+
+
+def test_compile_check_reuses_objects_of_the_same_sources(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cxx = tmp_path / "bin" / "fake-c++"
+    cxx.parent.mkdir()
+    cxx.write_text(_FAKE_CXX)
+    cxx.chmod(0o755)
+    calls = tmp_path / "bin" / "calls.log"
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.delenv("PAGEDLLM_CPU_ARCH_FLAGS", raising=False)
+    monkeypatch.setattr(loader, "SRC_DIR", _copy_sources(tmp_path / "checkout"))
+    out = tmp_path / "objects"
+    first = loader.compile_check("avx512", out)
+    assert len(first) == len(loader.SOURCES)
+    assert len(calls.read_text().splitlines()) == len(loader.SOURCES)
+    assert all("-mavx512f" in line and "-O0" in line for line in calls.read_text().splitlines())
+    assert sorted(out.iterdir()) == sorted(first)  # no partial objects left
+    assert loader.compile_check("avx512", out) == first  # nothing compiled again
+    assert len(calls.read_text().splitlines()) == len(loader.SOURCES)
+    # Different sources or flags: compiled anew, under other names.
+    edited = loader.SRC_DIR / loader.SOURCES[0]
+    edited.write_bytes(edited.read_bytes() + b"\n")
+    second = loader.compile_check("avx512", out)
+    assert set(second).isdisjoint(first)
+    monkeypatch.setenv("PAGEDLLM_CPU_ARCH_FLAGS", "-mavx512f")
+    assert set(loader.compile_check("avx512", out)).isdisjoint({*first, *second})
+    assert len(calls.read_text().splitlines()) == 3 * len(loader.SOURCES)
 
 
 def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -241,8 +334,10 @@ def test_avx512_variant_runs(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_avx512_variant_compiles(tmp_path: Path) -> None:
     """Compiled (not linked or loaded) here even on a CPU without AVX-512."""
+    # A lasting folder (the test run's kernel cache): identical sources are checked once.
+    out = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR", tmp_path)) / "pagedllm_compile_check"
     try:
-        objects = loader.compile_check("avx512", tmp_path)
+        objects = loader.compile_check("avx512", out)
     except subprocess.CalledProcessError as e:
         pytest.fail(f"avx512 variant does not compile:\n{e.stdout}\n{e.stderr}")
     assert len(objects) == len(loader.SOURCES) and all(o.stat().st_size > 0 for o in objects)

@@ -21,17 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.ops import loader
+from pagedllm.platform import cpu_kernel_variant
+
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_FILES = {
-    "pagedllm/csrc/cpu/paged_attention.cpp",
-    "pagedllm/csrc/cpu/paged_attention.h",
-    "pagedllm/csrc/cpu/layer_ops.cpp",
-    "pagedllm/csrc/cpu/layer_ops.h",
-    "pagedllm/csrc/cpu/gemm.cpp",
-    "pagedllm/csrc/cpu/gemm.h",
-    "pagedllm/csrc/cpu/vec.h",
-    "pagedllm/csrc/cpu/torch_bindings.cpp",
-}
+KERNEL_FILES = {f"pagedllm/csrc/cpu/{n}" for n in (*loader.SOURCES, *loader.HEADERS)}
 # Environment that would change what the installed package does or where it builds.
 _SCRUB = (
     "PYTHONPATH",
@@ -162,10 +156,15 @@ def test_installed_wheel_serves_with_cpp_kernels(wheel: Path, tmp_path: Path) ->
     py = _fresh_venv(tmp_path / "venv", wheel)
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     env["PAGEDLLM_CACHE_DIR"] = str(tmp_path / "cache")  # the tokenizer is built here
-    # The kernel cache of this test run (conftest): a build is keyed by a hash of the sources the
-    # installed package holds, so a hit proves they were found there, without a second compile
-    # (1-2 minutes) of identical sources.
+    # The kernel cache of this test run (conftest): a build is keyed by a hash of the contents of
+    # the sources the installed package holds (not their path), so the installed server loading
+    # the build of this checkout's key proves it found every source, byte for byte, without a
+    # second compile (1-2 minutes) of identical sources.
     kernel_cache = os.environ["PAGEDLLM_KERNEL_CACHE_DIR"]
+    variant = cpu_kernel_variant()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PAGEDLLM_CPU_ARCH_FLAGS", raising=False)  # scrubbed from the server's env
+        same_build = Path(kernel_cache) / f"pagedllm_cpu_{variant}_{loader.build_key(variant)}"
     where = subprocess.run(
         [str(py), "-c", "import pagedllm; print(pagedllm.__file__)"],
         check=True, capture_output=True, text=True, cwd=tmp_path, env=env,
@@ -209,8 +208,8 @@ def test_installed_wheel_serves_with_cpp_kernels(wheel: Path, tmp_path: Path) ->
         assert out["choices"][0]["text"].strip(), out
 
         log_text = log_path.read_text()
-        assert "pagedllm C++ CPU kernels: variant" in log_text, log_text
-        assert kernel_cache in log_text, log_text
+        assert f"pagedllm C++ CPU kernels: variant {variant}" in log_text, log_text
+        assert f"from {same_build}\n" in log_text, log_text
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
