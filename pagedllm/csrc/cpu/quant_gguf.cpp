@@ -310,33 +310,35 @@ Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, const char* op
   return c;
 }
 
+// One row group (8 results) of each layout, on this build's instruction set; sa is unused by q8.
+using GroupFn = void (*)(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                         const float* da, const float* sa, float* out);
+
 template <typename S>
-void q4_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N) {
-  const int64_t nb = c.nb, bytes = c.bytes;
-  for_row_groups(M, N, c.y.data_ptr<float>(), [&](int64_t g, int64_t m, float* o) {
-    const uint8_t* wg = w + g * nb * bytes;
-    const int8_t* qa = c.a.qa + m * nb * kBlock;
-    const float *da = c.a.da + m * nb, *sa = c.a.sa + m * nb;
+void q4_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+            const float* sa, float* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
-    _mm256_storeu_ps(o, q4_group<S>(wg, nb, bytes, qa, da, sa));
+  _mm256_storeu_ps(out, q4_group<S>(w, nb, bytes, qa, da, sa));
 #else
-    q4_group_scalar<S>(wg, nb, bytes, qa, da, sa, o);
+  q4_group_scalar<S>(w, nb, bytes, qa, da, sa, out);
 #endif
-  });
 }
 
 template <bool Half>
-void q8_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N) {
+void q8_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+            const float* /*sa*/, float* out) {
+#ifdef PAGEDLLM_GGUF_AVX2
+  _mm256_storeu_ps(out, q8_group<Half>(w, nb, bytes, qa, da));
+#else
+  q8_group_scalar<Half>(w, nb, bytes, qa, da, out);
+#endif
+}
+
+void run_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N, GroupFn group) {
   const int64_t nb = c.nb, bytes = c.bytes;
   for_row_groups(M, N, c.y.data_ptr<float>(), [&](int64_t g, int64_t m, float* o) {
-    const uint8_t* wg = w + g * nb * bytes;
-    const int8_t* qa = c.a.qa + m * nb * kBlock;
-    const float* da = c.a.da + m * nb;
-#ifdef PAGEDLLM_GGUF_AVX2
-    _mm256_storeu_ps(o, q8_group<Half>(wg, nb, bytes, qa, da));
-#else
-    q8_group_scalar<Half>(wg, nb, bytes, qa, da, o);
-#endif
+    group(w + g * nb * bytes, nb, bytes, c.a.qa + m * nb * kBlock, c.a.da + m * nb,
+          c.a.sa + m * nb, o);
   });
 }
 
@@ -348,10 +350,8 @@ at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   TORCH_CHECK(scale_bytes == 2 * kRows * 2 || scale_bytes == 2 * kRows * 4,
               "gguf_q4_linear: ", c.bytes, " bytes per record is neither float16 nor float32 (d, m)");
   if (x.size(0) == 0 || n == 0) return c.y;
-  if (scale_bytes == 2 * kRows * 2)
-    q4_linear<at::Half>(c, w.data_ptr<uint8_t>(), x.size(0), n);
-  else
-    q4_linear<float>(c, w.data_ptr<uint8_t>(), x.size(0), n);
+  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n,
+             scale_bytes == 2 * kRows * 2 ? q4_run<at::Half> : q4_run<float>);
   return c.y;
 }
 
@@ -361,10 +361,8 @@ at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   TORCH_CHECK(scale_bytes == kRows * 2 || scale_bytes == 2 * kRows * 4, "gguf_q8_linear: ",
               c.bytes, " bytes per record is neither one float16 scale per 32 nor two float32");
   if (x.size(0) == 0 || n == 0) return c.y;
-  if (scale_bytes == kRows * 2)
-    q8_linear<true>(c, w.data_ptr<uint8_t>(), x.size(0), n);
-  else
-    q8_linear<false>(c, w.data_ptr<uint8_t>(), x.size(0), n);
+  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n,
+             scale_bytes == kRows * 2 ? q8_run<true> : q8_run<false>);
   return c.y;
 }
 
