@@ -168,17 +168,17 @@ class CpuOps:
         """``silu(x @ W_gate^T) * (x @ W_up^T)`` -> ``[M, I]``."""
         return self._gemm_swiglu(x, packed)
 
-    def gguf_q4_linear(self, x: Tensor, qs: Tensor, dm: Tensor) -> Tensor:
-        """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for 4-bit affine blocks of 32
-        (``qs [N, K/2]`` uint8, ``dm [N, K/32, 2]`` float32 or float16 (d, m);
-        ``model.quant.gguf_native``)."""
-        return self._gguf_q4_linear(x, qs, dm)
+    def gguf_q4_linear(self, x: Tensor, w: Tensor, n: int) -> Tensor:
+        """``x [M, K] float32 @ W^T`` -> ``[M, n]`` float32 for 4-bit affine blocks of 32 in the
+        row-interleaved layout ``w [ceil(n / 8), K/32, 160 or 192]`` uint8
+        (``model.quant.gguf_native.interleave``; ``csrc/cpu/quant_gguf.h``)."""
+        return self._gguf_q4_linear(x, w, n)
 
-    def gguf_q8_linear(self, x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
-        """``x [M, K] float32 @ W^T`` -> ``[M, N]`` float32 for signed 8-bit weights (``qs [N, K]``
-        int8) with one scale per 16, ``d [N, K/16]`` float32, or one per 32, ``d [N, K/32]``
-        float16 (``model.quant.gguf_native``)."""
-        return self._gguf_q8_linear(x, qs, d)
+    def gguf_q8_linear(self, x: Tensor, w: Tensor, n: int) -> Tensor:
+        """``x [M, K] float32 @ W^T`` -> ``[M, n]`` float32 for signed 8-bit blocks in the
+        row-interleaved layout ``w [ceil(n / 8), K/32, 272 or 320]`` uint8 (one float16 scale
+        per 32 or two float32 per 32; ``model.quant.gguf_native.interleave``)."""
+        return self._gguf_q8_linear(x, w, n)
 
     # ---- int8 W8A8 GEMM (int8_gemm.cpp) -------------------------------------------------------
 

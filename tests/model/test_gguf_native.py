@@ -16,11 +16,13 @@ from pagedllm.model.quant.gguf_native import (
     GGUFLinear,
     PackedBlocks,
     dequantize_packed,
+    interleave,
     repack,
 )
 
-# (M, N, K): odd N exercises the row tail; (1, 9, 576) is a decode row of the bundled model's width.
-SHAPES = [(1, 5, 256), (3, 17, 512), (8, 64, 768), (1, 9, 576)]
+# (M, N, K): N not a multiple of 8 exercises the padded last row group; (1, 9, 576) is a decode
+# row of the bundled model's width; (1, 200, 576) has enough row groups to split over threads.
+SHAPES = [(1, 5, 256), (3, 17, 512), (8, 64, 768), (1, 9, 576), (2, 8, 64), (1, 200, 576)]
 
 
 def gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -100,6 +102,42 @@ def test_activation_rounding_ties_to_even(ops) -> None:  # noqa: ANN001
         blocks[i, i // 32, 2 + i % 32] = 1
     y = GGUFLinear([repack("Q8_0", blocks.reshape(k, -1), k)], ops)(x)
     assert torch.equal(y, torch.round(x))  # torch.round: half to even
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+def test_interleave_layout(qtype: str) -> None:
+    """Record [g, b] holds row 8g + r's 4-byte chunk c at bytes 32c + 4r (q4: the block's Q4_1
+    bytes 4c..4c+3; q8: elements 4c..4c+3), then the scales row by row (q4: d[8], m[8]; q8: d[8],
+    or d0[8], d1[8] for one per 16); the padding rows of the last group are zero."""
+    rng = np.random.default_rng(4)
+    n, k = 11, 512
+    p = repack(qtype, gguf_blocks(qtype, n, k, rng), n)
+    w = interleave(p)
+    nb = k // 32
+    quant_bytes = 128 if p.kind == "q4" else 256
+    per_block = p.scales[0].numel() // nb
+    assert w.shape == (2, nb, quant_bytes + 8 * per_block * p.scales.element_size())
+    qs = p.qs.view(torch.uint8).reshape(n, nb, -1)
+    scales = p.scales.reshape(n, nb, per_block)
+    for g, b, r in [(0, 0, 0), (0, 5, 7), (1, 15, 2), (1, 3, 1)]:
+        row = 8 * g + r
+        for c in range(quant_bytes // 32):
+            chunk = w[g, b, 32 * c + 4 * r : 32 * c + 4 * r + 4]
+            assert torch.equal(chunk, qs[row, b, 4 * c : 4 * c + 4])
+        got = w[g, b, quant_bytes:].contiguous().view(p.scales.dtype).reshape(per_block, 8)
+        assert torch.equal(got[:, r], scales[row, b])
+    assert not w[1, :, :quant_bytes].reshape(nb, -1, 8, 4)[:, :, 3:].any()  # rows 11..15
+
+
+def test_kernel_rejects_a_weight_of_the_wrong_shape(ops) -> None:  # noqa: ANN001
+    p = repack("Q4_1", gguf_blocks("Q4_1", 16, 64, np.random.default_rng(5)), 16)
+    w, x = interleave(p), torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="row groups"):
+        ops.gguf_q4_linear(x, w, 17)
+    with pytest.raises(RuntimeError, match="blocks per row"):
+        ops.gguf_q4_linear(torch.randn(1, 96), w, 16)
+    with pytest.raises(RuntimeError, match="bytes per record"):
+        ops.gguf_q8_linear(x, w, 16)
 
 
 def test_repack_rejects_other_types() -> None:

@@ -301,6 +301,25 @@ _VARIANT_CHECK = """
     torch.testing.assert_close(
         ops.gemm_linear(x, ops.gemm_pack_weight(W), 40), x @ W.T, atol=1e-4, rtol=1e-4
     )
+    # native GGUF kernels (both scale layouts of each kind) against the dequantized weight
+    # times the activation rounded as the kernel rounds it (per 32, int8, max|x| / 127)
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from pagedllm.model.quant.gguf_native import GGUFLinear, repack
+    rng = np.random.default_rng(0)
+    xg = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    blocks = xg.reshape(3, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks / d) * d).reshape(3, 64)
+    for qt in ("Q4_1", "Q8_0"):
+        kind = GGMLQuantizationType[qt]
+        raw = np.asarray(quantize(rng.standard_normal((11, 64)).astype(np.float32), kind))
+        wq = torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32).reshape(11, 64))
+        p = repack(qt, raw, 11)
+        for part in (p, p.widened()):
+            y = GGUFLinear([part], ops)(xg)
+            torch.testing.assert_close(y, xq @ wq.T, atol=1e-3, rtol=1e-4)
     print("ok")
 """
 

@@ -5,13 +5,19 @@
 // _mm256_maddubs_epi16 (u8 x s8 -> s16 pairs) and _mm256_madd_epi16 (-> s32), scaled once:
 //   4-bit affine:  sum_j (d q_j + m) a_j = d da sum_j q_j qa_j + m (da sum_j qa_j)
 //   8-bit, 16-scale: sum_j d_(j/16) q_j a_j = da (d_0 sum_{j<16} q_j qa_j + d_1 sum_{j>=16} ...)
-// Each output row is independent: at::parallel_for splits the rows over the cores and each task
-// runs four weight rows against one activation row so the activation loads are shared.
+//
+// Layout (repacked once at load, gguf_native.interleave): the rows are interleaved in groups of
+// eight, one record per (row group, block) holding the group's quants and then its scales, so
+// a GEMV reads one sequential stream and every 32-bit lane of a register is one output row:
+// the int-to-float conversion, the scale multiply and the accumulation are done once per block
+// for 8 rows instead of once per row (the idea of llama.cpp's interleaved Q4_0x8 repacking; the
+// record layout here is our own). Each row group is independent: at::parallel_for splits the
+// groups over the cores.
 //
 // At batch 1 (decode) the weights stream from memory once per token, so bytes per weight set the
 // speed: the scales are float16 wherever the GGUF value is exactly a float16 (Q4_0 / Q4_1 d and m,
 // Q8_0 / Q5_0 d, one per 32) and float32 where it is a product (Q4_K's d * sc, Q6_K's d * sc, one
-// per 16). The scale dtype and count per block are read off the scale tensor.
+// per 16). The scale format is read off the record size.
 #include "quant_gguf.h"
 
 #include <ATen/Parallel.h>
@@ -35,6 +41,7 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kRows = 8;  // weight rows interleaved per group (one per 32-bit lane)
 // How far ahead of the current block each weight row is prefetched (several rows stream at once).
 constexpr int64_t kPrefetchBytes = PAGEDLLM_GGUF_PREFETCH;
 
@@ -119,231 +126,244 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t stride
   return {qa.data(), da.data(), sa.data()};
 }
 
-// Scale element i as float32 (float16 scales hold values that are exactly float16).
+// Scale r of a row group's 8 (float16 scales hold values that are exactly float16).
 inline float scale_at(const float* s, int64_t i) { return s[i]; }
 inline float scale_at(const at::Half* s, int64_t i) { return static_cast<float>(s[i]); }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
-                  at::ScalarType qtype, int64_t k_per_byte_row) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "x must be [M, K] float32 with unit inner stride");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "x: K must be a multiple of 32, got ", x.size(1));
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == qtype && qs.is_contiguous(),
-              "qs has the wrong dtype, shape or layout");
-  TORCH_CHECK(qs.size(1) * k_per_byte_row == x.size(1), "qs: ", qs.size(1),
-              " bytes per row do not match K = ", x.size(1));
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
-                  scales.is_contiguous() && scales.size(0) == qs.size(0),
-              "scales must be contiguous float32 or float16 with one row per output row");
-}
+// Bytes of one (row group, block) record: the quants, then the scales (see quant_gguf.h).
+constexpr int64_t kQ4Quants = kRows * 16;
+constexpr int64_t kQ8Quants = kRows * kBlock;
 
 #ifdef PAGEDLLM_GGUF_AVX2
-// (d, m) of one q4 block in lanes 0 and 1.
-inline __m128 load_pair(const float* s) {
-  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
+inline __m256 load8(const at::Half* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
 }
-inline __m128 load_pair(const at::Half* s) {
-  int32_t bits;
-  std::memcpy(&bits, s, sizeof(bits));
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+// Four activation codes broadcast to every 32-bit lane (one lane per weight row).
+inline __m256i bcast4(const int8_t* a) {
+  int32_t v;
+  std::memcpy(&v, a, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+inline void prefetch_record(const uint8_t* w, int64_t bytes) {
+  if constexpr (kPrefetchBytes > 0)
+    for (int64_t o = 0; o < bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + o, _MM_HINT_T0);
 }
 
-// Rows [r, r + R) of the 4-bit weight against one quantized activation row. Per block the
-// products (d da, m sa) come from one multiply; lane 1 accumulates the affine term.
-template <int R, typename S>
-inline void q4_rows(const uint8_t* qs, const S* dm, int64_t nb, const int8_t* qa,
-                    const float* da, const float* sa, float* out) {
+// One row group of the 4-bit layout against one quantized activation row: lane r of the
+// result is output row r. Lane r of quant chunk c holds row r's bytes 4c..4c+3 of the block
+// (low nibbles: elements 4c..4c+3, high: 16+4c..), so one maddubs multiplies all 8 rows by the
+// same 4 broadcast activation codes. The 8 int16 partial sums per lane stay below 2^15
+// (8 * 2 * 15 * 127 = 30480), so they add as int16 and widen once per block.
+template <typename S>
+inline __m256 q4_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                       const float* da, const float* sa) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  __m128 macc[R];
-  for (int i = 0; i < R; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    macc[i] = _mm_setzero_ps();
-  }
-  const int64_t row_bytes = nb * 16;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + b * kBlock));
-    const __m128 ad = _mm_setr_ps(da[b], sa[b], 0.f, 0.f);
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* w = qs + i * row_bytes + b * 16;
-      if constexpr (kPrefetchBytes > 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-      const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), ones);
-      const __m128 prod = _mm_mul_ps(load_pair(dm + (i * nb + b) * 2), ad);  // d da, m sa
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[i]);
-      macc[i] = _mm_add_ps(macc[i], prod);
+  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    prefetch_record(w, bytes);
+    const int8_t* a = qa + b * kBlock;
+    __m256i s16 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, bcast4(a + 4 * c)));
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, bcast4(a + 16 + 4 * c)));
     }
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+    const S* s = reinterpret_cast<const S*>(w + kQ4Quants);  // d[8], then m[8]
+    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(load8(s), _mm256_set1_ps(da[b])), acc);
+    macc = _mm256_fmadd_ps(load8(s + kRows), _mm256_set1_ps(sa[b]), macc);
   }
-  for (int i = 0; i < R; ++i)
-    out[i] = hsum(acc[i]) + _mm_cvtss_f32(_mm_shuffle_ps(macc[i], macc[i], 1));
+  return _mm256_add_ps(acc, macc);
 }
 
-// The per-lane scale of one q8 block (lanes 0-3: elements 0-15, lanes 4-7: 16-31), times da.
-template <int SPB>
-inline __m256 q8_scale(const float* s, __m256 ad) {
-  if constexpr (SPB == 2)
-    return _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])), ad);
-  else
-    return _mm256_mul_ps(_mm256_set1_ps(s[0]), ad);
-}
-template <int SPB>
-inline __m256 q8_scale(const at::Half* s, __m256 ad) {
-  static_assert(SPB == 1, "float16 q8 scales are one per block");
-  const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(s)));
-  return _mm256_mul_ps(_mm256_broadcastss_ps(d), ad);
-}
-
-// Rows [r, r + R) of the 8-bit weight (SPB scales per block of 32) against one quantized
-// activation row.
-template <int R, typename S, int SPB>
-inline void q8_rows(const int8_t* qs, const S* d, int64_t nb, const int8_t* qa,
-                    const float* da, float* out) {
+// One row group of the 8-bit layout: lane r of group chunk g holds row r's elements
+// 4g..4g+3. Elements 0-15 and 16-31 are summed apart (Q6_K has a scale per 16; float16 scales
+// use the same arithmetic with both halves scaled by d, so the two layouts give equal results).
+template <bool Half>
+inline __m256 q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                       const float* da) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t K = nb * kBlock;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + b * kBlock));
-    const __m256 ad = _mm256_set1_ps(da[b]);
-    for (int i = 0; i < R; ++i) {
-      const int8_t* wp = qs + i * K + b * kBlock;
-      if constexpr (kPrefetchBytes > 0)
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-      // maddubs multiplies unsigned by signed: move w's sign onto the activation.
-      const __m256i p = _mm256_madd_epi16(
-          _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w)), ones);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q8_scale<SPB>(d + (i * nb + b) * SPB, ad),
-                               acc[i]);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    prefetch_record(w, bytes);
+    const int8_t* a = qa + b * kBlock;
+    __m256i half[2];
+    for (int h = 0; h < 2; ++h) {
+      __m256i s32 = _mm256_setzero_si256();
+      for (int g = 4 * h; g < 4 * h + 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
+        const __m256i av = bcast4(a + 4 * g);
+        // maddubs multiplies unsigned by signed: move the weight's sign onto the activation.
+        s32 = _mm256_add_epi32(
+            s32, _mm256_madd_epi16(
+                     _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(av, v)), ones));
+      }
+      half[h] = s32;
     }
+    const __m256 ad = _mm256_set1_ps(da[b]);
+    __m256 d0, d1;
+    if constexpr (Half) {
+      d0 = d1 = _mm256_mul_ps(load8(reinterpret_cast<const at::Half*>(w + kQ8Quants)), ad);
+    } else {
+      const float* s = reinterpret_cast<const float*>(w + kQ8Quants);  // d0[8], then d1[8]
+      d0 = _mm256_mul_ps(load8(s), ad);
+      d1 = _mm256_mul_ps(load8(s + kRows), ad);
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), d0, acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), d1, acc);
   }
-  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+  return acc;
 }
 #endif
 
-// Plain C++ versions of the same integer arithmetic (scalar kernel variant).
+// Plain C++ versions of the same integer arithmetic on the same layouts (scalar kernel variant).
 template <typename S>
-inline float q4_row_scalar(const uint8_t* qs, const S* dm, int64_t nb, const int8_t* qa,
-                           const float* da, const float* sa) {
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t isum = 0;
-    for (int j = 0; j < 16; ++j) {
-      const uint8_t byte = qs[b * 16 + j];
-      isum += (byte & 0x0F) * qa[b * kBlock + j] + (byte >> 4) * qa[b * kBlock + j + 16];
+inline void q4_group_scalar(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                            const float* da, const float* sa, float* out) {
+  for (int r = 0; r < kRows; ++r) out[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    const int8_t* a = qa + b * kBlock;
+    const S* s = reinterpret_cast<const S*>(w + kQ4Quants);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t isum = 0;
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = w[32 * c + 4 * r + i];
+          isum += (byte & 0x0F) * a[4 * c + i] + (byte >> 4) * a[16 + 4 * c + i];
+        }
+      out[r] += scale_at(s, r) * da[b] * static_cast<float>(isum) + scale_at(s, kRows + r) * sa[b];
     }
-    total += scale_at(dm, 2 * b) * da[b] * static_cast<float>(isum) + scale_at(dm, 2 * b + 1) * sa[b];
   }
-  return total;
 }
 
-template <typename S, int SPB>
-inline float q8_row_scalar(const int8_t* qs, const S* d, int64_t nb, const int8_t* qa,
-                           const float* da) {
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t s0 = 0, s1 = 0;
-    for (int j = 0; j < 16; ++j) s0 += qs[b * kBlock + j] * qa[b * kBlock + j];
-    for (int j = 16; j < 32; ++j) s1 += qs[b * kBlock + j] * qa[b * kBlock + j];
-    const float d0 = scale_at(d, SPB * b), d1 = scale_at(d, SPB * b + SPB - 1);
-    total += da[b] * (d0 * static_cast<float>(s0) + d1 * static_cast<float>(s1));
+template <bool Half>
+inline void q8_group_scalar(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                            const float* da, float* out) {
+  for (int r = 0; r < kRows; ++r) out[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    const int8_t* a = qa + b * kBlock;
+    const int8_t* q = reinterpret_cast<const int8_t*>(w);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t s[2] = {0, 0};
+      for (int g = 0; g < 8; ++g)
+        for (int i = 0; i < 4; ++i) s[g / 4] += q[32 * g + 4 * r + i] * a[4 * g + i];
+      float d0, d1;
+      if constexpr (Half) {
+        d0 = d1 = scale_at(reinterpret_cast<const at::Half*>(w + kQ8Quants), r);
+      } else {
+        const float* sc = reinterpret_cast<const float*>(w + kQ8Quants);
+        d0 = sc[r];
+        d1 = sc[kRows + r];
+      }
+      out[r] += da[b] * (d0 * static_cast<float>(s[0]) + d1 * static_cast<float>(s[1]));
+    }
   }
-  return total;
 }
 
-constexpr int64_t kRows = 4;     // weight rows per inner call
-constexpr int64_t kGrain = 16;   // row groups per parallel task
+constexpr int64_t kGrain = 8;  // row groups per parallel task
 
-// Runs rows(r0, n, m) -- output rows [r0, r0 + n) of activation row m, n <= kRows -- over all
-// rows, split over the cores by row groups.
+// Runs group(g, m, out8) -- the 8 results of row group g for activation row m -- over all
+// groups, split over the cores; the last group's padding rows are not written out.
 template <typename F>
-void for_row_groups(int64_t M, int64_t N, const F& rows) {
+void for_row_groups(int64_t M, int64_t N, float* out, const F& group) {
   const int64_t groups = (N + kRows - 1) / kRows;
   at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
+    alignas(32) float tmp[kRows];
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t r0 = g * kRows;
-      for (int64_t m = 0; m < M; ++m) rows(r0, std::min(kRows, N - r0), m);
+      const int64_t r0 = g * kRows, rows = std::min(kRows, N - r0);
+      for (int64_t m = 0; m < M; ++m) {
+        float* o = out + m * N + r0;
+        group(g, m, rows == kRows ? o : tmp);
+        if (rows < kRows) std::copy(tmp, tmp + rows, o);
+      }
     }
   });
 }
 
-template <typename S>
-void q4_linear(const QuantizedRows& a, const uint8_t* w, const S* s, float* out, int64_t M,
-               int64_t K, int64_t N) {
-  const int64_t nb = K / kBlock;
-  for_row_groups(M, N, [&](int64_t r0, int64_t rows, int64_t m) {
-    const int8_t* qa = a.qa + m * K;
-    const float *da = a.da + m * nb, *sa = a.sa + m * nb;
-    float* o = out + m * N + r0;
-#ifdef PAGEDLLM_GGUF_AVX2
-    if (rows == kRows)
-      return q4_rows<kRows, S>(w + r0 * nb * 16, s + r0 * nb * 2, nb, qa, da, sa, o);
-    for (int64_t i = 0; i < rows; ++i)
-      q4_rows<1, S>(w + (r0 + i) * nb * 16, s + (r0 + i) * nb * 2, nb, qa, da, sa, o + i);
-#else
-    for (int64_t i = 0; i < rows; ++i)
-      o[i] = q4_row_scalar<S>(w + (r0 + i) * nb * 16, s + (r0 + i) * nb * 2, nb, qa, da, sa);
-#endif
-  });
+// Checks x and w, quantizes x and returns (y [M, N], activation codes, blocks per row,
+// record bytes).
+struct Call {
+  at::Tensor y;
+  QuantizedRows a;
+  int64_t nb;
+  int64_t bytes;
+};
+
+Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
+              ": x must be [M, K] float32 with unit inner stride");
+  TORCH_CHECK(x.size(1) % kBlock == 0, op, ": K must be a multiple of 32, got ", x.size(1));
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), op,
+              ": w must be a contiguous uint8 [ceil(N / 8), K / 32, bytes] tensor");
+  TORCH_CHECK(n >= 0 && w.size(0) == (n + kRows - 1) / kRows, op, ": w has ", w.size(0),
+              " row groups, N = ", n, " needs ", (n + kRows - 1) / kRows);
+  TORCH_CHECK(w.size(1) * kBlock == x.size(1), op, ": w has ", w.size(1),
+              " blocks per row, K = ", x.size(1));
+  Call c{at::empty({x.size(0), n}, x.options()), {}, w.size(1), w.size(2)};
+  if (x.size(0) > 0 && n > 0)
+    c.a = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0));
+  return c;
 }
 
-template <typename S, int SPB>
-void q8_linear(const QuantizedRows& a, const int8_t* w, const S* s, float* out, int64_t M,
-               int64_t K, int64_t N) {
-  const int64_t nb = K / kBlock;
-  for_row_groups(M, N, [&](int64_t r0, int64_t rows, int64_t m) {
-    const int8_t* qa = a.qa + m * K;
-    const float* da = a.da + m * nb;
-    float* o = out + m * N + r0;
+// One row group (8 results) of each layout, on this build's instruction set; sa is unused by q8.
+using GroupFn = void (*)(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                         const float* da, const float* sa, float* out);
+
+template <typename S>
+void q4_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+            const float* sa, float* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
-    if (rows == kRows)
-      return q8_rows<kRows, S, SPB>(w + r0 * K, s + r0 * nb * SPB, nb, qa, da, o);
-    for (int64_t i = 0; i < rows; ++i)
-      q8_rows<1, S, SPB>(w + (r0 + i) * K, s + (r0 + i) * nb * SPB, nb, qa, da, o + i);
+  _mm256_storeu_ps(out, q4_group<S>(w, nb, bytes, qa, da, sa));
 #else
-    for (int64_t i = 0; i < rows; ++i)
-      o[i] = q8_row_scalar<S, SPB>(w + (r0 + i) * K, s + (r0 + i) * nb * SPB, nb, qa, da);
+  q4_group_scalar<S>(w, nb, bytes, qa, da, sa, out);
 #endif
+}
+
+template <bool Half>
+void q8_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+            const float* /*sa*/, float* out) {
+#ifdef PAGEDLLM_GGUF_AVX2
+  _mm256_storeu_ps(out, q8_group<Half>(w, nb, bytes, qa, da));
+#else
+  q8_group_scalar<Half>(w, nb, bytes, qa, da, out);
+#endif
+}
+
+void run_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N, GroupFn group) {
+  const int64_t nb = c.nb, bytes = c.bytes;
+  for_row_groups(M, N, c.y.data_ptr<float>(), [&](int64_t g, int64_t m, float* o) {
+    group(w + g * nb * bytes, nb, bytes, c.a.qa + m * nb * kBlock, c.a.da + m * nb,
+          c.a.sa + m * nb, o);
   });
 }
 
 }  // namespace
 
-at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm) {
-  check_inputs(x, qs, dm, at::kByte, 2);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / kBlock;
-  TORCH_CHECK(dm.numel() == N * nb * 2, "dm must be [N, K / 32, 2]");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const QuantizedRows a = quantize_rows(x.data_ptr<float>(), M, K, x.stride(0));
-  const uint8_t* w = qs.data_ptr<uint8_t>();
-  float* out = y.data_ptr<float>();
-  if (dm.scalar_type() == at::kHalf)
-    q4_linear<at::Half>(a, w, dm.data_ptr<at::Half>(), out, M, K, N);
-  else
-    q4_linear<float>(a, w, dm.data_ptr<float>(), out, M, K, N);
-  return y;
+at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  Call c = prepare(x, w, n, "gguf_q4_linear");
+  const int64_t scale_bytes = c.bytes - kQ4Quants;
+  TORCH_CHECK(scale_bytes == 2 * kRows * 2 || scale_bytes == 2 * kRows * 4,
+              "gguf_q4_linear: ", c.bytes, " bytes per record is neither float16 nor float32 (d, m)");
+  if (x.size(0) == 0 || n == 0) return c.y;
+  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n,
+             scale_bytes == 2 * kRows * 2 ? q4_run<at::Half> : q4_run<float>);
+  return c.y;
 }
 
-at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
-  check_inputs(x, qs, d, at::kChar, 1);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / kBlock;
-  const bool half = d.scalar_type() == at::kHalf;
-  TORCH_CHECK(half ? d.numel() == N * nb : d.numel() == N * nb * 2,
-              "d must be [N, K / 16] float32 or [N, K / 32] float16");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const QuantizedRows a = quantize_rows(x.data_ptr<float>(), M, K, x.stride(0));
-  const int8_t* w = qs.data_ptr<int8_t>();
-  float* out = y.data_ptr<float>();
-  if (half)
-    q8_linear<at::Half, 1>(a, w, d.data_ptr<at::Half>(), out, M, K, N);
-  else
-    q8_linear<float, 2>(a, w, d.data_ptr<float>(), out, M, K, N);
-  return y;
+at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  Call c = prepare(x, w, n, "gguf_q8_linear");
+  const int64_t scale_bytes = c.bytes - kQ8Quants;
+  TORCH_CHECK(scale_bytes == kRows * 2 || scale_bytes == 2 * kRows * 4, "gguf_q8_linear: ",
+              c.bytes, " bytes per record is neither one float16 scale per 32 nor two float32");
+  if (x.size(0) == 0 || n == 0) return c.y;
+  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n,
+             scale_bytes == kRows * 2 ? q8_run<true> : q8_run<false>);
+  return c.y;
 }
 
 }  // namespace pagedllm

@@ -1,17 +1,22 @@
 // Linear layers on GGUF block-quantized weights computed natively (quant_gguf.cpp), registered in
-// torch_bindings.cpp. Python side and the repacking of each GGUF format:
+// torch_bindings.cpp. Python side, the repacking of each GGUF format and the interleaving:
 // pagedllm/model/quant/gguf_native.py.
 #pragma once
 #include <ATen/ATen.h>
 
 namespace pagedllm {
-// 4-bit affine blocks of 32 (Q4_0, Q4_1, Q4_K repacked): w = d * q + m, q in 0..15.
-//   x [M, K] float32; qs [N, K / 2] uint8 (per 32-block 16 bytes: byte j holds element j in its
-//   low nibble and element j + 16 in its high nibble, llama.cpp's Q4_1 order);
-//   dm [N, K / 32, 2] float32 or float16 (d, m). Returns y [M, N] float32 = x @ W^T.
-at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm);
-// Signed 8-bit blocks (Q8_0, Q5_0, Q6_K repacked): w = d * q.
-//   x [M, K] float32; qs [N, K] int8; d [N, K / 16] float32 (one scale per 16) or [N, K / 32]
-//   float16 (one per 32). Returns y [M, N] float32.
-at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
+// Both kernels take w [ceil(N / 8), K / 32, bytes] uint8: output rows in groups of 8 (the last
+// group zero-padded), one record per (row group, block of 32) of `bytes` bytes.
+//
+// 4-bit affine blocks (Q4_0, Q4_1, Q4_K repacked): w = d * q + m, q in 0..15. A record is
+//   128 bytes of quants -- 4 chunks of 32, chunk c holding for row r (bytes 4r..4r+3) that row's
+//   Q4_1-order bytes 4c..4c+3 (low nibble: element j, high: element j + 16) -- then d[8] and
+//   m[8], float16 (bytes = 160) or float32 (bytes = 192).
+// x [M, K] float32 -> y [M, N] float32 = x @ W^T.
+at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
+// Signed 8-bit blocks (Q8_0, Q5_0, Q6_K repacked): w = d * q. A record is 256 bytes of int8
+//   quants -- 8 chunks of 32, chunk g holding for row r (bytes 4r..4r+3) its elements
+//   4g..4g+3 -- then either d[8] float16, one scale per 32 (bytes = 272), or d0[8], d1[8]
+//   float32, one per 16 (bytes = 320).
+at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
 }  // namespace pagedllm

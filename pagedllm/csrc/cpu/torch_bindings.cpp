@@ -41,8 +41,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gemm_linear_add_(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("gemm_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
-  m.def("gguf_q4_linear(Tensor x, Tensor qs, Tensor dm) -> Tensor");
-  m.def("gguf_q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("gguf_q4_linear(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("gguf_q8_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("int8_pack_weight(Tensor qweight) -> Tensor");
   m.def("int8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
   m.def(

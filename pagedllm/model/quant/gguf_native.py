@@ -19,6 +19,10 @@ store float16 scales, so always for them), else float32: at batch 1 the weights 
 once per token and the smaller scales cut the bytes per weight by about a sixth (q4: 20 bytes per
 32 weights instead of 24, as llama.cpp's own blocks), with no change to any value.
 
+For the kernels the rows are then interleaved in groups of 8 with the scales inline
+(:func:`interleave`): one sequential stream per matrix, and every 32-bit SIMD lane one output
+row, so the int-to-float conversion and the scaling are done once per block for 8 rows.
+
 The activations are quantized per 32 to int8 inside the kernel (llama.cpp's Q8_0 activations), so
 results differ from the float32 run by that rounding: the tests check kernels against
 dequantize-then-float32 within a tolerance and the bundled model's teacher-forced argmaxes.
@@ -239,8 +243,60 @@ def dequantize_packed(p: PackedBlocks) -> torch.Tensor:
     return w.reshape(p.rows, -1)
 
 
+#: Output rows interleaved per record of the kernel layout (``csrc/cpu/quant_gguf.h``).
+GROUP_ROWS = 8
+
+
+def interleave(p: PackedBlocks) -> torch.Tensor:
+    """``p`` in the kernels' row-interleaved layout: [ceil(N / 8), K / 32, bytes] uint8, one
+    record per (group of 8 rows, block of 32) holding the 8 rows' quants and then their scales,
+    so that a GEMV reads one stream and each 32-bit SIMD lane is one output row
+    (``csrc/cpu/quant_gguf.h`` gives the byte order). Padding rows (N not a multiple of 8) are
+    zero and their outputs dropped by the kernel.
+
+    q4: 128 bytes of quants (chunk c, row r: the row's bytes 4c..4c+3 of the block), then d[8]
+    and m[8] (float16: 160 bytes, float32: 192). q8: 256 bytes (chunk g, row r: elements
+    4g..4g+3), then d[8] float16 (one per 32: 272 bytes) or d0[8], d1[8] float32 (one per 16:
+    320 bytes).
+    """
+    pad = -p.rows % GROUP_ROWS
+    qs, scales = p.qs, p.scales
+    if pad:
+        qs = torch.cat([qs, qs.new_zeros(pad, *qs.shape[1:])])
+        scales = torch.cat([scales, scales.new_zeros(pad, *scales.shape[1:])])
+    groups = qs.shape[0] // GROUP_ROWS
+    chunk = 4 if p.kind == "q4" else 8  # 4-byte chunks per row and block
+    nb = qs.shape[1] // (4 * chunk)
+    quants = (
+        qs.view(torch.uint8)
+        .reshape(groups, GROUP_ROWS, nb, chunk, 4)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(groups, nb, -1)
+    )
+    per_block = scales.numel() // (p.rows + pad) // nb  # q4: (d, m); q8: 1 or 2 scales
+    s = scales.reshape(groups, GROUP_ROWS, nb, per_block).permute(0, 2, 3, 1).contiguous()
+    s_bytes = s.view(torch.uint8).reshape(groups, nb, -1)
+    return torch.cat([quants, s_bytes], dim=-1).contiguous()
+
+
+@dataclass
+class KernelWeight:
+    """One part of a :class:`GGUFLinear` as the kernel reads it.
+
+    Attributes:
+        kind: "q4" or "q8".
+        rows: output rows N.
+        data: :func:`interleave`'s [ceil(N / 8), K / 32, bytes] uint8.
+    """
+
+    kind: str
+    rows: int
+    data: torch.Tensor
+
+
 class GGUFLinear(nn.Module):
-    """y = x W^T (+ b) with W kept in GGUF blocks (:class:`PackedBlocks`).
+    """y = x W^T (+ b) with W kept in GGUF blocks (:class:`PackedBlocks`, interleaved once for
+    the kernels by :func:`interleave`).
 
     Args:
         parts: the row blocks of W in output order (one, or q/k/v of different types); adjacent
@@ -261,15 +317,15 @@ class GGUFLinear(nn.Module):
                 merged[-1] = PackedBlocks.concat([merged[-1], p])
             else:
                 merged.append(p)
-        self.parts = merged
+        self.parts = [KernelWeight(p.kind, p.rows, interleave(p)) for p in merged]
         self.ops = cpu_ops
         self.out_features = sum(p.rows for p in merged)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def _run(self, p: PackedBlocks, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, p: KernelWeight, x: torch.Tensor) -> torch.Tensor:
         if p.kind == "q4":
-            return self.ops.gguf_q4_linear(x, p.qs, p.scales)
-        return self.ops.gguf_q8_linear(x, p.qs, p.scales)
+            return self.ops.gguf_q4_linear(x, p.data, p.rows)
+        return self.ops.gguf_q8_linear(x, p.data, p.rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.stride(-1) == 1 and len(self.parts) == 1 and self.bias is None:
@@ -287,11 +343,8 @@ class GGUFLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def weight_bytes(self) -> int:
-        """Bytes held by the quantized weight (quants and scales)."""
-        return sum(
-            p.qs.numel() * p.qs.element_size() + p.scales.numel() * p.scales.element_size()
-            for p in self.parts
-        )
+        """Bytes held by the quantized weight (quants, scales and the padding rows)."""
+        return sum(p.data.numel() for p in self.parts)
 
     def extra_repr(self) -> str:
         kinds = "+".join(p.kind for p in self.parts)
