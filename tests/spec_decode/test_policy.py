@@ -55,3 +55,17 @@ def test_alpha_moving_average_and_recovery():
 def test_bad_arguments_name_the_field(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DraftAllocator(**kwargs)
+
+
+def test_speculator_takes_the_cost_model_from_the_config():
+    from pagedllm.spec_decode.config import parse_speculative_config
+    from pagedllm.spec_decode.speculator import Speculator
+
+    cfg = parse_speculative_config({"method": "ngram", "step_rows_knee": 12, "step_row_cost": 0.5})
+    spec = Speculator(cfg, max_model_len=64)
+    assert spec.allocator is not None
+    assert (spec.allocator.knee_rows, spec.allocator.row_cost) == (12, 0.5)
+    with pytest.raises(ValueError, match="speculative_config.step_row_cost"):
+        parse_speculative_config({"step_row_cost": -0.1})
+    with pytest.raises(ValueError, match="speculative_config.step_rows_knee"):
+        parse_speculative_config({"step_rows_knee": 0})
