@@ -73,6 +73,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--old-policy", action="store_true",
+                    help="also run each n-gram / suffix method with the earlier per-sequence k "
+                         "policy (grow after a full run, halve after a miss; no goodput rule), "
+                         "as METHOD-halving, in the same process")
     ap.add_argument("--draft-model", default=None,
                     help="draft of --methods draft_model (registry name or path); default: the "
                          "bundled SmolLM2 as its own draft (100%% greedy acceptance expected)")
@@ -87,7 +91,11 @@ def main() -> None:
           f"prompt tokens mean {statistics.mean(len(tok(p).input_ids) for p in prompts):.0f}, "
           f"max_tokens mean {statistics.mean(max_tokens):.0f}")
     results: dict[str, Any] = {}
-    for method in args.methods:
+    methods = list(args.methods)
+    if args.old_policy:
+        methods += [f"{m}-halving" for m in args.methods if m in ("ngram", "suffix")]
+    for name in methods:
+        method = name.removesuffix("-halving")
         spec: dict[str, Any] | None = None
         if method != "off":
             spec = {"method": method, "num_speculative_tokens": args.k, "disable_by_batch_size": 10_000}
@@ -95,18 +103,20 @@ def main() -> None:
             assert spec is not None
             spec["model"] = args.draft_model or loaded
         llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29, speculative_config=spec)
+        if name.endswith("-halving"):
+            llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
         for b in args.batches:
             r = run_batch(llm, prompts, max_tokens, b)
-            results[f"{method}/b{b}"] = r
-            print(f"{method:6s} batch {b:3d}: TPOT {r['tpot_ms']:7.2f} ms, wall {r['wall_s']:6.1f} s, "
+            results[f"{name}/b{b}"] = r
+            print(f"{name:6s} batch {b:3d}: TPOT {r['tpot_ms']:7.2f} ms, wall {r['wall_s']:6.1f} s, "
                   f"{r['tokens']} tokens, acceptance {r['acceptance_rate']:.2f}, mean accepted length "
                   f"{r['mean_accepted_length']:.2f}, per position {r['acceptance_per_pos']}")
         del llm
-    for method in args.methods[1:]:
+    for name in methods[1:]:
         for b in args.batches:
-            off, on = results[f"off/b{b}"], results[f"{method}/b{b}"]
+            off, on = results[f"off/b{b}"], results[f"{name}/b{b}"]
             same = off["outputs"] == on["outputs"]
-            print(f"{method:6s} batch {b:3d}: speedup {off['tpot_ms'] / on['tpot_ms']:.2f}x TPOT; "
+            print(f"{name:6s} batch {b:3d}: speedup {off['tpot_ms'] / on['tpot_ms']:.2f}x TPOT; "
                   f"outputs identical to off: {same}")
     if args.sharegpt:
         sg = sharegpt_prompts(tok, 64, 128)

@@ -24,6 +24,12 @@ class SpeculativeConfig:
             sequences run (the step is then compute-bound, so verifying k tokens per sequence
             costs about k + 1 decodes). Default 16: from there on this CPU breaking even with k = 4
             needs a per-draft acceptance of ~0.5-0.7 (``benchmarks/spec_cutoff.py``, docs).
+        step_rows_knee / step_row_cost: the step cost model of the n-gram / suffix policy: a
+            forward step of up to ``step_rows_knee`` rows (tokens) costs about one one-token
+            decode (weight-read-bound), each row past it adds ``step_row_cost`` of one. The
+            proposals are trimmed per step so that a draft takes a row only while it raises the
+            expected tokens per unit of step time (``spec_decode.policy.DraftAllocator``).
+            Measured on this CPU with ``benchmarks/spec_cutoff.py`` (docs/spec_decode.md).
         suffix_max_depth / suffix_max_cached_requests: the suffix proposer's tree depth and how
             many finished requests' outputs it keeps.
         model: the draft model of method "draft_model" (required there, refused elsewhere): a
@@ -40,6 +46,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = 16
+    step_rows_knee: int = 6
+    step_row_cost: float = 0.025
     suffix_max_depth: int = 24
     suffix_max_cached_requests: int = 1000
     model: Any = None
@@ -53,6 +61,10 @@ class SpeculativeConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("method", "model"):
+                continue
+            if f.name == "step_row_cost":
+                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                    raise ValueError(f"speculative_config.step_row_cost must be a number >= 0, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{f.name} must be an integer >= 1, got {value!r}")

@@ -22,8 +22,11 @@ on rejection, a draw from ``norm(max(0, p - q))`` = p without ``d``.
 3. The KV of the rejected drafts is rolled back (``Scheduler.finish_speculation``), and only
    then are the sequence's full blocks registered in the prefix cache.
 
-Policy: each sequence's ``k`` grows by one after a fully accepted run and halves after a run with
-no accepted draft (at least 1); nobody speculates in a step with ``disable_by_batch_size`` or more
+Policy: model-free proposers (n-gram, suffix) propose up to ``k`` tokens per sequence and the
+step keeps the drafts worth their verification rows (``spec_decode.policy.DraftAllocator``: a
+per-sequence acceptance estimate and a goodput rule over the batch's rows); with a draft model
+each sequence's ``k`` grows by one after a fully accepted run and halves after a run with no
+accepted draft (at least 1). Nobody speculates in a step with ``disable_by_batch_size`` or more
 decoding sequences, nor do beam-search or pooling requests.
 
 Structured outputs: a proposal is cut at the first token the request's grammar rejects, and row
@@ -43,6 +46,7 @@ import torch
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_verify import verify_with_draft_probs
+from pagedllm.spec_decode.policy import DraftAllocator
 from pagedllm.spec_decode.proposer import Proposer, make_proposer
 
 if TYPE_CHECKING:
@@ -72,7 +76,13 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else make_proposer(config)
-        self._k: dict[int, int] = {}  # seq_id -> current adaptive k
+        self._k: dict[int, int] = {}  # seq_id -> current adaptive k (draft model)
+        # Model-free proposals are cheap to make: propose k, keep what pays for its row.
+        self.allocator: DraftAllocator | None = (
+            None
+            if hasattr(self.proposer, "after_schedule")
+            else DraftAllocator(knee_rows=config.step_rows_knee, row_cost=config.step_row_cost)
+        )
         self.structured: StructuredOutputManager | None = None
 
     # ---- before the step ---------------------------------------------------------------------
@@ -106,12 +116,12 @@ class Speculator:
                 seq.spec_token_ids = []
         if len(decoding) >= self.config.disable_by_batch_size:
             return 0
-        total = 0
+        proposed: dict[int, Sequence] = {}
         for seq, group in decoding:
             k_max = self.wanted_k(group)
             if k_max <= 0:
                 continue
-            k = min(self._k.get(seq.seq_id, k_max), k_max)
+            k = k_max if self.allocator else min(self._k.get(seq.seq_id, k_max), k_max)
             # Never past max_tokens (k + 1 tokens may come out) nor max_model_len (positions).
             if seq.max_num_tokens is not None:
                 k = min(k, seq.max_num_tokens - seq.num_tokens - 1)
@@ -124,8 +134,14 @@ class Speculator:
             if self.structured is not None:  # cut at the first token the grammar rejects
                 draft = draft[: self.structured.valid_draft_length(seq, group, draft)]
             seq.spec_token_ids = draft
-            total += len(draft)
-        return total
+            proposed[seq.seq_id] = seq
+        if self.allocator is not None and proposed:
+            kept = self.allocator.allocate(
+                {sid: len(s.spec_token_ids) for sid, s in proposed.items()}, len(decoding)
+            )
+            for sid, seq in proposed.items():
+                seq.spec_token_ids = seq.spec_token_ids[: kept[sid]]
+        return sum(len(s.spec_token_ids) for s in proposed.values())
 
     def after_schedule(
         self, sched: SchedulerOutput, seqs: dict[int, tuple[Sequence, SequenceGroup]]
@@ -267,7 +283,9 @@ class Speculator:
             proposed.extend([0] * (k - len(proposed)))
         for j in range(k):
             proposed[j] += 1
-        if accepted == k:
+        if self.allocator is not None:
+            self.allocator.record(seq_id, k, accepted)
+        elif accepted == k:
             self._k[seq_id] = k + 1
         elif accepted == 0:
             self._k[seq_id] = max(1, k // 2)
@@ -277,6 +295,8 @@ class Speculator:
     def forget_seq(self, seq_id: int) -> None:
         """Drop a sequence's adaptive state."""
         self._k.pop(seq_id, None)
+        if self.allocator is not None:
+            self.allocator.forget(seq_id)
 
     def on_request_finished(self, group: SequenceGroup) -> None:
         """Tell the proposer the request's final tokens and drop its sequences' state."""

@@ -1,0 +1,115 @@
+"""Replay the speculation policies on the model's own greedy answers, with a step cost model.
+
+Greedy verification keeps exactly the drafts that equal the model's greedy output, so replaying a
+proposer over the speculation-off output (the bundled SmolLM2-135M-Instruct, fp32, on the
+repetitive workload of ``benchmarks/spec_workload.py``) gives the exact drafts, acceptances and
+rows of every step without running the model again. The sequences of a batch advance in lockstep
+(as the engine's steps do); each step costs ``T(R) = 1 + row_cost * max(0, R - knee)`` decode
+steps for R rows (the model of ``spec_decode.policy``), so the printed speed-up is modelled,
+not measured (``benchmarks/spec_decode.py`` measures), but it does not depend on the machine's
+load. Policies: ``halving`` (the earlier rule: k grows by one after a fully accepted run, halves
+after a miss) and ``goodput`` (``DraftAllocator``).
+
+    PAGEDLLM_DATA=../shared/data PYTHONPATH=. python benchmarks/spec_policy_replay.py [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.spec_workload import build_repetitive_prompts, build_repetitive_tasks
+from pagedllm.spec_decode.policy import DraftAllocator
+from pagedllm.spec_decode.proposer import NgramProposer, Proposer
+from pagedllm.spec_decode.suffix import SuffixProposer
+
+
+def greedy_answers(n: int, cache: Path) -> list[dict[str, Any]]:
+    """``n`` (prompt ids, greedy output ids) of the workload, cached in ``cache`` (JSON)."""
+    if cache.exists():
+        return list(json.loads(cache.read_text()))
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.loader import load_model
+    from pagedllm.sampling_params import SamplingParams
+
+    loaded = load_model(None, torch.float32)
+    tok = loaded.tokenizer
+    tasks = build_repetitive_tasks(n, seed=0)
+    prompts = build_repetitive_prompts(n, seed=0, tokenizer=tok)
+    params = [SamplingParams(temperature=0, max_tokens=min(96, len(tok(t.reference).input_ids)))
+              for t in tasks]
+    outs = LLM(loaded=loaded, max_model_len=2048).generate(prompts, params, use_tqdm=False)
+    pairs = [{"prompt": list(o.prompt_token_ids), "out": list(o.outputs[0].token_ids)} for o in outs]
+    cache.write_text(json.dumps(pairs))
+    return pairs
+
+
+def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, proposer: Proposer,
+           knee: int, row_cost: float) -> tuple[float, int, int]:
+    """(modelled time in decode steps, drafts verified, drafts accepted) of one policy."""
+    alloc = DraftAllocator(knee_rows=knee, row_cost=row_cost)
+    k_of: dict[int, int] = {}
+    time = 0.0
+    drafts = accepted = 0
+    for lo in range(0, len(pairs), batch):
+        seqs = [{"id": lo + i, "ids": p["prompt"] + p["out"][:1], "done": 1, "out": p["out"],
+                 "n_prompt": len(p["prompt"])} for i, p in enumerate(pairs[lo : lo + batch])]
+        while active := [s for s in seqs if s["done"] < len(s["out"])]:
+            props: dict[int, list[int]] = {}
+            for s in active:
+                kk = 0 if policy == "off" else k if policy == "goodput" else k_of.get(s["id"], k)
+                kk = min(kk, len(s["out"]) - s["done"] - 1)  # never past max_tokens
+                props[s["id"]] = (proposer.propose(s["ids"], s["n_prompt"], kk, str(s["id"]))[:kk]
+                                  if kk > 0 else [])
+            if policy == "goodput":
+                kept = alloc.allocate({i: len(p) for i, p in props.items() if p}, len(active))
+                props.update({i: props[i][:n] for i, n in kept.items()})
+            rows = 0
+            for s in active:
+                p = props[s["id"]]
+                a = 0
+                while a < len(p) and p[a] == s["out"][s["done"] + a]:
+                    a += 1
+                take = s["out"][s["done"] : s["done"] + a + 1]
+                s["ids"] = s["ids"] + take
+                s["done"] += len(take)
+                rows += 1 + len(p)
+                drafts += len(p)
+                accepted += a
+                if p:
+                    alloc.record(s["id"], len(p), a)
+                    k_of[s["id"]] = len(p) + 1 if a == len(p) else max(1, len(p) // 2) if a == 0 else len(p)
+            time += 1.0 + row_cost * max(0, rows - knee)
+        for s in seqs:
+            proposer.on_request_finished(s["ids"], s["n_prompt"], str(s["id"]))
+    return time, drafts, accepted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--knee", type=int, default=6)
+    ap.add_argument("--row-cost", type=float, default=0.025)
+    ap.add_argument("--cache", default="/tmp/pagedllm_spec_answers.json")
+    args = ap.parse_args()
+    pairs = greedy_answers(args.n, Path(args.cache))
+    print(f"{len(pairs)} greedy answers, {sum(len(p['out']) for p in pairs)} output tokens; "
+          f"T(R) = 1 + {args.row_cost} * max(0, R - {args.knee}); k = {args.k}")
+    for method in ("ngram", "suffix"):
+        for batch in (1, 8):
+            line = [f"{method} batch {batch}:"]
+            off = replay(pairs, batch, "off", 0, NgramProposer(), args.knee, args.row_cost)[0]
+            for policy in ("halving", "goodput"):
+                proposer: Proposer = NgramProposer(1, 4) if method == "ngram" else SuffixProposer()
+                t, d, a = replay(pairs, batch, policy, args.k, proposer, args.knee, args.row_cost)
+                line.append(f"{policy} {off / t:.2f}x (drafts {d}, accepted {a})")
+            print(" ".join(line))
+
+
+if __name__ == "__main__":
+    main()
