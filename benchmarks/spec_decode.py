@@ -71,6 +71,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--methods", nargs="+", default=["off", "ngram", "suffix"])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument(
+        "--fresh-engine",
+        action="store_true",
+        help="a new engine for every batch size (the suffix proposer then starts each batch "
+        "size with an empty cross-request cache instead of the answers of the one before)",
+    )
     ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--old-policy", action="store_true",
@@ -102,10 +108,13 @@ def main() -> None:
         if method == "draft_model":  # default draft: the bundled target itself (already loaded)
             assert spec is not None
             spec["model"] = args.draft_model or loaded
-        llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29, speculative_config=spec)
-        if name.endswith("-halving"):
-            llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
+        llm = None
         for b in args.batches:
+            if llm is None or args.fresh_engine:
+                llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29,
+                          speculative_config=spec)
+                if name.endswith("-halving"):
+                    llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
             r = run_batch(llm, prompts, max_tokens, b)
             results[f"{name}/b{b}"] = r
             print(f"{name:6s} batch {b:3d}: TPOT {r['tpot_ms']:7.2f} ms, wall {r['wall_s']:6.1f} s, "
