@@ -58,7 +58,7 @@ class CpuPagedAttention:
         return self.ops is not None
 
     @staticmethod
-    def _plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Once per step: int64 contiguous block tables, seq lens and query starts."""
         plan = meta.backend_cache.get("cpu")
         if plan is None:
@@ -99,7 +99,7 @@ class CpuPagedAttention:
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty_like(query)
-        tables, seq_lens, starts = self._plan(meta)
+        tables, seq_lens, starts = self.plan(meta)
         window = sliding_window or 0  # the kernels' "no window"
         nd, ns = meta.num_decodes, meta.num_seqs
         if nd:

@@ -18,7 +18,7 @@ all-reduce and the logits are gathered to rank 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -57,6 +57,24 @@ class StepContext:
     rotations: dict[str, Rotate]
     meta: AttentionMetadata
     backend: AttentionBackend
+    rotary: dict[str, RotaryEmbedding] = field(default_factory=dict)
+    positions: torch.Tensor | None = None
+    _tables: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def rotary_tables(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(cos [N, R/2], sin [N, R/2], rows [T] int64 contiguous) of RoPE table ``name`` for
+        this step (``RotaryEmbedding.step_tables``; computed once per step), or None when the
+        context has no such table or no positions."""
+        got = self._tables.get(name)
+        if got is None:
+            rotary = self.rotary.get(name)
+            if rotary is None or self.positions is None:
+                return None
+            cos, sin, rows = rotary.step_tables(self.positions, self.meta)
+            got = self._tables[name] = (cos, sin, rows.contiguous())
+        return got
 
 
 class DecoderForCausalLM(nn.Module):
@@ -228,6 +246,32 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)):
                 m.cpu_ops = ops
 
+    def use_fused_layers(self, ops: CpuOps | None) -> int:
+        """Run each decoder layer that allows it as one C++ op (``layers.fused_layer``: Llama-
+        shaped layers whose projections are GGUF blocks or packed fp32 on the own GEMM, RoPE on
+        the C++ kernel, no tensor parallelism); call after the linears are packed or quantized
+        and ``use_cpu_layer_ops``. ``ops`` None (or ``PAGEDLLM_DISABLE_FUSED_LAYER=1``) turns it
+        off. Returns the number of fused layers."""
+        from pagedllm.model.layers.fused_layer import FusedDecoderLayer, fused_layers_enabled
+
+        rotary = cast(RotaryEmbedding, self.rotary["global"])
+        usable = (
+            ops is not None
+            and fused_layers_enabled()
+            and self.group is None
+            and self.dtype == torch.float32
+            and rotary.cpu_ops is not None
+        )
+        count = 0
+        for layer in self.layers:
+            if hasattr(layer, "fused"):
+                fused = None
+                if usable and ops is not None:
+                    fused = FusedDecoderLayer.build(layer, ops, rotary.rotary_dim)
+                cast(Any, layer).fused = fused
+                count += fused is not None
+        return count
+
     def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
         """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
         when ``cpu_ops``, the C++ CPU kernels, run the avx2 variant, oneDNN otherwise); call after
@@ -290,7 +334,8 @@ class DecoderForCausalLM(nn.Module):
             name: cast(RotaryEmbedding, r).for_step(positions, h.dtype, meta)
             for name, r in self.rotary.items()
         }
-        ctx = StepContext(rotations, meta, self.backend)
+        rotary = {name: cast(RotaryEmbedding, r) for name, r in self.rotary.items()}
+        ctx = StepContext(rotations, meta, self.backend, rotary, positions)
         layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
         for layer, layer_kv in zip(layers, kv, strict=True):
             h = layer(h, layer_kv, ctx)

@@ -132,6 +132,9 @@ class Worker:
             self.model.use_cpu_layer_ops(cpu_ops)
         if gguf_native is not None:
             self._quantize_gguf(gguf_native, dtype, cpu_ops)
+        if cpu_ops is not None:
+            fused = self.model.use_fused_layers(cpu_ops)
+            logger.debug("%d decoder layers run as one C++ op each", fused)
         self.cache = CacheEngine(
             config,
             num_blocks,

@@ -153,18 +153,6 @@ def int8_activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(x.shape) @ w.T
 
 
-@pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
-    from pagedllm.ops import load_cpu_ops
-
-    loaded = load_cpu_ops()
-    if loaded is None:
-        pytest.skip(
-            "the C++ CPU kernels did not build (PAGEDLLM_DISABLE_CPU_KERNELS or no compiler)"
-        )
-    return loaded
-
-
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_kernel_matches_dequantized_fp32(ops, qtype: str, m: int, n: int, k: int) -> None:  # noqa: ANN001

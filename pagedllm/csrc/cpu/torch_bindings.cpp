@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "fused_layer.h"
 #include "gemm.h"
 #include "int8_gemm.h"
 #include "layer_ops.h"
@@ -49,6 +50,13 @@ TORCH_LIBRARY(pagedllm, m) {
       "int8_linear(Tensor x, Tensor packed, Tensor wscale, Tensor wsum, Tensor? bias, "
       "int out_features) -> Tensor");
   m.def("int8_gemm_isa() -> str", &pagedllm::int8_gemm_isa);
+  m.def(
+      "decoder_layer_(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor[] weights, int[] kinds, int[] rows, int[] parts, Tensor[] biases, int num_heads, "
+      "int num_kv_heads, int head_dim, int rotary_dim, Tensor cos, Tensor sin, "
+      "Tensor rotary_rows, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_decodes, "
+      "int num_seqs, float scale, int partition_size, int window) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -72,4 +80,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("int8_pack_weight", &pagedllm::int8_pack_weight);
   m.impl("int8_quantize_rows", &pagedllm::int8_quantize_rows);
   m.impl("int8_linear", &pagedllm::int8_linear);
+  m.impl("decoder_layer_", &pagedllm::decoder_layer_);
 }

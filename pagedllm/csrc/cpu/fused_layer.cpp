@@ -1,0 +1,124 @@
+// One op per decoder layer: at batch 1 a SmolLM2-135M layer is ~15 small kernels, and calling them
+// one by one from Python (module calls, views, allocation, dispatch) cost about as much as the
+// GGUF GEMVs themselves (issue 22). Here the same kernels run back to back from C++, with the
+// same arithmetic as the unfused path (so outputs are bit-identical to it).
+#include "fused_layer.h"
+
+#include <vector>
+
+#include "gemm.h"
+#include "layer_ops.h"
+#include "paged_attention.h"
+#include "quant_gguf.h"
+
+namespace pagedllm {
+namespace {
+
+// One linear layer: its parts' outputs side by side, plus the bias.
+struct Linear {
+  const at::Tensor* weights;
+  const int64_t* kinds;
+  const int64_t* rows;
+  int64_t count;
+  const at::Tensor* bias;
+};
+
+at::Tensor run_part(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n) {
+  switch (kind) {
+    case kLinearQ4:
+      return gguf_q4_linear(x, w, n);
+    case kLinearQ8:
+      return gguf_q8_linear(x, w, n);
+    case kLinearGemm:
+      return gemm_linear(x, w, n);
+    case kLinearSwiGLU:
+      return gemm_swiglu(x, w);
+    default:
+      TORCH_CHECK(false, "decoder_layer_: unknown linear kind ", kind);
+  }
+}
+
+at::Tensor run_linear(const at::Tensor& x, const Linear& l) {
+  at::Tensor y;
+  if (l.count == 1) {
+    y = run_part(x, l.weights[0], l.kinds[0], l.rows[0]);
+  } else {
+    std::vector<at::Tensor> ys;
+    for (int64_t i = 0; i < l.count; ++i) ys.push_back(run_part(x, l.weights[i], l.kinds[i], l.rows[i]));
+    y = at::cat(ys, 1);
+  }
+  if (l.bias->numel()) y.add_(*l.bias);
+  return y;
+}
+
+}  // namespace
+
+void decoder_layer_(at::Tensor hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                    double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
+                    at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t rotary_dim, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& rotary_rows, at::Tensor key_cache, at::Tensor value_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    int64_t num_decodes, int64_t num_seqs, double scale, int64_t partition_size,
+                    int64_t window) {
+  TORCH_CHECK(parts.size() == 4 && biases.size() == 4, "decoder_layer_: four linears");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == parts[0] + parts[1] + parts[2] + parts[3] &&
+                  kinds.size() == weights.size() && rows.size() == weights.size(),
+              "decoder_layer_: weights, kinds and rows must have one entry per part");
+  Linear lin[4];
+  int64_t first = 0;
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(parts[i] >= 1, "decoder_layer_: linear ", i, " has no part");
+    lin[i] = Linear{weights.data() + first, kinds.data() + first, rows.data() + first, parts[i],
+                    &biases[i]};
+    first += parts[i];
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int64_t p = 0; p < lin[i].count; ++p)
+      TORCH_CHECK(lin[i].kinds[p] != kLinearSwiGLU ||
+                      (i == 2 && lin[i].count == 1 && !lin[i].bias->numel()),
+                  "decoder_layer_: a SwiGLU part must be the whole bias-free gate/up linear");
+  const int64_t T = hidden.size(0);
+  const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim;
+
+  // Attention block: x = rms_norm(hidden); qkv = x Wqkv^T; RoPE on q and k in place.
+  at::Tensor x = at::empty_like(hidden);
+  rms_norm(x, hidden, input_norm, eps);
+  at::Tensor qkv = run_linear(x, lin[0]);  // [T, (H + 2 KVH) D]
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decoder_layer_: qkv has ", qkv.size(1),
+              " columns, expected (num_heads + 2 num_kv_heads) head_dim");
+  at::Tensor qk = qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
+  rotary_embedding(rotary_dim == D ? qk : qk.narrow(2, 0, rotary_dim), rotary_rows, cos, sin);
+  at::Tensor q = qk.narrow(1, 0, H);
+  at::Tensor k = qk.narrow(1, H, KVH);
+  at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
+  at::Tensor attn = at::empty({T, H, D}, hidden.options());
+  if (num_decodes > 0)
+    paged_attention_decode(attn, q, key_cache, value_cache, block_tables, seq_lens, num_decodes,
+                           scale, partition_size, window);
+  if (num_decodes < num_seqs)
+    paged_attention_prefill(attn, q, key_cache, value_cache, block_tables, seq_lens,
+                            query_start_loc, num_decodes, num_seqs, scale, window);
+  at::Tensor o = run_linear(attn.view({T, H * D}), lin[1]);
+  // hidden += o; o = rms_norm(hidden) (one pass).
+  fused_add_rms_norm(o, hidden, post_norm, eps);
+
+  // MLP block: hidden += down(silu(gate) * up).
+  at::Tensor act;
+  if (lin[2].count == 1 && lin[2].kinds[0] == kLinearSwiGLU) {
+    act = run_part(o, lin[2].weights[0], kLinearSwiGLU, lin[2].rows[0]);
+  } else {
+    at::Tensor gate_up = run_linear(o, lin[2]);
+    act = at::empty({T, gate_up.size(1) / 2}, hidden.options());
+    silu_and_mul(act, gate_up);
+  }
+  if (lin[3].count == 1 && lin[3].kinds[0] == kLinearGemm && !lin[3].bias->numel())
+    gemm_linear_add_(hidden, act, lin[3].weights[0]);  // the residual add in the GEMM epilogue
+  else
+    hidden.add_(run_linear(act, lin[3]));
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,31 @@
+// A whole pre-norm decoder layer (Llama's: RMSNorm, QKV, RoPE, paged attention, O, residual,
+// RMSNorm, gate/up, SiLU, down, residual) in one op (fused_layer.cpp), registered in
+// torch_bindings.cpp. Python side: pagedllm/model/layers/fused_layer.py.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace pagedllm {
+// Kinds of a linear part (`kinds`): the kernel that computes it from its weight tensor.
+enum LinearKind : int64_t {
+  kLinearQ4 = 0,      // gguf_q4_linear's interleaved 4-bit records
+  kLinearQ8 = 1,      // gguf_q8_linear's interleaved 8-bit records
+  kLinearGemm = 2,    // gemm_pack_weight's fp32 panels
+  kLinearSwiGLU = 3,  // gemm_pack_swiglu_weight's panels: the gate/up part yields the activation
+};
+
+// hidden [T, d] float32 (the residual stream, updated in place) through one layer.
+// The four linears (qkv, o, gate_up, down) are given as parts: linear i is the next parts[i]
+// entries of (weights, kinds, rows), its outputs side by side; biases[i] is [N_i] float32 or an
+// empty tensor. Attention arguments as paged_attention_decode / _prefill and reshape_and_cache;
+// RoPE as rotary_embedding on the first rotary_dim dimensions of each q and k head.
+void decoder_layer_(at::Tensor hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                    double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
+                    at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t rotary_dim, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& rotary_rows, at::Tensor key_cache, at::Tensor value_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    int64_t num_decodes, int64_t num_seqs, double scale, int64_t partition_size,
+                    int64_t window);
+}  // namespace pagedllm
