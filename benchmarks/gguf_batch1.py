@@ -10,8 +10,9 @@ three are run alternately ``--runs`` times; medians, the ratio to llama.cpp and 
 printed. Each engine's process CPU seconds over the decode are also turned into a "CPU-time"
 tokens/s: on a shared machine where other jobs take the cores, wall time mostly measures the
 wait, while at one thread the CPU time is close to what a quiet machine gives (both are
-printed; at two threads CPU time also counts the threads' spinning at barriers). ``--split`` also times where one pagedllm gguf decode step goes (linears, attention,
-the rest of the model, engine overhead outside the model).
+printed; at two threads CPU time also counts the threads' spinning at barriers). ``--split``
+also times where one pagedllm gguf decode step goes (the decoder layers, the LM head, preparing
+the step's tensors, the rest of the engine).
 
     .venv/bin/python benchmarks/gguf_batch1.py --runs 5 --split
 """
@@ -182,59 +183,38 @@ def pagedllm_decode(
 
 
 def step_split(engine: Any, tokens: int) -> dict[str, float]:
-    """Milliseconds per decode step spent in the linears (GGUFLinear / PackedLinear / SwiGLU and
-    the LM head), in attention (the attention modules minus their projections), in the rest of
-    the model forward, and outside the model (scheduler, sampling, detokenizing, Python)."""
-    from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU
-    from pagedllm.model.quant.gguf_native import GGUFLinear
-
+    """Milliseconds per decode step spent in the decoder layers (embedding included; one C++
+    op when the layers are fused), the final norm + LM head, preparing the step's tensors, and
+    everything else (scheduler, sampling, detokenizing, Python)."""
     model = engine.executor.worker.model
+    runner = engine.executor.worker.runner
     spent: dict[str, float] = defaultdict(float)
-    starts: dict[int, float] = {}
 
-    def timed(kind: str, module: torch.nn.Module) -> None:
-        def pre(mod: torch.nn.Module, _args: Any) -> None:
-            starts[id(mod)] = time.perf_counter()
+    def timed(obj: Any, name: str, kind: str) -> None:
+        inner = getattr(obj, name)
 
-        def post(mod: torch.nn.Module, _args: Any, _out: Any) -> None:
-            spent[kind] += time.perf_counter() - starts.pop(id(mod))
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[kind] += time.perf_counter() - t0
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        setattr(obj, name, wrapper)
 
-    linear_types = (GGUFLinear, PackedLinear, PackedSwiGLU, torch.nn.Linear)
-    attention = [
-        m
-        for m in model.modules()
-        if type(m).__name__.endswith("Attention") and hasattr(m, "o_proj")
-    ]
-    in_attention = {id(c) for a in attention for c in a.modules() if isinstance(c, linear_types)}
-    timed("model", model)
-    for m in attention:
-        timed("attention_module", m)
-    for m in model.modules():
-        if isinstance(m, linear_types):
-            timed("attention_linear" if id(m) in in_attention else "linear", m)
-    head = model.lm_head_packed
-    if head is not None and not any(head is m for m in model.modules()):
-        timed("linear", head)  # the LM head is called, not a submodule
+    timed(model, "run_layers", "layers")
+    timed(model, "compute_logits", "head")
+    timed(runner, "_prepare", "prepare")
     _, steps, _ = pagedllm_decode(engine, tokens, on_prefilled=spent.clear)
     calls = len(steps)
-    step_ms = 1e3 * sum(steps) / len(steps)
-
-    def per_step(kind: str) -> float:
-        return 1e3 * spent[kind] / calls
-
+    step_ms = 1e3 * sum(steps) / calls
+    per_step = {k: 1e3 * v / calls for k, v in spent.items()}
     return {
         "step_ms": step_ms,
-        "model_forward_ms": per_step("model"),
-        "linears_ms (incl. LM head, qkv, o)": per_step("linear") + per_step("attention_linear"),
-        "attention_ms (without its projections)": per_step("attention_module")
-        - per_step("attention_linear"),
-        "rest_of_model_ms (embedding, norms, rope, Python)": per_step("model")
-        - per_step("linear")
-        - per_step("attention_module"),
-        "outside_model_ms (scheduler, sampling, output)": step_ms - per_step("model"),
+        "layers_ms (embedding + decoder layers)": per_step["layers"],
+        "lm_head_ms (final norm + LM head)": per_step["head"],
+        "prepare_ms (step tensors)": per_step["prepare"],
+        "rest_ms (scheduler, sampling, output)": step_ms - sum(per_step.values()),
     }
 
 

@@ -40,6 +40,7 @@ from pagedllm.model.weight_map import load_named_weights
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 if TYPE_CHECKING:
+    from pagedllm.model.layers.fused_layer import FusedDecoderStack
     from pagedllm.ops import CpuOps
 
 
@@ -143,6 +144,8 @@ class DecoderForCausalLM(nn.Module):
         #: The decoder layers this process runs (all of them unless ``keep_stage_layers``).
         self.stage_layers = range(config.num_hidden_layers)
         self.lm_head_packed: nn.Module | None = None  # PackedLinear, or Int8Linear
+        #: This stage's layers as one C++ op (``use_fused_layers``), or None.
+        self.fused_stack: FusedDecoderStack | None = None
         self.requires_grad_(False)
 
     def keep_stage_layers(self, layers: range) -> None:
@@ -247,30 +250,34 @@ class DecoderForCausalLM(nn.Module):
                 m.cpu_ops = ops
 
     def use_fused_layers(self, ops: CpuOps | None) -> int:
-        """Run each decoder layer that allows it as one C++ op (``layers.fused_layer``: Llama-
-        shaped layers whose projections are GGUF blocks or packed fp32 on the own GEMM, RoPE on
-        the C++ kernel, no tensor parallelism); call after the linears are packed or quantized
-        and ``use_cpu_layer_ops``. ``ops`` None (or ``PAGEDLLM_DISABLE_FUSED_LAYER=1``) turns it
-        off. Returns the number of fused layers."""
-        from pagedllm.model.layers.fused_layer import FusedDecoderLayer, fused_layers_enabled
-
-        rotary = cast(RotaryEmbedding, self.rotary["global"])
-        usable = (
-            ops is not None
-            and fused_layers_enabled()
-            and self.group is None
-            and self.dtype == torch.float32
-            and rotary.cpu_ops is not None
+        """Run the decoder layers as one C++ op per step (``layers.fused_layer``) when every
+        layer allows it: Llama-shaped layers whose projections are GGUF blocks or packed fp32
+        on the own GEMM, RoPE on the C++ kernel, no tensor parallelism. Call after the linears
+        are packed or quantized and after ``use_cpu_layer_ops``. ``ops`` None (or
+        ``PAGEDLLM_DISABLE_FUSED_LAYER=1``) turns it off. Returns the number of layers fused
+        (all of this stage's, or 0)."""
+        from pagedllm.model.layers.fused_layer import (
+            FusedDecoderLayer,
+            FusedDecoderStack,
+            fused_layers_enabled,
         )
-        count = 0
-        for layer in self.layers:
-            if hasattr(layer, "fused"):
-                fused = None
-                if usable and ops is not None:
-                    fused = FusedDecoderLayer.build(layer, ops, rotary.rotary_dim)
-                cast(Any, layer).fused = fused
-                count += fused is not None
-        return count
+
+        self.fused_stack = None
+        rotary = cast(RotaryEmbedding, self.rotary["global"])
+        if (
+            ops is None
+            or not fused_layers_enabled()
+            or self.group is not None
+            or self.dtype != torch.float32
+            or rotary.cpu_ops is None
+        ):
+            return 0
+        layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+        fused = [FusedDecoderLayer.build(layer, rotary.rotary_dim) for layer in layers]
+        if not fused or any(f is None for f in fused):
+            return 0
+        self.fused_stack = FusedDecoderStack(ops, [f for f in fused if f is not None])
+        return len(fused)
 
     def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
         """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
@@ -336,8 +343,10 @@ class DecoderForCausalLM(nn.Module):
         }
         rotary = {name: cast(RotaryEmbedding, r) for name, r in self.rotary.items()}
         ctx = StepContext(rotations, meta, self.backend, rotary, positions)
-        layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
-        for layer, layer_kv in zip(layers, kv, strict=True):
+        if self.fused_stack is not None and self.fused_stack(h, kv, ctx):
+            return h  # every layer ran in the C++ op, on h in place
+        start, stop = self.stage_layers.start, self.stage_layers.stop
+        for layer, layer_kv in zip(list(self.layers)[start:stop], kv, strict=True):
             h = layer(h, layer_kv, ctx)
         return h
 

@@ -17,7 +17,6 @@ from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.decoder import DecoderForCausalLM, StepContext
 from pagedllm.model.layers.attention import PagedSelfAttention
-from pagedllm.model.layers.fused_layer import FusedDecoderLayer
 from pagedllm.model.layers.mlp import GatedMLP
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import apply_rotary, rope_inv_freq
@@ -60,14 +59,10 @@ class LlamaDecoderLayer(nn.Module):
             if mlp is not None
             else GatedMLP(config.hidden_size, inter, config.hidden_act, dtype, group)
         )
-        #: The whole layer as one C++ op (``DecoderForCausalLM.use_fused_layers``), or None.
-        self.fused: FusedDecoderLayer | None = None
 
     def forward(
         self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        if self.fused is not None and self.fused(x, kv_cache, ctx) is not None:
-            return x  # updated in place by the fused op
         rotate = ctx.rotations["global"]
         a = self.self_attn(rotate, self.input_layernorm(x), kv_cache, ctx.meta, ctx.backend)
         norm = self.post_attention_layernorm

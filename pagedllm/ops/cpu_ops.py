@@ -8,6 +8,8 @@ once here) with the same arguments; the C++ side checks shapes, dtypes and devic
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -45,7 +47,7 @@ class CpuOps:
         self._int8_quantize_rows = lib.int8_quantize_rows.default
         self._int8_linear = lib.int8_linear.default
         self._int8_gemm_isa = lib.int8_gemm_isa.default
-        self._decoder_layer_ = lib.decoder_layer_.default
+        self._decoder_layers_ = lib.decoder_layers_.default
         self._simd = str(self._simd_level())
 
     def __repr__(self) -> str:
@@ -209,42 +211,24 @@ class CpuOps:
         """The int8 inner loop this CPU runs: ``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``."""
         return str(self._int8_gemm_isa())
 
-    # ---- a whole decoder layer (fused_layer.cpp) ----------------------------------------------
+    # ---- the decoder layers of a step (fused_layer.cpp) -----------------------------------
 
-    def decoder_layer_(
+    def decoder_layers_(
         self,
         hidden: Tensor,
-        input_norm: Tensor,
-        post_norm: Tensor,
-        eps: float,
-        weights: list[Tensor],
-        kinds: list[int],
-        rows: list[int],
-        parts: list[int],
-        biases: list[Tensor],
-        heads: tuple[int, int, int, int],
-        rotary: tuple[Tensor, Tensor, Tensor],
-        key_cache: Tensor,
-        value_cache: Tensor,
-        slot_mapping: Tensor,
-        attention_plan: tuple[Tensor, Tensor, Tensor],
-        num_decodes: int,
-        num_seqs: int,
-        scale: float,
-        partition_size: int,
-        window: int,
+        key_caches: list[Tensor],
+        value_caches: list[Tensor],
+        layer_args: tuple[Any, ...],
+        step_args: tuple[Any, ...],
     ) -> None:
-        """One pre-norm decoder layer on ``hidden [T, d]`` float32 in place (``csrc/cpu/
-        fused_layer.h``): ``heads`` = (num_heads, num_kv_heads, head_dim, rotary_dim),
-        ``rotary`` = (cos, sin, rows) as :meth:`rotary_embedding`, ``attention_plan`` =
-        (block_tables, seq_lens, query_start_loc) int64; the four linears (qkv, o, gate_up,
-        down) as ``parts[i]`` consecutive (weight, kind, rows) entries, kinds 0 = q4, 1 = q8,
-        2 = fp32 panels, 3 = SwiGLU panels; ``biases[i]`` empty for none."""
-        h, kvh, d, rot = heads
-        cos, sin, rot_rows = rotary
-        tables, seq_lens, starts = attention_plan
-        self._decoder_layer_(
-            hidden, input_norm, post_norm, eps, weights, kinds, rows, parts, biases,
-            h, kvh, d, rot, cos, sin, rot_rows, key_cache, value_cache, slot_mapping,
-            tables, seq_lens, starts, num_decodes, num_seqs, scale, partition_size, window,
-        )  # fmt: skip
+        """Pre-norm decoder layers on ``hidden [T, d]`` float32 in place, layer l with
+        ``key_caches[l]`` / ``value_caches[l]`` (``csrc/cpu/fused_layer.h``).
+
+        ``layer_args`` = (norms [2 per layer], eps, weights, kinds, rows, parts [4 per layer],
+        biases [4 per layer, empty for none], windows [per layer], num_heads, num_kv_heads,
+        head_dim, rotary_dim, scale): linear i of layer l (qkv, o, gate_up, down) is the next
+        ``parts[4 l + i]`` (weight, kind, rows) entries, kinds 0 = q4, 1 = q8, 2 = fp32 panels,
+        3 = SwiGLU panels. ``step_args`` = (cos, sin, rotary rows, slot_mapping, block_tables,
+        seq_lens, query_start_loc, num_decodes, num_seqs, partition_size), as
+        :meth:`rotary_embedding`, :meth:`reshape_and_cache` and the attention ops take them."""
+        self._decoder_layers_(hidden, key_caches, value_caches, *layer_args, *step_args)

@@ -1,7 +1,7 @@
-// One op per decoder layer: at batch 1 a SmolLM2-135M layer is ~15 small kernels, and calling them
-// one by one from Python (module calls, views, allocation, dispatch) cost about as much as the
-// GGUF GEMVs themselves (issue 22). Here the same kernels run back to back from C++, with the
-// same arithmetic as the unfused path (so outputs are bit-identical to it).
+// All decoder layers of a step in one op: at batch 1 a SmolLM2-135M layer is ~15 small kernels,
+// and calling them one by one from Python (module calls, views, allocation, dispatch) cost about
+// as much as the GGUF GEMVs themselves (issue 22). Here the same kernels run back to back from
+// C++, with the same arithmetic as the unfused path (so outputs are bit-identical to it).
 #include "fused_layer.h"
 
 #include <vector>
@@ -34,7 +34,7 @@ at::Tensor run_part(const at::Tensor& x, const at::Tensor& w, int64_t kind, int6
     case kLinearSwiGLU:
       return gemm_swiglu(x, w);
     default:
-      TORCH_CHECK(false, "decoder_layer_: unknown linear kind ", kind);
+      TORCH_CHECK(false, "decoder_layers_: unknown linear kind ", kind);
   }
 }
 
@@ -44,67 +44,51 @@ at::Tensor run_linear(const at::Tensor& x, const Linear& l) {
     y = run_part(x, l.weights[0], l.kinds[0], l.rows[0]);
   } else {
     std::vector<at::Tensor> ys;
-    for (int64_t i = 0; i < l.count; ++i) ys.push_back(run_part(x, l.weights[i], l.kinds[i], l.rows[i]));
+    for (int64_t i = 0; i < l.count; ++i)
+      ys.push_back(run_part(x, l.weights[i], l.kinds[i], l.rows[i]));
     y = at::cat(ys, 1);
   }
   if (l.bias->numel()) y.add_(*l.bias);
   return y;
 }
 
-}  // namespace
+// The per-step arguments every layer shares.
+struct Step {
+  int64_t H, KVH, D, rotary_dim;
+  double eps, scale;
+  const at::Tensor *cos, *sin, *rotary_rows, *slot_mapping, *block_tables, *seq_lens, *starts;
+  int64_t num_decodes, num_seqs, partition_size;
+};
 
-void decoder_layer_(at::Tensor hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                    double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
-                    at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                    int64_t rotary_dim, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& rotary_rows, at::Tensor key_cache, at::Tensor value_cache,
-                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                    int64_t num_decodes, int64_t num_seqs, double scale, int64_t partition_size,
-                    int64_t window) {
-  TORCH_CHECK(parts.size() == 4 && biases.size() == 4, "decoder_layer_: four linears");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == parts[0] + parts[1] + parts[2] + parts[3] &&
-                  kinds.size() == weights.size() && rows.size() == weights.size(),
-              "decoder_layer_: weights, kinds and rows must have one entry per part");
-  Linear lin[4];
-  int64_t first = 0;
-  for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(parts[i] >= 1, "decoder_layer_: linear ", i, " has no part");
-    lin[i] = Linear{weights.data() + first, kinds.data() + first, rows.data() + first, parts[i],
-                    &biases[i]};
-    first += parts[i];
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int64_t p = 0; p < lin[i].count; ++p)
-      TORCH_CHECK(lin[i].kinds[p] != kLinearSwiGLU ||
-                      (i == 2 && lin[i].count == 1 && !lin[i].bias->numel()),
-                  "decoder_layer_: a SwiGLU part must be the whole bias-free gate/up linear");
+void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
+               const at::Tensor& post_norm, const Linear* lin, at::Tensor& key_cache,
+               at::Tensor& value_cache, int64_t window) {
   const int64_t T = hidden.size(0);
-  const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim;
+  const int64_t H = st.H, KVH = st.KVH, D = st.D;
 
   // Attention block: x = rms_norm(hidden); qkv = x Wqkv^T; RoPE on q and k in place.
   at::Tensor x = at::empty_like(hidden);
-  rms_norm(x, hidden, input_norm, eps);
+  rms_norm(x, hidden, input_norm, st.eps);
   at::Tensor qkv = run_linear(x, lin[0]);  // [T, (H + 2 KVH) D]
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decoder_layer_: qkv has ", qkv.size(1),
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decoder_layers_: qkv has ", qkv.size(1),
               " columns, expected (num_heads + 2 num_kv_heads) head_dim");
   at::Tensor qk = qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
-  rotary_embedding(rotary_dim == D ? qk : qk.narrow(2, 0, rotary_dim), rotary_rows, cos, sin);
+  rotary_embedding(st.rotary_dim == D ? qk : qk.narrow(2, 0, st.rotary_dim), *st.rotary_rows,
+                   *st.cos, *st.sin);
   at::Tensor q = qk.narrow(1, 0, H);
   at::Tensor k = qk.narrow(1, H, KVH);
   at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
-  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
+  reshape_and_cache(k, v, key_cache, value_cache, *st.slot_mapping);
   at::Tensor attn = at::empty({T, H, D}, hidden.options());
-  if (num_decodes > 0)
-    paged_attention_decode(attn, q, key_cache, value_cache, block_tables, seq_lens, num_decodes,
-                           scale, partition_size, window);
-  if (num_decodes < num_seqs)
-    paged_attention_prefill(attn, q, key_cache, value_cache, block_tables, seq_lens,
-                            query_start_loc, num_decodes, num_seqs, scale, window);
+  if (st.num_decodes > 0)
+    paged_attention_decode(attn, q, key_cache, value_cache, *st.block_tables, *st.seq_lens,
+                           st.num_decodes, st.scale, st.partition_size, window);
+  if (st.num_decodes < st.num_seqs)
+    paged_attention_prefill(attn, q, key_cache, value_cache, *st.block_tables, *st.seq_lens,
+                            *st.starts, st.num_decodes, st.num_seqs, st.scale, window);
   at::Tensor o = run_linear(attn.view({T, H * D}), lin[1]);
   // hidden += o; o = rms_norm(hidden) (one pass).
-  fused_add_rms_norm(o, hidden, post_norm, eps);
+  fused_add_rms_norm(o, hidden, post_norm, st.eps);
 
   // MLP block: hidden += down(silu(gate) * up).
   at::Tensor act;
@@ -119,6 +103,57 @@ void decoder_layer_(at::Tensor hidden, const at::Tensor& input_norm, const at::T
     gemm_linear_add_(hidden, act, lin[3].weights[0]);  // the residual add in the GEMM epilogue
   else
     hidden.add_(run_linear(act, lin[3]));
+}
+
+}  // namespace
+
+void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
+                     std::vector<at::Tensor> value_caches, std::vector<at::Tensor> norms,
+                     double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
+                     at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
+                     at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t rotary_dim, double scale, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& rotary_rows,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     int64_t num_decodes, int64_t num_seqs, int64_t partition_size) {
+  const size_t L = key_caches.size();
+  TORCH_CHECK(value_caches.size() == L && norms.size() == 2 * L && windows.size() == L &&
+                  parts.size() == 4 * L && biases.size() == 4 * L,
+              "decoder_layers_: per layer one key and value cache, two norms, one window, four "
+              "part counts and four biases");
+  int64_t total = 0;
+  for (int64_t p : parts) {
+    TORCH_CHECK(p >= 1, "decoder_layers_: a linear has no part");
+    total += p;
+  }
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == total && kinds.size() == weights.size() &&
+                  rows.size() == weights.size(),
+              "decoder_layers_: weights, kinds and rows must have one entry per part");
+  for (size_t i = 0; i < kinds.size(); ++i)
+    TORCH_CHECK(kinds[i] >= kLinearQ4 && kinds[i] <= kLinearSwiGLU,
+                "decoder_layers_: unknown linear kind ", kinds[i]);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat,
+              "decoder_layers_: hidden must be a contiguous [T, d] float32 tensor");
+  const Step st{num_heads, num_kv_heads, head_dim, rotary_dim, eps, scale, &cos, &sin,
+                &rotary_rows, &slot_mapping, &block_tables, &seq_lens, &query_start_loc,
+                num_decodes, num_seqs, partition_size};
+  int64_t first = 0;
+  for (size_t l = 0; l < L; ++l) {
+    Linear lin[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t n = parts[4 * l + i];
+      lin[i] = Linear{weights.data() + first, kinds.data() + first, rows.data() + first, n,
+                      &biases[4 * l + i]};
+      first += n;
+      for (int64_t p = 0; p < n; ++p)
+        TORCH_CHECK(lin[i].kinds[p] != kLinearSwiGLU ||
+                        (i == 2 && n == 1 && !lin[i].bias->numel()),
+                    "decoder_layers_: a SwiGLU part must be the whole bias-free gate/up linear");
+    }
+    run_layer(hidden, st, norms[2 * l], norms[2 * l + 1], lin, key_caches[l], value_caches[l],
+              windows[l]);
+  }
 }
 
 }  // namespace pagedllm

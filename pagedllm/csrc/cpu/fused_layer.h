@@ -1,8 +1,10 @@
-// A whole pre-norm decoder layer (Llama's: RMSNorm, QKV, RoPE, paged attention, O, residual,
-// RMSNorm, gate/up, SiLU, down, residual) in one op (fused_layer.cpp), registered in
-// torch_bindings.cpp. Python side: pagedllm/model/layers/fused_layer.py.
+// Pre-norm decoder layers (Llama's: RMSNorm, QKV, RoPE, paged attention, O, residual, RMSNorm,
+// gate/up, SiLU, down, residual) in one op (fused_layer.cpp), registered in torch_bindings.cpp.
+// Python side: pagedllm/model/layers/fused_layer.py.
 #pragma once
 #include <ATen/ATen.h>
+
+#include <vector>
 
 namespace pagedllm {
 // Kinds of a linear part (`kinds`): the kernel that computes it from its weight tensor.
@@ -13,19 +15,21 @@ enum LinearKind : int64_t {
   kLinearSwiGLU = 3,  // gemm_pack_swiglu_weight's panels: the gate/up part yields the activation
 };
 
-// hidden [T, d] float32 (the residual stream, updated in place) through one layer.
-// The four linears (qkv, o, gate_up, down) are given as parts: linear i is the next parts[i]
-// entries of (weights, kinds, rows), its outputs side by side; biases[i] is [N_i] float32 or an
-// empty tensor. Attention arguments as paged_attention_decode / _prefill and reshape_and_cache;
-// RoPE as rotary_embedding on the first rotary_dim dimensions of each q and k head.
-void decoder_layer_(at::Tensor hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                    double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
-                    at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                    int64_t rotary_dim, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& rotary_rows, at::Tensor key_cache, at::Tensor value_cache,
-                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                    int64_t num_decodes, int64_t num_seqs, double scale, int64_t partition_size,
-                    int64_t window);
+// hidden [T, d] float32 (the residual stream, updated in place) through L layers in order.
+// Layer l has caches key_caches[l] / value_caches[l], RMSNorm weights norms[2l] (input) and
+// norms[2l + 1] (post-attention), window windows[l] (0: none) and four linears (qkv, o, gate_up,
+// down): linear i of layer l is the next parts[4l + i] entries of (weights, kinds, rows), its
+// outputs side by side, plus biases[4l + i] ([N] float32, or empty for none). Attention arguments
+// as paged_attention_decode / _prefill and reshape_and_cache; RoPE as rotary_embedding on the
+// first rotary_dim dimensions of each q and k head.
+void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
+                     std::vector<at::Tensor> value_caches, std::vector<at::Tensor> norms,
+                     double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
+                     at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
+                     at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t rotary_dim, double scale, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& rotary_rows,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     int64_t num_decodes, int64_t num_seqs, int64_t partition_size);
 }  // namespace pagedllm

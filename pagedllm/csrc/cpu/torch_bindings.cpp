@@ -51,12 +51,12 @@ TORCH_LIBRARY(pagedllm, m) {
       "int out_features) -> Tensor");
   m.def("int8_gemm_isa() -> str", &pagedllm::int8_gemm_isa);
   m.def(
-      "decoder_layer_(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor[] weights, int[] kinds, int[] rows, int[] parts, Tensor[] biases, int num_heads, "
-      "int num_kv_heads, int head_dim, int rotary_dim, Tensor cos, Tensor sin, "
-      "Tensor rotary_rows, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_decodes, "
-      "int num_seqs, float scale, int partition_size, int window) -> ()");
+      "decoder_layers_(Tensor(a!) hidden, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
+      "Tensor[] norms, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
+      "Tensor[] biases, int[] windows, int num_heads, int num_kv_heads, int head_dim, "
+      "int rotary_dim, float scale, Tensor cos, Tensor sin, Tensor rotary_rows, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "int num_decodes, int num_seqs, int partition_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -80,5 +80,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("int8_pack_weight", &pagedllm::int8_pack_weight);
   m.impl("int8_quantize_rows", &pagedllm::int8_quantize_rows);
   m.impl("int8_linear", &pagedllm::int8_linear);
-  m.impl("decoder_layer_", &pagedllm::decoder_layer_);
+  m.impl("decoder_layers_", &pagedllm::decoder_layers_);
 }

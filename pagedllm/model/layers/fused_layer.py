@@ -1,16 +1,16 @@
-"""A Llama-style decoder layer as one C++ op (``csrc/cpu/fused_layer.cpp``).
+"""The decoder layers of a step as one C++ op (``csrc/cpu/fused_layer.cpp``).
 
 At batch 1 a SmolLM2-135M layer is about fifteen small kernels (two RMSNorms, four GGUF GEMVs,
 RoPE, the cache write, decode attention, SiLU, two residual adds); called one by one from Python
 they cost ~230 us of module calls, views, allocations and dispatch per layer, about as much as the
-GEMVs (issue 22: batch-1 decode against llama.cpp). :class:`FusedDecoderLayer` hands the whole
-layer to ``CpuOps.decoder_layer_``, which runs the same kernels back to back, so its outputs are
+GEMVs (issue 22: batch-1 decode against llama.cpp). :class:`FusedDecoderStack` hands all the
+layers to ``CpuOps.decoder_layers_``, which runs the same kernels back to back, so its outputs are
 bit-identical to the unfused path's.
 
-It applies when a layer has the Llama shape (pre-norm, RMSNorm, fused QKV without q/k norms,
+It applies when every layer has the Llama shape (pre-norm, RMSNorm, fused QKV without q/k norms,
 RoPE, no soft cap, SwiGLU MLP, no tensor parallelism) and every projection is a kernel the op
 knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM, ``PackedSwiGLU``); otherwise, and
-for any step the C++ attention cannot run (other backend, KV dtype), the layer's Python forward
+for any step the C++ attention cannot run (other backend, KV dtype), the layers' Python forward
 runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1`` turns it off.
 """
 
@@ -73,40 +73,37 @@ def linear_parts(module: nn.Module, gate_up: bool = False) -> _LinearParts | Non
 
 
 class FusedDecoderLayer:
-    """The arguments of ``CpuOps.decoder_layer_`` that do not change from step to step, for one
-    layer (see the module docstring for when :meth:`build` accepts a layer).
+    """One layer's part of the ``CpuOps.decoder_layers_`` arguments (see the module docstring
+    for when :meth:`build` accepts a layer).
 
-    Call: ``(x [T, d] float32, (key_cache, value_cache), ctx)`` -> ``x`` updated in place, or
-    None when this step cannot run fused (the caller then runs the Python forward).
+    Attributes:
+        norms: (input, post-attention) RMSNorm weights [d] float32.
+        linears: qkv, o, gate_up, down as the op's parts.
+        shape: (eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale): equal across the
+            layers of one stack.
+        window: sliding window (0: none).
     """
 
     def __init__(
         self,
-        ops: CpuOps,
-        input_norm: RMSNorm,
-        post_norm: RMSNorm,
+        norms: tuple[torch.Tensor, torch.Tensor],
         linears: list[_LinearParts],
-        heads: tuple[int, int, int, int],
-        scale: float,
+        shape: tuple[float, int, int, int, int, float],
         window: int,
     ) -> None:
-        self.ops = ops
-        self.input_norm = input_norm.weight
-        self.post_norm = post_norm.weight
-        self.eps = float(input_norm.eps)
-        self.weights = [w for lin in linears for w in lin.weights]
-        self.kinds = [k for lin in linears for k in lin.kinds]
-        self.rows = [r for lin in linears for r in lin.rows]
-        self.parts = [len(lin.weights) for lin in linears]
-        self.biases = [lin.bias for lin in linears]
-        self.heads = heads
-        self.scale = scale
+        self.norms = norms
+        self.linears = linears
+        self.shape = shape
         self.window = window
 
     @classmethod
-    def build(cls, layer: nn.Module, ops: CpuOps, rotary_dim: int) -> FusedDecoderLayer | None:
+    def build(cls, layer: nn.Module, rotary_dim: int) -> FusedDecoderLayer | None:
         """The fused form of ``layer`` (a ``LlamaDecoderLayer`` after its weights are loaded,
         packed or quantized), or None when some part of it is not one the op runs."""
+        from pagedllm.model.llama import LlamaDecoderLayer  # the forward the op reproduces
+
+        if type(layer) is not LlamaDecoderLayer:
+            return None
         attn = getattr(layer, "self_attn", None)
         mlp = getattr(layer, "mlp", None)
         input_norm = getattr(layer, "input_layernorm", None)
@@ -129,55 +126,87 @@ class FusedDecoderLayer:
         ]
         if any(lin is None for lin in linears):
             return None
-        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary_dim)
-        return cls(
-            ops,
-            input_norm,
-            post_norm,
-            [lin for lin in linears if lin is not None],
+        shape = (
+            float(input_norm.eps),
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            rotary_dim,
+            float(attn.scale),
+        )
+        parts = [lin for lin in linears if lin is not None]
+        return cls((input_norm.weight, post_norm.weight), parts, shape, attn.sliding_window or 0)
+
+
+class FusedDecoderStack:
+    """The layers of a model (or of a pipeline stage) as one ``CpuOps.decoder_layers_`` call.
+
+    Args:
+        ops: the C++ CPU kernels.
+        layers: each layer's :class:`FusedDecoderLayer`, in order.
+
+    Raises:
+        ValueError: the layers differ in eps, heads, head size, rotary size or scale.
+
+    Call: ``(h [T, d] float32 contiguous, kv caches per layer, ctx)`` -> True when ``h`` was
+    run through every layer in place, False when this step cannot run fused (another attention
+    backend or KV dtype, another activation layout): the caller then runs the layers' Python
+    forward.
+    """
+
+    def __init__(self, ops: CpuOps, layers: list[FusedDecoderLayer]) -> None:
+        shapes = {layer.shape for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"layers: the fused layers differ in shape {sorted(shapes)}")
+        eps, heads, kv_heads, head_dim, rotary_dim, scale = shapes.pop()
+        lins = [lin for layer in layers for lin in layer.linears]
+        self.ops = ops
+        self.num_layers = len(layers)
+        self.layer_args = (
+            [n for layer in layers for n in layer.norms],
+            eps,
+            [w for lin in lins for w in lin.weights],
+            [k for lin in lins for k in lin.kinds],
+            [r for lin in lins for r in lin.rows],
+            [len(lin.weights) for lin in lins],
+            [lin.bias for lin in lins],
+            [layer.window for layer in layers],
             heads,
-            attn.scale,
-            attn.sliding_window or 0,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            scale,
         )
 
     def __call__(
-        self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext
-    ) -> torch.Tensor | None:
+        self, h: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], ctx: StepContext
+    ) -> bool:
         backend = ctx.backend
-        key_cache, value_cache = kv_cache
         if (
-            not isinstance(backend, CpuPagedAttention)
+            len(kv) != self.num_layers
+            or not isinstance(backend, CpuPagedAttention)
             or not backend.is_native
-            or key_cache.dtype not in _CACHE_DTYPES
-            or x.dtype != torch.float32
-            or x.dim() != 2
-            or not x.is_contiguous()
+            or kv[0][0].dtype not in _CACHE_DTYPES
+            or h.dtype != torch.float32
+            or h.dim() != 2
+            or not h.is_contiguous()
         ):
-            return None
+            return False
         rotary = ctx.rotary_tables("global")
         if rotary is None:
-            return None
+            return False
         meta = ctx.meta
-        self.ops.decoder_layer_(
-            x,
-            self.input_norm,
-            self.post_norm,
-            self.eps,
-            self.weights,
-            self.kinds,
-            self.rows,
-            self.parts,
-            self.biases,
-            self.heads,
-            rotary,
-            key_cache,
-            value_cache,
+        tables, seq_lens, starts = CpuPagedAttention.plan(meta)
+        step_args = (
+            *rotary,
             meta.slot_mapping,
-            CpuPagedAttention.plan(meta),
+            tables,
+            seq_lens,
+            starts,
             meta.num_decodes,
             meta.num_seqs,
-            self.scale,
             backend.partition_size,
-            self.window,
         )
-        return x
+        keys, values = [k for k, _ in kv], [v for _, v in kv]
+        self.ops.decoder_layers_(h, keys, values, self.layer_args, step_args)
+        return True
