@@ -21,6 +21,7 @@ ops; Python only walks the rows to gather their parameters and to build the outp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -515,7 +516,7 @@ class Sampler:
         if ops is None or raw.device.type != "cpu" or raw.dtype != torch.float32:
             return processed.argmax(dim=-1), None
         arg, lse = ops.argmax_logsumexp(raw)
-        if not bool(torch.isfinite(lse).all()):
+        if not all(map(math.isfinite, lse.tolist())):
             # NaN / inf logits (a broken model) take the ATen path, which propagates them.
             return processed.argmax(dim=-1), None
         return (arg if processed is raw else processed.argmax(dim=-1)), lse

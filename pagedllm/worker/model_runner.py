@@ -42,14 +42,18 @@ class ModelRunnerOutput:
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+# Block-table entries up to which padding Python lists is cheaper than the buffer's scatter.
+_SMALL_TABLES = 1024
+
+
 class ModelRunner:
     """Turns a step's scheduled sequences into the model's flat batch.
 
     Batch order: single-token sequences (decodes) first, then multi-token ones, as
     ``AttentionMetadata`` requires. The per-step metadata (positions, slot mapping, padded block
-    tables) is computed on the host with whole-batch tensor ops from flat lists; the block-table
-    matrix is written into a host buffer kept across steps (grown when a step needs more rows or
-    columns), so a decode step allocates no [S, max_blocks] tensor. The step's tensors (input ids,
+    tables) is computed on the host from the sequences' lists; a large block-table matrix is
+    written into a host buffer kept across steps (grown when a step needs more rows or columns)
+    with whole-batch tensor ops. The step's tensors (input ids,
     positions, the four ``AttentionMetadata`` index tensors, the logits rows) are then copied to
     ``device`` once (on CPU the copy is a no-op: the same tensors are used).
 
@@ -87,9 +91,13 @@ class ModelRunner:
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         """Pad ``tables`` (one list of block ids per sequence) into [S, max_blocks] int64 with
-        zeros, in the reused buffer, with one scatter instead of a loop over sequences."""
+        zeros: from padded lists when small, else in the reused buffer with one scatter instead
+        of a loop over sequences."""
+        n, width = len(tables), max(len(t) for t in tables)
+        if n * width <= _SMALL_TABLES:  # a few sequences: padded lists, one tensor
+            padded = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables]
+            return torch.tensor(padded, dtype=torch.long)
         lens = torch.tensor([len(t) for t in tables], dtype=torch.long)
-        n, width = len(tables), int(lens.max())
         if n * width > self._tables.numel():
             self._tables = torch.zeros(max(n * width, 2 * self._tables.numel()), dtype=torch.long)
         out = self._tables[: n * width].view(n, width)  # contiguous, as the kernels want
@@ -158,22 +166,26 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(start_pos_list, query_lens, strict=True)]
         num_decodes = query_lens.count(1)
         starts = [0, *itertools.accumulate(query_lens)]
-        num_tokens = starts[-1]
 
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(w.token_ids for w in works)), dtype=torch.long
         )
-        q_lens = torch.tensor(query_lens, dtype=torch.long)
-        seq_idx = torch.repeat_interleave(torch.arange(len(works)), q_lens)
         q_start = torch.tensor(starts, dtype=torch.long)
-        start_pos = torch.tensor(start_pos_list, dtype=torch.long)
-        positions = (start_pos - q_start[:-1])[seq_idx] + torch.arange(num_tokens)
+        # Positions and slots from the lists: a few list operations per token beat a dozen
+        # tensor ops per step at decode batch sizes, and are negligible next to a prefill.
+        bs = self.block_size
+        position_list: list[int] = []
+        slot_list: list[int] = []
+        for w, first, n in zip(works, start_pos_list, query_lens, strict=True):
+            table, span = w.block_table, range(first, first + n)
+            position_list.extend(span)
+            slot_list.extend([table[p // bs] * bs + p % bs for p in span])
+        positions = torch.tensor(position_list, dtype=torch.long)
+        slot_mapping = torch.tensor(slot_list, dtype=torch.long)
 
         tables = self._block_tables([w.block_table for w in works])
         if not reuse_tables:
             tables = tables.clone()
-        bs = self.block_size
-        slot_mapping = tables[seq_idx, positions // bs] * bs + positions % bs
 
         dev = self.device
         meta = AttentionMetadata(
