@@ -60,6 +60,54 @@ CacheView cache_view(const at::Tensor& cache) {
   return {cache.size(1) * rows * D, kQuantized<C> ? rows - 1 : rows, rows, D};
 }
 
+// acc[g] += sum_i p[g][i] * v_i over a tile's n V rows (p[g][i] = sc[g * kTile + i]). With SIMD
+// the head dimension is walked in chunks whose G accumulators stay in registers across all n
+// rows (two vectors per head while 2G of them fit the register file, else one): no accumulator
+// load/store per row. Each element still sums the rows in order, as axpy_rows does.
+template <int G, typename T>
+inline void accumulate_pv(float* acc, const float* sc, const T* const* vrow, int n, int D) {
+  int d = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  constexpr int W = vec::W;
+  if constexpr (G <= 4) {
+    for (; d + 2 * W <= D; d += 2 * W) {
+      vec::V a0[G], a1[G];
+      for (int g = 0; g < G; ++g) {
+        a0[g] = vec::load(acc + g * D + d);
+        a1[g] = vec::load(acc + g * D + d + W);
+      }
+      for (int i = 0; i < n; ++i) {
+        const vec::V v0 = vec::load(vrow[i] + d), v1 = vec::load(vrow[i] + d + W);
+        for (int g = 0; g < G; ++g) {
+          const vec::V p = vec::set1(sc[g * kTile + i]);
+          a0[g] = vec::fmadd(p, v0, a0[g]);
+          a1[g] = vec::fmadd(p, v1, a1[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        vec::store(acc + g * D + d, a0[g]);
+        vec::store(acc + g * D + d + W, a1[g]);
+      }
+    }
+  }
+  for (; d + W <= D; d += W) {
+    vec::V a[G];
+    for (int g = 0; g < G; ++g) a[g] = vec::load(acc + g * D + d);
+    for (int i = 0; i < n; ++i) {
+      const vec::V v = vec::load(vrow[i] + d);
+      for (int g = 0; g < G; ++g) a[g] = vec::fmadd(vec::set1(sc[g * kTile + i]), v, a[g]);
+    }
+    for (int g = 0; g < G; ++g) vec::store(acc + g * D + d, a[g]);
+  }
+#endif
+  for (; d < D; ++d)
+    for (int g = 0; g < G; ++g) {
+      float a = acc[g * D + d];
+      for (int i = 0; i < n; ++i) a += sc[g * kTile + i] * vec::to_float(vrow[i][d]);
+      acc[g * D + d] = a;
+    }
+}
+
 // Online softmax over context positions [start, end) of one sequence, for the G query heads of
 // one kv head. q: G x D (pre-scaled fp32). Leaves unnormalised results in m[G], l[G], acc[G x D].
 template <int G, typename T>
@@ -105,14 +153,15 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
     }
     blk = t0 / BS;
     off = static_cast<int>(t0 % BS);
-    // While V is consumed, prefetch the K rows of the next tile.
+    // The tile's V rows, with each row's block scale folded into its probabilities; while they
+    // are gathered, prefetch the K rows of the next tile.
+    const T* vrow[kTile];
     const int64_t next_end = std::min<int64_t>(end, t0 + n + kTile);
     int64_t nblk = (t0 + n) / BS;
     int noff = static_cast<int>((t0 + n) % BS);
     int64_t npos = t0 + n;
-    float p[G];
     for (int i = 0; i < n; ++i) {
-      const T* v = vbase + (table[blk] * cv.rows + off) * D;
+      vrow[i] = vbase + (table[blk] * cv.rows + off) * D;
       if (npos < next_end) {
         vec::prefetch_row(kbase + (table[nblk] * cv.rows + noff) * D, D);
         ++npos;
@@ -121,14 +170,16 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
           ++nblk;
         }
       }
-      const float vs = block_scale(vbase, table[blk], cv);
-      for (int g = 0; g < G; ++g) p[g] = sc[g * kTile + i] * vs;
-      vec::axpy_rows<G>(acc, p, v, D);
+      if constexpr (kQuantized<T>) {
+        const float vs = block_scale(vbase, table[blk], cv);
+        for (int g = 0; g < G; ++g) sc[g * kTile + i] *= vs;
+      }
       if (++off == BS) {
         off = 0;
         ++blk;
       }
     }
+    accumulate_pv<G, T>(acc, sc, vrow, n, D);
   }
 }
 
