@@ -77,12 +77,12 @@ logger = logging.getLogger(__name__)
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SOURCES = (
-    "paged_attention.cpp", "kv_cache_ops.cpp", "layer_ops.cpp", "gemm.cpp", "quant_gguf.cpp",
-    "int8_gemm.cpp", "fused_layer.cpp", "torch_bindings.cpp",
+    "paged_attention.cpp", "prefill_attention.cpp", "kv_cache_ops.cpp", "layer_ops.cpp",
+    "gemm.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp", "torch_bindings.cpp",
 )  # fmt: skip
 HEADERS = (
-    "vec.h", "kv_quant.h", "paged_attention.h", "layer_ops.h", "gemm.h", "quant_gguf.h",
-    "int8_gemm.h", "fused_layer.h",
+    "vec.h", "kv_quant.h", "attention_common.h", "paged_attention.h", "layer_ops.h", "gemm.h",
+    "quant_gguf.h", "int8_gemm.h", "fused_layer.h",
 )  # fmt: skip
 
 _X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")

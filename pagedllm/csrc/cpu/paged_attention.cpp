@@ -11,9 +11,8 @@
 // accumulator when the max grows). Long contexts with few (sequence, kv head) pairs are split into
 // partitions whose partial (max, sum, acc) are merged afterwards (flash-decoding).
 //
-// Prefill: one work item per (sequence, kv head, tile of query tokens); the same tiled online
-// softmax over keys 0 .. position of the tile's last token, with a causal mask per query token
-// (query token j of a sequence with q new tokens and context c sits at position c - q + j).
+// Prefill: prefill_attention.cpp (one work item per sequence, kv head and tile of query tokens;
+// the same online softmax, with a causal mask per query token).
 //
 // Sliding window (window > 0; Mistral, Gemma local layers): the query at position p sees keys
 // p - window + 1 .. p only. Decode walks just those positions; a prefill tile walks keys from its
@@ -35,35 +34,19 @@
 #include <limits>
 #include <vector>
 
-#include "kv_quant.h"
+#include "attention_common.h"
 #include "paged_attention.h"
 #include "vec.h"
 
 namespace pagedllm {
 namespace {
 
-constexpr int kTile = 128;           // keys per online-softmax step
-constexpr int kQueryTile = 16;       // query tokens per prefill work item
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-using kvq::block_scale;
-using kvq::CacheView;
-using kvq::dispatch_types;
-using kvq::kQuantized;
-
-// The geometry of a [KVH, NB, rows, D] cache of element type C (rows = block_size + 1 when C is
-// quantized: the scale row).
-template <typename C>
-CacheView cache_view(const at::Tensor& cache) {
-  const int rows = static_cast<int>(cache.size(2));
-  const int D = static_cast<int>(cache.size(3));
-  return {cache.size(1) * rows * D, kQuantized<C> ? rows - 1 : rows, rows, D};
-}
+using namespace attn;
 
 // acc[g] += sum_i p[g][i] * v_i over a tile's n V rows (p[g][i] = sc[g * kTile + i]). With SIMD
 // the head dimension is walked in chunks whose G accumulators stay in registers across all n
 // rows (two vectors per head while 2G of them fit the register file, else one): no accumulator
-// load/store per row. Each element still sums the rows in order, as axpy_rows does.
+// load/store per row. Each element still sums the rows in order.
 template <int G, typename T>
 inline void accumulate_pv(float* acc, const float* sc, const T* const* vrow, int n, int D) {
   int d = 0;
@@ -319,209 +302,6 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   }
 }
 
-// One prefill work item: query tokens [j0, j1) of a sequence (positions pos0 + j), kv head kh.
-// window > 0: query j sees keys pos0 + j - window + 1 .. pos0 + j only.
-template <int G, typename T>
-void prefill_tile(const float* q /* nq x G x D */, int nq, int64_t pos0, int64_t window,
-                  const T* kbase, const T* vbase, const int64_t* table, const CacheView& cv,
-                  float* m, float* l, float* acc, float* sc) {
-  const int D = cv.D, BS = cv.block_size;
-  const int R = nq * G;
-  for (int r = 0; r < R; ++r) {
-    m[r] = kNegInf;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);
-  const int64_t end = pos0 + nq;  // keys up to the last query position
-  // Keys from the first query's window start; earlier blocks are never touched.
-  const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  // Last query token that sees key kp (the window's other edge).
-  auto last_query = [&](int64_t kp) {
-    return window > 0 ? static_cast<int>(std::min<int64_t>(nq - 1, kp + window - 1 - pos0))
-                      : nq - 1;
-  };
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, end - t0));
-    int64_t blk = t0 / BS;
-    int off = static_cast<int>(t0 % BS);
-    float o[G];
-    for (int i = 0; i < n; ++i) {
-      const int64_t kp = t0 + i;
-      const T* k = kbase + (table[blk] * cv.rows + off) * D;
-      const float ks = block_scale(kbase, table[blk], cv);
-      // query j sees key kp iff kp <= pos0 + j (and kp > pos0 + j - window)
-      const int jmin = static_cast<int>(std::max<int64_t>(0, kp - pos0));
-      const int jmax = last_query(kp);
-      for (int j = 0; j < nq; ++j) {
-        if (j < jmin || j > jmax) {
-          for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = kNegInf;
-          continue;
-        }
-        vec::dot_rows<G>(q + j * G * D, k, D, o);
-        for (int g = 0; g < G; ++g) sc[(j * G + g) * kTile + i] = o[g] * ks;
-      }
-      if (++off == BS) {
-        off = 0;
-        ++blk;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      float* s = sc + r * kTile;
-      const float nm = std::max(m[r], vec::max_row(s, n));
-      if (nm > m[r]) {
-        const float c = m[r] == kNegInf ? 0.f : std::exp(m[r] - nm);
-        l[r] *= c;
-        if (c != 0.f) vec::scale_row(acc + r * D, c, D);
-        m[r] = nm;
-      }
-      if (nm == kNegInf) {  // nothing visible yet (cannot happen for key 0, kept for safety)
-        std::fill(s, s + n, 0.f);
-        continue;
-      }
-      l[r] += vec::exp_sub_sum(s, n, nm);
-    }
-    blk = t0 / BS;
-    off = static_cast<int>(t0 % BS);
-    float p[G];
-    for (int i = 0; i < n; ++i) {
-      const int64_t kp = t0 + i;
-      const T* v = vbase + (table[blk] * cv.rows + off) * D;
-      const float vs = block_scale(vbase, table[blk], cv);
-      const int jmin = static_cast<int>(std::max<int64_t>(0, kp - pos0));
-      const int jmax = last_query(kp);
-      for (int j = jmin; j <= jmax; ++j) {
-        for (int g = 0; g < G; ++g) p[g] = sc[(j * G + g) * kTile + i] * vs;
-        vec::axpy_rows<G>(acc + j * G * D, p, v, D);
-      }
-      if (++off == BS) {
-        off = 0;
-        ++blk;
-      }
-    }
-  }
-}
-
-template <typename T>
-void prefill_tile_dispatch(int G, const float* q, int nq, int64_t pos0, int64_t window,
-                           const T* kbase, const T* vbase, const int64_t* table,
-                           const CacheView& cv, float* m, float* l, float* acc, float* sc) {
-#define PAGEDLLM_CASE(NG) \
-  case NG:                \
-    return prefill_tile<NG, T>(q, nq, pos0, window, kbase, vbase, table, cv, m, l, acc, sc);
-  switch (G) {
-    PAGEDLLM_CASE(1)
-    PAGEDLLM_CASE(2)
-    PAGEDLLM_CASE(3)
-    PAGEDLLM_CASE(4)
-    PAGEDLLM_CASE(6)
-    PAGEDLLM_CASE(8)
-    default:
-      break;
-  }
-#undef PAGEDLLM_CASE
-  // Generic group size: treat each (token, head) as its own G = 1 query by reordering is not
-  // possible in place, so run one head at a time with G = 1 on a gathered copy.
-  const int D = cv.D;
-  std::vector<float> q1(static_cast<size_t>(nq) * D), a1(static_cast<size_t>(nq) * D);
-  std::vector<float> m1(nq), l1(nq);
-  for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < nq; ++j)
-      std::memcpy(q1.data() + j * D, q + (j * G + g) * D, D * sizeof(float));
-    prefill_tile<1, T>(q1.data(), nq, pos0, window, kbase, vbase, table, cv, m1.data(),
-                       l1.data(), a1.data(), sc);
-    for (int j = 0; j < nq; ++j) {
-      m[j * G + g] = m1[j];
-      l[j * G + g] = l1[j];
-      std::memcpy(acc + (j * G + g) * D, a1.data() + j * D, D * sizeof(float));
-    }
-  }
-}
-
-template <typename T, typename C>
-void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  int64_t seq_begin, int64_t seq_end, double scale, int64_t window) {
-  const int H = static_cast<int>(query.size(1));
-  const int D = static_cast<int>(query.size(2));
-  const int KVH = static_cast<int>(key_cache.size(0));
-  const int G = H / KVH;
-  const CacheView cv = cache_view<C>(key_cache);
-  const int64_t MB = block_tables.size(1);
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const T* qp = query.data_ptr<T>();
-  const C* kc = static_cast<const C*>(key_cache.data_ptr());
-  const C* vc = static_cast<const C*>(value_cache.data_ptr());
-  T* op = out.data_ptr<T>();
-  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
-  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
-  const int nthreads = at::get_num_threads();
-
-  // Work items: (sequence, query tile, kv head).
-  struct Item {
-    int64_t seq, tok0;
-    int nq, kh;
-  };
-  std::vector<Item> items;
-  for (int64_t s = seq_begin; s < seq_end; ++s) {
-    const int64_t lo = qsl[s], hi = qsl[s + 1];
-    for (int64_t t = lo; t < hi; t += kQueryTile)
-      for (int kh = 0; kh < KVH; ++kh)
-        items.push_back({s, t, static_cast<int>(std::min<int64_t>(kQueryTile, hi - t)), kh});
-  }
-  // Longest items first (they see the most keys) for a better dynamic schedule.
-  // (With a window every tile sees about as many keys; the order then does not matter.)
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    const int64_t pa = sl[a.seq] - (qsl[a.seq + 1] - a.tok0);
-    const int64_t pb = sl[b.seq] - (qsl[b.seq + 1] - b.tok0);
-    return pa > pb;
-  });
-  const int64_t n_items = static_cast<int64_t>(items.size());
-
-#pragma omp parallel num_threads(nthreads)
-  {
-    const size_t R = static_cast<size_t>(kQueryTile) * G;
-    std::vector<float> qf(R * D), m(R), l(R), acc(R * D), sc(R * kTile);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_items; ++it) {
-      const Item& w = items[it];
-      const int64_t s = w.seq;
-      const int64_t qlen = qsl[s + 1] - qsl[s];
-      const int64_t pos0 = sl[s] - qlen + (w.tok0 - qsl[s]);
-      for (int j = 0; j < w.nq; ++j)
-        for (int g = 0; g < G; ++g)
-          vec::load_row_scaled(qp + (w.tok0 + j) * q_s0 + (w.kh * G + g) * q_s1,
-                               static_cast<float>(scale), D, qf.data() + (j * G + g) * D);
-      prefill_tile_dispatch<C>(G, qf.data(), w.nq, pos0, window, kc + w.kh * cv.head_stride,
-                               vc + w.kh * cv.head_stride, bt + s * MB, cv, m.data(), l.data(),
-                               acc.data(), sc.data());
-      for (int j = 0; j < w.nq; ++j)
-        for (int g = 0; g < G; ++g) {
-          const int r = j * G + g;
-          vec::store_row(acc.data() + r * D, 1.f / l[r], D,
-                         op + (w.tok0 + j) * o_s0 + (w.kh * G + g) * o_s1);
-        }
-    }
-  }
-}
-
-void check_attention_args(const at::Tensor& out, const at::Tensor& query,
-                          const at::Tensor& key_cache, const at::Tensor& value_cache,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens) {
-  kvq::check_cache(key_cache, value_cache);
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D]");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
-  TORCH_CHECK(query.size(2) == key_cache.size(3), "head_dim mismatch");
-  TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "num_heads must be a multiple of kv heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
-              "block_tables must be contiguous int64");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int64");
-}
-
 }  // namespace
 
 // Decode attention for sequences [0, num_seqs): sequence s's single query is query[s];
@@ -536,25 +316,6 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
   dispatch_types(query, key_cache, "paged_attention_decode", [&](auto t, auto c) {
     decode_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
                                           seq_lens, num_seqs, scale, partition_size, window);
-  });
-}
-
-// Causal attention for sequences [seq_begin, seq_end) whose new tokens are
-// query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens;
-// window > 0: token at position p sees keys p - window + 1 .. p.
-void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
-                             const at::Tensor& key_cache, const at::Tensor& value_cache,
-                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& query_start_loc, int64_t seq_begin,
-                             int64_t seq_end, double scale, int64_t window) {
-  check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
-              "query_start_loc must be contiguous int64");
-  if (seq_end <= seq_begin) return;
-  dispatch_types(query, key_cache, "paged_attention_prefill", [&](auto t, auto c) {
-    prefill_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
-                                           seq_lens, query_start_loc, seq_begin, seq_end, scale,
-                                           window);
   });
 }
 

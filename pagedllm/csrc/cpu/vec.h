@@ -165,24 +165,6 @@ inline void dot_rows(const float* q, const T* k, int D, float* out) {
   }
 }
 
-// acc[g * D : (g + 1) * D] += p[g] * v[0 : D] for g < G; each v chunk is loaded once.
-template <int G, typename T>
-inline void axpy_rows(float* acc, const float* p, const T* v, int D) {
-  int d = 0;
-#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
-  V pv[G];
-  for (int g = 0; g < G; ++g) pv[g] = set1(p[g]);
-  for (; d + W <= D; d += W) {
-    V vv = load(v + d);
-    for (int g = 0; g < G; ++g) store(acc + g * D + d, fmadd(pv[g], vv, load(acc + g * D + d)));
-  }
-#endif
-  for (; d < D; ++d) {
-    float vd = to_float(v[d]);
-    for (int g = 0; g < G; ++g) acc[g * D + d] += p[g] * vd;
-  }
-}
-
 inline void scale_row(float* a, float c, int n) {
   int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2

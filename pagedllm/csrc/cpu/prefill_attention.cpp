@@ -1,0 +1,296 @@
+// Prefill (and chunked-prefill / speculative-verify) attention over the paged KV cache (paper
+// section 4.1; the decode kernel and the cache layout are described in paged_attention.cpp).
+//
+// One work item per (sequence, kv head, tile of up to kQueryTile query tokens): its G query heads
+// x query tokens form R rows. Keys are walked in tiles with an online softmax: each tile of keys
+// is transposed once so that the scores of all R rows are one small register-blocked GEMM, the
+// causal (and sliding-window) mask and the softmax statistics are applied per row, and the
+// probabilities multiply V in a second register-blocked product. Query token j of a sequence
+// with q new tokens and context c sits at position c - q + j; with a window, a tile walks keys
+// from its first query's window start, so blocks wholly outside every query's window are never
+// read. Quantized caches: the K scale is folded into the transposed keys, the V scale into the
+// probabilities. Threads: OpenMP over work items, longest first.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention_common.h"
+#include "paged_attention.h"
+#include "vec.h"
+
+namespace pagedllm {
+namespace {
+
+using namespace attn;
+
+// Scratch of one thread's prefill items: rows R = nq * G query rows padded to a multiple of
+// kRowBlock, the current key tile transposed (kT[d][i]), and the tile's V row pointers.
+constexpr int kRowBlock = 4;
+struct PrefillScratch {
+  std::vector<float> q, m, l, acc, sc, kT;
+  std::vector<float> vscale;
+  void reserve(int rows, int D) {
+    q.assign(static_cast<size_t>(rows) * D, 0.f);
+    m.resize(rows);
+    l.resize(rows);
+    acc.resize(static_cast<size_t>(rows) * D);
+    sc.resize(static_cast<size_t>(rows) * kTile);
+    kT.resize(static_cast<size_t>(D) * kTile);
+    vscale.resize(kTile);
+  }
+};
+
+// S[r][i] = q[r] . k_i for rows [0, rows) (a multiple of kRowBlock) and keys [0, n_pad) of the
+// transposed tile: each q element is broadcast against a vector of keys, kRowBlock rows x two
+// vectors of keys held in registers (a small GEMM, no horizontal sums).
+inline void tile_scores(const float* q, int rows, const float* kT, int n_pad, int D, float* sc) {
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  constexpr int W = vec::W;
+  for (int r = 0; r < rows; r += kRowBlock)
+    for (int i = 0; i < n_pad; i += 2 * W) {
+      vec::V a0[kRowBlock], a1[kRowBlock];
+      for (int b = 0; b < kRowBlock; ++b) a0[b] = a1[b] = vec::zero();
+      for (int d = 0; d < D; ++d) {
+        const vec::V k0 = vec::load(kT + d * kTile + i), k1 = vec::load(kT + d * kTile + i + W);
+        for (int b = 0; b < kRowBlock; ++b) {
+          const vec::V qb = vec::set1(q[(r + b) * D + d]);
+          a0[b] = vec::fmadd(qb, k0, a0[b]);
+          a1[b] = vec::fmadd(qb, k1, a1[b]);
+        }
+      }
+      for (int b = 0; b < kRowBlock; ++b) {
+        vec::store(sc + (r + b) * kTile + i, a0[b]);
+        vec::store(sc + (r + b) * kTile + i + W, a1[b]);
+      }
+    }
+#else
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n_pad; ++i) {
+      float a = 0.f;
+      for (int d = 0; d < D; ++d) a += q[r * D + d] * kT[d * kTile + i];
+      sc[r * kTile + i] = a;
+    }
+#endif
+}
+
+// acc[r] += sum_i p[r][i] * v_i for rows [0, rows) (a multiple of kRowBlock) over the tile's n
+// V rows: kRowBlock rows x a chunk of the head dimension stay in registers across all rows.
+template <typename T>
+inline void tile_pv(const float* sc, int rows, const T* const* vrow, int n, int D, float* acc) {
+  int d = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  constexpr int W = vec::W;
+  for (; d + 2 * W <= D; d += 2 * W)
+    for (int r = 0; r < rows; r += kRowBlock) {
+      vec::V a0[kRowBlock], a1[kRowBlock];
+      for (int b = 0; b < kRowBlock; ++b) {
+        a0[b] = vec::load(acc + (r + b) * D + d);
+        a1[b] = vec::load(acc + (r + b) * D + d + W);
+      }
+      for (int i = 0; i < n; ++i) {
+        const vec::V v0 = vec::load(vrow[i] + d), v1 = vec::load(vrow[i] + d + W);
+        for (int b = 0; b < kRowBlock; ++b) {
+          const vec::V p = vec::set1(sc[(r + b) * kTile + i]);
+          a0[b] = vec::fmadd(p, v0, a0[b]);
+          a1[b] = vec::fmadd(p, v1, a1[b]);
+        }
+      }
+      for (int b = 0; b < kRowBlock; ++b) {
+        vec::store(acc + (r + b) * D + d, a0[b]);
+        vec::store(acc + (r + b) * D + d + W, a1[b]);
+      }
+    }
+  for (; d + W <= D; d += W)
+    for (int r = 0; r < rows; r += kRowBlock) {
+      vec::V a[kRowBlock];
+      for (int b = 0; b < kRowBlock; ++b) a[b] = vec::load(acc + (r + b) * D + d);
+      for (int i = 0; i < n; ++i) {
+        const vec::V v = vec::load(vrow[i] + d);
+        for (int b = 0; b < kRowBlock; ++b)
+          a[b] = vec::fmadd(vec::set1(sc[(r + b) * kTile + i]), v, a[b]);
+      }
+      for (int b = 0; b < kRowBlock; ++b) vec::store(acc + (r + b) * D + d, a[b]);
+    }
+#endif
+  for (; d < D; ++d)
+    for (int r = 0; r < rows; ++r) {
+      float a = acc[r * D + d];
+      for (int i = 0; i < n; ++i) a += sc[r * kTile + i] * vec::to_float(vrow[i][d]);
+      acc[r * D + d] = a;
+    }
+}
+
+// One prefill work item: query tokens j = 0 .. nq - 1 of a sequence (positions pos0 + j), the G
+// query heads of one kv head; row r = j * G + g of q (pre-scaled fp32, rows padded with zeros to
+// a multiple of kRowBlock). Per key tile: the tile's keys are transposed into kT, the scores of
+// all rows come from one small GEMM (tile_scores), the causal / window mask and the online
+// softmax run per row, and the probabilities multiply V in another (tile_pv); masked entries are
+// exact zeros there. window > 0: query j sees keys pos0 + j - window + 1 .. pos0 + j only.
+template <typename T>
+void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t window,
+                  const T* kbase, const T* vbase, const int64_t* table, const CacheView& cv) {
+  const int D = cv.D, BS = cv.block_size;
+  const int R = nq * G;
+  const int rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
+  float *m = ws.m.data(), *l = ws.l.data(), *acc = ws.acc.data(), *sc = ws.sc.data();
+  float* kT = ws.kT.data();
+  for (int r = 0; r < rows; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + static_cast<size_t>(rows) * D, 0.f);
+  const int64_t end = pos0 + nq;  // keys up to the last query position
+  // Keys from the first query's window start; earlier blocks are never touched.
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  constexpr int kKeyStep = 2 * vec::W;
+#else
+  constexpr int kKeyStep = 1;
+#endif
+  const T* vrow[kTile];
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, end - t0));
+    const int n_pad = (n + kKeyStep - 1) / kKeyStep * kKeyStep;
+    int64_t blk = t0 / BS;
+    int off = static_cast<int>(t0 % BS);
+    for (int i = 0; i < n; ++i) {
+      const int64_t row = (table[blk] * cv.rows + off) * D;
+      const T* k = kbase + row;
+      const float ks = block_scale(kbase, table[blk], cv);
+      for (int d = 0; d < D; ++d) kT[d * kTile + i] = vec::to_float(k[d]) * ks;
+      vrow[i] = vbase + row;
+      ws.vscale[i] = block_scale(vbase, table[blk], cv);
+      if (++off == BS) {
+        off = 0;
+        ++blk;
+      }
+    }
+    for (int i = n; i < n_pad; ++i)
+      for (int d = 0; d < D; ++d) kT[d * kTile + i] = 0.f;
+    tile_scores(ws.q.data(), rows, kT, n_pad, D, sc);
+    for (int r = 0; r < R; ++r) {
+      float* s = sc + r * kTile;
+      const int64_t j = r / G;
+      // Visible keys of query j in tile coordinates: [lo, hi).
+      const int64_t last = pos0 + j;
+      const int lo = static_cast<int>(
+          std::clamp<int64_t>((window > 0 ? last - window + 1 : 0) - t0, 0, n));
+      const int hi = static_cast<int>(std::clamp<int64_t>(last + 1 - t0, 0, n));
+      if (lo >= hi) {  // nothing visible in this tile: the row keeps its state
+        std::fill(s, s + n, 0.f);
+        continue;
+      }
+      const float nm = std::max(m[r], vec::max_row(s + lo, hi - lo));
+      if (nm > m[r]) {
+        const float c = m[r] == kNegInf ? 0.f : std::exp(m[r] - nm);
+        l[r] *= c;
+        if (c != 0.f) vec::scale_row(acc + r * D, c, D);
+        m[r] = nm;
+      }
+      std::fill(s, s + lo, 0.f);
+      std::fill(s + hi, s + n, 0.f);
+      l[r] += vec::exp_sub_sum(s + lo, hi - lo, nm);
+      if constexpr (kQuantized<T>)
+        for (int i = lo; i < hi; ++i) s[i] *= ws.vscale[i];
+    }
+    for (int r = R; r < rows; ++r) std::fill(sc + r * kTile, sc + r * kTile + n, 0.f);
+    tile_pv<T>(sc, rows, vrow, n, D, acc);
+  }
+}
+
+template <typename T, typename C>
+void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                  int64_t seq_begin, int64_t seq_end, double scale, int64_t window) {
+  const int H = static_cast<int>(query.size(1));
+  const int D = static_cast<int>(query.size(2));
+  const int KVH = static_cast<int>(key_cache.size(0));
+  const int G = H / KVH;
+  const CacheView cv = cache_view<C>(key_cache);
+  const int64_t MB = block_tables.size(1);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const T* qp = query.data_ptr<T>();
+  const C* kc = static_cast<const C*>(key_cache.data_ptr());
+  const C* vc = static_cast<const C*>(value_cache.data_ptr());
+  T* op = out.data_ptr<T>();
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int nthreads = at::get_num_threads();
+
+  // Work items: (sequence, query tile, kv head).
+  struct Item {
+    int64_t seq, tok0;
+    int nq, kh;
+  };
+  std::vector<Item> items;
+  for (int64_t s = seq_begin; s < seq_end; ++s) {
+    const int64_t lo = qsl[s], hi = qsl[s + 1];
+    for (int64_t t = lo; t < hi; t += kQueryTile)
+      for (int kh = 0; kh < KVH; ++kh)
+        items.push_back({s, t, static_cast<int>(std::min<int64_t>(kQueryTile, hi - t)), kh});
+  }
+  // Longest items first (they see the most keys) for a better dynamic schedule.
+  // (With a window every tile sees about as many keys; the order then does not matter.)
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    const int64_t pa = sl[a.seq] - (qsl[a.seq + 1] - a.tok0);
+    const int64_t pb = sl[b.seq] - (qsl[b.seq + 1] - b.tok0);
+    return pa > pb;
+  });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int rows = (kQueryTile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
+    thread_local PrefillScratch ws;
+    ws.reserve(rows, D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int64_t s = w.seq;
+      const int64_t qlen = qsl[s + 1] - qsl[s];
+      const int64_t pos0 = sl[s] - qlen + (w.tok0 - qsl[s]);
+      std::fill(ws.q.begin(), ws.q.end(), 0.f);
+      for (int j = 0; j < w.nq; ++j)
+        for (int g = 0; g < G; ++g)
+          vec::load_row_scaled(qp + (w.tok0 + j) * q_s0 + (w.kh * G + g) * q_s1,
+                               static_cast<float>(scale), D, ws.q.data() + (j * G + g) * D);
+      prefill_tile<C>(ws, G, w.nq, pos0, window, kc + w.kh * cv.head_stride,
+                      vc + w.kh * cv.head_stride, bt + s * MB, cv);
+      for (int j = 0; j < w.nq; ++j)
+        for (int g = 0; g < G; ++g) {
+          const int r = j * G + g;
+          vec::store_row(ws.acc.data() + r * D, 1.f / ws.l[r], D,
+                         op + (w.tok0 + j) * o_s0 + (w.kh * G + g) * o_s1);
+        }
+    }
+  }
+}
+
+}  // namespace
+
+// Causal attention for sequences [seq_begin, seq_end) whose new tokens are
+// query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens;
+// window > 0: token at position p sees keys p - window + 1 .. p.
+void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t seq_begin,
+                             int64_t seq_end, double scale, int64_t window) {
+  check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
+              "query_start_loc must be contiguous int64");
+  if (seq_end <= seq_begin) return;
+  dispatch_types(query, key_cache, "paged_attention_prefill", [&](auto t, auto c) {
+    prefill_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
+                                           seq_lens, query_start_loc, seq_begin, seq_end, scale,
+                                           window);
+  });
+}
+
+}  // namespace pagedllm
