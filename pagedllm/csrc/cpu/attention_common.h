@@ -1,7 +1,7 @@
 // Internals the decode (paged_attention.cpp) and prefill (prefill_attention.cpp) kernels share:
 // tile sizes, the cache geometry and the argument checks.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <limits>
 

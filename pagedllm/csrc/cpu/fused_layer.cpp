@@ -4,6 +4,8 @@
 // C++, with the same arithmetic as the unfused path (so outputs are bit-identical to it).
 #include "fused_layer.h"
 
+#include <ATen/ops/cat.h>
+
 #include <vector>
 
 #include "gemm.h"
@@ -67,7 +69,7 @@ void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
   const int64_t H = st.H, KVH = st.KVH, D = st.D;
 
   // Attention block: x = rms_norm(hidden); qkv = x Wqkv^T; RoPE on q and k in place.
-  at::Tensor x = at::empty_like(hidden);
+  at::Tensor x = hidden.new_empty(hidden.sizes());
   rms_norm(x, hidden, input_norm, st.eps);
   at::Tensor qkv = run_linear(x, lin[0]);  // [T, (H + 2 KVH) D]
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decoder_layers_: qkv has ", qkv.size(1),
@@ -79,7 +81,7 @@ void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
   at::Tensor k = qk.narrow(1, H, KVH);
   at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
   reshape_and_cache(k, v, key_cache, value_cache, *st.slot_mapping);
-  at::Tensor attn = at::empty({T, H, D}, hidden.options());
+  at::Tensor attn = hidden.new_empty({T, H, D});
   if (st.num_decodes > 0)
     paged_attention_decode(attn, q, key_cache, value_cache, *st.block_tables, *st.seq_lens,
                            st.num_decodes, st.scale, st.partition_size, window);
@@ -96,7 +98,7 @@ void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
     act = run_part(o, lin[2].weights[0], kLinearSwiGLU, lin[2].rows[0]);
   } else {
     at::Tensor gate_up = run_linear(o, lin[2]);
-    act = at::empty({T, gate_up.size(1) / 2}, hidden.options());
+    act = hidden.new_empty({T, gate_up.size(1) / 2});
     silu_and_mul(act, gate_up);
   }
   if (lin[3].count == 1 && lin[3].kinds[0] == kLinearGemm && !lin[3].bias->numel())

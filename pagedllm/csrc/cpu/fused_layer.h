@@ -2,7 +2,7 @@
 // gate/up, SiLU, down, residual) in one op (fused_layer.cpp), registered in torch_bindings.cpp.
 // Python side: pagedllm/model/layers/fused_layer.py.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

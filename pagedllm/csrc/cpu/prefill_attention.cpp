@@ -10,7 +10,7 @@
 // from its first query's window start, so blocks wholly outside every query's window are never
 // read. Quantized caches: the K scale is folded into the transposed keys, the V scale into the
 // probabilities. Threads: OpenMP over work items, longest first.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
