@@ -47,7 +47,8 @@ def reference(hf_smollm, prompt_ids):
     """Greedy tokens from transformers for each prompt, with the smallest top-2 logit gap.
 
     One batched ``generate`` for all prompts (left-padded; transformers derives the attention
-    mask's position ids), 32 steps instead of 32 per prompt: on 2 shared cores ~45 s -> ~10 s."""
+    mask's position ids), 32 steps instead of 32 per prompt. It gives the per-prompt tokens and
+    top-2 gaps (checked on these 12 prompts) 2.2x faster (2 cores, load average 4)."""
     width = max(len(ids) for ids in prompt_ids)
     pad = [width - len(ids) for ids in prompt_ids]
     out = hf_smollm.generate(
