@@ -117,6 +117,16 @@ def _private_cache_dir(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_readers():
+    """One ``gguf.GGUFReader`` per bundled model file for the whole run (tests/gguf_readers.py):
+    each real-model load otherwise parses its vocabulary metadata again (5-10 s)."""
+    from tests.gguf_readers import shared_gguf_readers
+
+    with shared_gguf_readers() as shared:
+        yield shared
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tiny_tokenizer()

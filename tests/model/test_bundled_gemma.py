@@ -41,31 +41,14 @@ def _prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_gguf_parse_per_file():
-    """Share one ``gguf.GGUFReader`` per file in this module. Building a reader makes ~790k
-    numpy views for the 262k-token vocabulary arrays (measured 339 s on 2 cores at load average
-    ~25, the largest cost of this module), and the file is opened four times: the tokenizer build
-    and pagedllm's loader, then transformers for the reference's config and for its weights. A
-    reader is read-only (a memory map), so one instance can serve them all; a replaced file (new
-    size or modification time) gets a fresh one."""
-    import gguf
-
-    real = gguf.GGUFReader
-    readers: dict[tuple[Path, int, int], object] = {}
-
-    def shared_reader(path, mode="r"):
-        if mode != "r":
-            return real(path, mode)
-        p = Path(path).resolve()
-        st = p.stat()
-        key = (p, st.st_size, st.st_mtime_ns)
-        if key not in readers:
-            readers[key] = real(p, mode)
-        return readers[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", shared_reader)
-        yield readers
+def release_gemma_reader(gguf_readers):
+    """The session shares one ``gguf.GGUFReader`` per model file (tests/gguf_readers.py): here
+    the Gemma file is opened four times (the tokenizer build and pagedllm's loader, then
+    transformers for the reference's config and for its weights), and building a reader makes
+    ~790k numpy views for the 262k-token vocabulary (measured 339 s on 2 cores at load average
+    ~25, the largest cost of this module). After this module its reader is dropped (memory)."""
+    yield
+    gguf_readers.drop(bundled_model_path(GEMMA))
 
 
 @pytest.fixture(scope="module")

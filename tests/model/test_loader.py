@@ -344,17 +344,18 @@ def _tokenizer_facts(tok) -> tuple:
 
 
 def _from_pretrained_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
-    """Record every AutoTokenizer.from_pretrained call made by the loader."""
-    from pagedllm.model.loader import tokenizer as tokenizer_module
+    """Record every AutoTokenizer.from_pretrained call made by the loader (which imports
+    transformers' AutoTokenizer where it calls it, so the class itself is spied on)."""
+    from transformers import AutoTokenizer
 
     calls: list[tuple[str, dict]] = []
-    real = tokenizer_module.AutoTokenizer.from_pretrained
+    real = AutoTokenizer.from_pretrained
 
     def spy(path, **kw):
         calls.append((str(path), kw))
         return real(path, **kw)
 
-    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
     return calls
 
 

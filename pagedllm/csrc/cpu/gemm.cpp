@@ -139,7 +139,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
 
   // x -> tiles [ceil(M / 6)][K][6], the rows past M zero.
   const int64_t tiles = (M + MR - 1) / MR;
-  at::Tensor xa = at::empty({tiles, K, MR}, x.options());
+  at::Tensor xa = x.new_empty({tiles, K, MR});
   const float* xs = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   float* xd = xa.data_ptr<float>();
@@ -193,7 +193,7 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t panels = (N + NR - 1) / NR;
-  at::Tensor out = at::zeros({panels, K, NR}, w.options());  // 64-byte aligned by the allocator
+  at::Tensor out = w.new_zeros({panels, K, NR});  // 64-byte aligned by the allocator
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -221,7 +221,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t panels = packed.size(0);
   TORCH_CHECK(out_features > (panels - 1) * NR && out_features <= panels * NR,
               "out_features ", out_features, " does not match ", panels, " packed panels");
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor y = x.new_empty({x.size(0), out_features});
   if (x.size(1) == 0) return y.zero_();
   run<kStore>(x, packed, out_features, y.data_ptr<float>(), out_features);
   return y;
@@ -247,7 +247,7 @@ void gemm_linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
 at::Tensor gemm_swiglu(const at::Tensor& x, const at::Tensor& packed) {
   check_x(x, packed);
   const int64_t inter = packed.size(0) * (NR / 2);
-  at::Tensor y = at::empty({x.size(0), inter}, x.options());
+  at::Tensor y = x.new_empty({x.size(0), inter});
   if (x.size(1) == 0) return y.fill_(0.f);  // silu(0) * 0
   run<kSwiGlu>(x, packed, inter, y.data_ptr<float>(), inter);
   return y;

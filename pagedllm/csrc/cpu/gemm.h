@@ -1,6 +1,6 @@
 // fp32 linear layers for every row count (gemm.cpp), registered in torch_bindings.cpp.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace pagedllm {
 // Columns per packed weight panel (two AVX2 registers).

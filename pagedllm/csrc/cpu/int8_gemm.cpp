@@ -180,7 +180,7 @@ at::Tensor int8_pack_weight(const at::Tensor& qweight) {
   const at::Tensor w = qweight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t panels = (N + NR - 1) / NR, G = (K + KG - 1) / KG;
-  at::Tensor out = at::zeros({panels, G, NR, KG}, w.options());  // 64-byte aligned
+  at::Tensor out = w.new_zeros({panels, G, NR, KG});  // 64-byte aligned
   const int8_t* src = w.data_ptr<int8_t>();
   int8_t* dst = out.data_ptr<int8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -196,8 +196,8 @@ at::Tensor int8_pack_weight(const at::Tensor& qweight) {
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor s = at::empty({M}, x.options());
+  at::Tensor q = x.new_empty({M, K}, at::kChar);
+  at::Tensor s = x.new_empty({M});
   const float* xs = x.data_ptr<float>();
   int8_t* qd = q.data_ptr<int8_t>();
   float* sd = s.data_ptr<float>();
@@ -231,14 +231,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                 "bias must be [out_features] float32");
     bd = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = x.new_empty({M, N});
   if (M == 0 || N == 0) return y;
 
   // x -> int8 tiles [ceil(M / 4)][G][4] (one int32 = 4 k of one row; rows past M and k past K
   // zero) and the row scales.
   const int64_t tiles = (M + MR - 1) / MR;
-  at::Tensor xa = at::zeros({tiles, G, MR}, x.options().dtype(at::kInt));
-  at::Tensor xs = at::empty({M}, x.options());
+  at::Tensor xa = x.new_zeros({tiles, G, MR}, at::kInt);
+  at::Tensor xs = x.new_empty({M});
   int32_t* xd = xa.data_ptr<int32_t>();
   float* sa = xs.data_ptr<float>();
   const float* xp = x.data_ptr<float>();

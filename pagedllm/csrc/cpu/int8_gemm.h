@@ -1,6 +1,6 @@
 // int8 W8A8 linear layers (int8_gemm.cpp), registered in torch_bindings.cpp.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 #include <tuple>

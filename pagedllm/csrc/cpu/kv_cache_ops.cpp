@@ -2,7 +2,7 @@
 // new K/V rows into their slots, quantizing into int8 / fp8 e4m3 caches (kv_quant.h);
 // copy_blocks (copy-on-write) and swap_blocks (device <-> host swap pool) move whole blocks, scale
 // rows included, as raw bytes. Registered in torch_bindings.cpp.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -7,7 +7,7 @@
 // The Python twin is pagedllm/attention/kv_quant.py; both produce the same bytes.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>

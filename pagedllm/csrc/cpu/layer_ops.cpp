@@ -2,8 +2,8 @@
 // activation, rotary embedding in place, and the sampler's per-row argmax + logsumexp. Each
 // replaces 3-7 separate ATen ops (and their temporaries) by one pass over the rows, parallel over
 // rows with at::parallel_for. bf16 and other dtypes stay on the ATen path in Python.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -167,8 +167,8 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
   const int64_t B = logits.size(0);
   const int64_t V = logits.size(1);
   TORCH_CHECK(V > 0, "logits must have at least one column");
-  at::Tensor idx = at::empty({B}, logits.options().dtype(at::kLong));
-  at::Tensor lse = at::empty({B}, logits.options());
+  at::Tensor idx = logits.new_empty({B}, at::kLong);
+  at::Tensor lse = logits.new_empty({B});
   const float* lp = logits.data_ptr<float>();
   const int64_t ls = logits.stride(0);
   int64_t* ip = idx.data_ptr<int64_t>();

@@ -1,6 +1,6 @@
 // Fused element-wise layer ops (layer_ops.cpp), registered in torch_bindings.cpp.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 

@@ -25,7 +25,7 @@
 // scale each probability, so a block's scale costs one multiply per row. Arithmetic and
 // accumulation in fp32. Threads: OpenMP, as many as
 // torch.get_num_threads(). The ops are registered with the dispatcher in torch_bindings.cpp.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 

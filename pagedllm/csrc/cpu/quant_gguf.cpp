@@ -299,7 +299,7 @@ Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, const char* op
               " row groups, N = ", n, " needs ", (n + kRows - 1) / kRows);
   TORCH_CHECK(w.size(1) * kBlock == x.size(1), op, ": w has ", w.size(1),
               " blocks per row, K = ", x.size(1));
-  Call c{at::empty({x.size(0), n}, x.options()), {}, w.size(1), w.size(2)};
+  Call c{x.new_empty({x.size(0), n}), {}, w.size(1), w.size(2)};
   if (x.size(0) > 0 && n > 0)
     c.a = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0));
   return c;

@@ -2,7 +2,7 @@
 // torch_bindings.cpp. Python side, the repacking of each GGUF format and the interleaving:
 // pagedllm/model/quant/gguf_native.py.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace pagedllm {
 // Both kernels take w [ceil(N / 8), K / 32, bytes] uint8: output rows in groups of 8 (the last

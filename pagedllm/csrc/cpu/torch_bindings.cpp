@@ -5,7 +5,7 @@
 // simd_level has no tensor argument and is registered for every backend. Typed Python wrappers:
 // pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
 // pagedllm/ops/loader.py), and a process loads exactly one of them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "fused_layer.h"

@@ -7,9 +7,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.loader.bundled import bundled_model_path
@@ -20,6 +20,9 @@ from pagedllm.model.loader.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+
+if TYPE_CHECKING:  # not at run time: see pagedllm.model.loader.tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

@@ -11,10 +11,11 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers is imported where it is used: a TP/PP worker process never
+    # loads a tokenizer, and importing transformers costs it ~2 s of start-up.
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ def load_tokenizer(
         if not (p / gguf_file).is_file():
             raise FileNotFoundError(f"GGUF file not found: {p / gguf_file}")
         return _load_gguf_tokenizer_cached(p / gguf_file)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(p))
 
 
@@ -64,6 +67,8 @@ def tokenizer_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:
     size and modification time (nanoseconds) and the transformers version, so a replaced file or
     a new transformers gets a fresh entry.
     """
+    import transformers
+
     f = Path(gguf_path).resolve()
     st = f.stat()
     ident = f"{f}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}|v1"
@@ -87,6 +92,8 @@ def _load_gguf_tokenizer_cached(gguf_path: Path) -> PreTrainedTokenizerBase:
     temporary folder and renamed into place, so a concurrent or interrupted writer never leaves a
     half-written entry; any failure to read or write the cache falls back to the GGUF itself.
     """
+    from transformers import AutoTokenizer
+
     cache = tokenizer_cache_dir(gguf_path)
     if (cache / "tokenizer.json").is_file():
         try:
