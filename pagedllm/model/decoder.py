@@ -53,6 +53,8 @@ class StepContext:
             ``RotaryEmbedding.for_step``.
         meta: the step's attention metadata.
         backend: the attention backend.
+        rotary: the RoPE tables by name, for ``rotary_tables``.
+        positions: [T] int64 positions of the step's tokens, for ``rotary_tables``.
     """
 
     rotations: dict[str, Rotate]

@@ -134,7 +134,7 @@ class Worker:
             self._quantize_gguf(gguf_native, dtype, cpu_ops)
         if cpu_ops is not None:
             fused = self.model.use_fused_layers(cpu_ops)
-            logger.debug("%d decoder layers run as one C++ op each", fused)
+            logger.debug("%d decoder layers run in one C++ op per step", fused)
         self.cache = CacheEngine(
             config,
             num_blocks,
