@@ -265,6 +265,8 @@ class DecoderForCausalLM(nn.Module):
         )
 
         self.fused_stack = None
+        if "global" not in self.rotary:  # learned positions (GPT-2, OPT): not Llama-shaped
+            return 0
         rotary = cast(RotaryEmbedding, self.rotary["global"])
         if (
             ops is None

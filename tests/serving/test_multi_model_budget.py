@@ -239,9 +239,10 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(server):
             assert fut.result(30) == 0  # nothing had to be aborted
             assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
             assert front.loaded == ["tiny-b"]  # refused requests loaded nothing
-            # Grace period over: the in-flight stream is aborted with an error event.
+            # Grace period over: the in-flight stream is aborted with an error event (a longer
+            # stream, so that the engine is parked before it could finish).
             front.lifecycle.draining = False
-            with client.stream("POST", C, json=body) as r:
+            with client.stream("POST", C, json=body | {"max_tokens": 100}) as r:
                 lines = r.iter_lines()
                 next(line for line in lines if line)
                 release = hold_engine(front.slots["tiny-b"].app.state.async_engine)
