@@ -341,14 +341,12 @@ class DecoderForCausalLM(nn.Module):
         of embedding ``input_ids``."""
         if h is None:
             h = self.embed(input_ids, positions)
-        rotations = {
-            name: cast(RotaryEmbedding, r).for_step(positions, h.dtype, meta)
-            for name, r in self.rotary.items()
-        }
         rotary = {name: cast(RotaryEmbedding, r) for name, r in self.rotary.items()}
-        ctx = StepContext(rotations, meta, self.backend, rotary, positions)
+        ctx = StepContext({}, meta, self.backend, rotary, positions)
         if self.fused_stack is not None and self.fused_stack(h, kv, ctx):
             return h  # every layer ran in the C++ op, on h in place
+        # The per-layer path's rotary functions, built only when it runs.
+        ctx.rotations = {name: r.for_step(positions, h.dtype, meta) for name, r in rotary.items()}
         start, stop = self.stage_layers.start, self.stage_layers.stop
         for layer, layer_kv in zip(list(self.layers)[start:stop], kv, strict=True):
             h = layer(h, layer_kv, ctx)
