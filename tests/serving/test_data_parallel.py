@@ -205,7 +205,7 @@ def test_drain_lets_routed_streams_finish_then_aborts(server, client, tmp_path):
     wait_for(lambda: dp.num_live_requests == 0)
 
 
-def test_killed_replica_requests_end_cleanly_and_survivor_serves(server, client):
+def test_killed_replica_requests_end_cleanly_and_survivor_serves(server, client, tmp_path):
     dp = server.app.state.async_engine
     body = {"prompt": PROMPTS[1], "max_tokens": 120, "ignore_eos": True, "temperature": 0}
 
@@ -213,12 +213,20 @@ def test_killed_replica_requests_end_cleanly_and_survivor_serves(server, client)
         with httpx.Client(base_url=server.url, timeout=60) as c:
             return c.post("/v1/completions", json=body).status_code
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futs = [pool.submit(one, i) for i in range(6)]
-        time.sleep(1.0)
-        victim = max(dp.replicas, key=lambda r: r.in_flight)
-        ray.kill(victim.actor, no_restart=False)
-        codes = [f.result(timeout=60) for f in futs]  # none hangs
+    release = tmp_path / "release"
+    # parked replicas keep every request in flight until the kill, however fast the engine is
+    hold_replicas(dp, str(release))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(one, i) for i in range(6)]
+            wait_for(lambda: dp.num_live_requests == 6)
+            victim = max(dp.replicas, key=lambda r: r.in_flight)
+            assert victim.in_flight >= 1
+            ray.kill(victim.actor, no_restart=False)
+            release.touch()
+            codes = [f.result(timeout=60) for f in futs]  # none hangs
+    finally:
+        release.touch()
     assert set(codes) <= {200, 503}, codes
     assert victim.failures >= 1
     # the survivor keeps serving while the victim restarts
