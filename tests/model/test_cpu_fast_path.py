@@ -271,6 +271,20 @@ def test_own_gemm_matches_f_linear(cpu_ops_or_skip, rows, shape):
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
+def test_own_gemm_rows_do_not_depend_on_the_batch(cpu_ops_or_skip):
+    """Each output row is bit-identical whether it is computed alone or inside 7-, 64- or
+    301-row calls (one k order per row in every tile and thread split), over a width with a
+    partial last panel: batch composition never changes a sequence's logits."""
+    ops = cpu_ops_or_skip
+    torch.manual_seed(0)
+    w = torch.randn(200, 576)
+    packed = ops.gemm_pack_weight(w)
+    x = torch.randn(301, 576)
+    alone = torch.cat([ops.gemm_linear(x[i : i + 1], packed, 200) for i in range(301)])
+    for rows in (7, 64, 301):
+        assert torch.equal(ops.gemm_linear(x[:rows], packed, 200), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("rows", [0, 1, 6, 7, 64])
 def test_own_gemm_epilogues(cpu_ops_or_skip, rows):
     """The accumulate epilogue (out += x W^T in place, also into a strided out and a width that

@@ -28,6 +28,50 @@ inline CacheView cache_view(const at::Tensor& cache) {
   return {cache.size(1) * rows * D, kQuantized<C> ? rows - 1 : rows, rows, D};
 }
 
+// What both kernels read off their tensors: the head geometry, the cache view, and the rows of
+// the query, the output, each kv head's K/V cache and each sequence's block table. query / out
+// are [T, H, D] (unit stride over D), caches [KVH, NB, rows, D], block_tables [S, max_blocks].
+template <typename T, typename C>
+struct AttentionOperands {
+  int H, D, KVH, G;  // query heads, head dim, kv heads, query heads per kv head
+  CacheView cv;
+  const int64_t* seq_lens;
+
+  AttentionOperands(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens_)
+      : H(static_cast<int>(query.size(1))),
+        D(static_cast<int>(query.size(2))),
+        KVH(static_cast<int>(key_cache.size(0))),
+        G(H / KVH),
+        cv(cache_view<C>(key_cache)),
+        seq_lens(seq_lens_.data_ptr<int64_t>()),
+        q_(query.data_ptr<T>()),
+        o_(out.data_ptr<T>()),
+        k_(static_cast<const C*>(key_cache.data_ptr())),
+        v_(static_cast<const C*>(value_cache.data_ptr())),
+        tables_(block_tables.data_ptr<int64_t>()),
+        table_width_(block_tables.size(1)),
+        q_s0_(query.stride(0)),
+        q_s1_(query.stride(1)),
+        o_s0_(out.stride(0)),
+        o_s1_(out.stride(1)) {}
+
+  const T* query_row(int64_t token, int head) const { return q_ + token * q_s0_ + head * q_s1_; }
+  T* out_row(int64_t token, int head) const { return o_ + token * o_s0_ + head * o_s1_; }
+  const C* keys(int kv_head) const { return k_ + kv_head * cv.head_stride; }
+  const C* values(int kv_head) const { return v_ + kv_head * cv.head_stride; }
+  const int64_t* table(int64_t seq) const { return tables_ + seq * table_width_; }
+
+ private:
+  const T* q_;
+  T* o_;
+  const C* k_;
+  const C* v_;
+  const int64_t* tables_;
+  int64_t table_width_, q_s0_, q_s1_, o_s0_, o_s1_;
+};
+
 // Shapes, strides and dtypes both attention ops require (TORCH_CHECK errors otherwise).
 inline void check_attention_args(const at::Tensor& out, const at::Tensor& query,
                           const at::Tensor& key_cache, const at::Tensor& value_cache,

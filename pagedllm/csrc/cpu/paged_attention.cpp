@@ -204,20 +204,9 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, int64_t num_seqs, double scale,
                  int64_t partition_size, int64_t window) {
-  const int H = static_cast<int>(query.size(1));
-  const int D = static_cast<int>(query.size(2));
-  const int KVH = static_cast<int>(key_cache.size(0));
-  const int G = H / KVH;
-  const CacheView cv = cache_view<C>(key_cache);
-  const int64_t MB = block_tables.size(1);
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const T* qp = query.data_ptr<T>();
-  const C* kc = static_cast<const C*>(key_cache.data_ptr());
-  const C* vc = static_cast<const C*>(value_cache.data_ptr());
-  T* op = out.data_ptr<T>();
-  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
-  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const AttentionOperands<T, C> a(out, query, key_cache, value_cache, block_tables, seq_lens);
+  const int H = a.H, D = a.D, KVH = a.KVH, G = a.G;
+  const int64_t* sl = a.seq_lens;
   const int nthreads = at::get_num_threads();
 
   // First key position a sequence's query sees (its window start; 0 without a window).
@@ -261,19 +250,19 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         }
         if (parts == 1)  // a zero-length sequence: output zeros
           for (int g = 0; g < G; ++g) {
-            T* dst = op + s * o_s0 + (kh * G + g) * o_s1;
+            T* dst = a.out_row(s, kh * G + g);
             for (int d = 0; d < D; ++d) vec::from_float(0.f, dst + d);
           }
         continue;
       }
       for (int g = 0; g < G; ++g)
-        vec::load_row_scaled(qp + s * q_s0 + (kh * G + g) * q_s1, static_cast<float>(scale), D,
+        vec::load_row_scaled(a.query_row(s, kh * G + g), static_cast<float>(scale), D,
                              qf.data() + g * D);
-      decode_dispatch<C>(G, qf.data(), kc + kh * cv.head_stride, vc + kh * cv.head_stride,
-                         bt + s * MB, cv, start, end, mo, lo, ao, sc.data());
+      decode_dispatch<C>(G, qf.data(), a.keys(kh), a.values(kh), a.table(s), a.cv, start, end,
+                         mo, lo, ao, sc.data());
       if (parts == 1)
         for (int g = 0; g < G; ++g)
-          vec::store_row(ao + g * D, 1.f / lo[g], D, op + s * o_s0 + (kh * G + g) * o_s1);
+          vec::store_row(ao + g * D, 1.f / lo[g], D, a.out_row(s, kh * G + g));
     }
     if (parts > 1) {
       // Merge partitions: out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M).
@@ -292,11 +281,10 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           if (mp == kNegInf) continue;
           const float w = std::exp(mp - M);
           L += pl[(base + p) * G + g] * w;
-          const float* a = pacc.data() + ((base + p) * G + g) * D;
-          for (int d = 0; d < D; ++d) acc[d] += a[d] * w;
+          const float* part_acc = pacc.data() + ((base + p) * G + g) * D;
+          for (int d = 0; d < D; ++d) acc[d] += part_acc[d] * w;
         }
-        T* dst = op + s * o_s0 + h * o_s1;
-        vec::store_row(acc.data(), L > 0.f ? 1.f / L : 0.f, D, dst);
+        vec::store_row(acc.data(), L > 0.f ? 1.f / L : 0.f, D, a.out_row(s, h));
       }
     }
   }

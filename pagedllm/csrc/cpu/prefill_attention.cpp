@@ -206,21 +206,10 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   int64_t seq_begin, int64_t seq_end, double scale, int64_t window) {
-  const int H = static_cast<int>(query.size(1));
-  const int D = static_cast<int>(query.size(2));
-  const int KVH = static_cast<int>(key_cache.size(0));
-  const int G = H / KVH;
-  const CacheView cv = cache_view<C>(key_cache);
-  const int64_t MB = block_tables.size(1);
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const AttentionOperands<T, C> a(out, query, key_cache, value_cache, block_tables, seq_lens);
+  const int D = a.D, KVH = a.KVH, G = a.G;
+  const int64_t* sl = a.seq_lens;
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const T* qp = query.data_ptr<T>();
-  const C* kc = static_cast<const C*>(key_cache.data_ptr());
-  const C* vc = static_cast<const C*>(value_cache.data_ptr());
-  T* op = out.data_ptr<T>();
-  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
-  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int nthreads = at::get_num_threads();
 
   // Work items: (sequence, query tile, kv head).
@@ -258,15 +247,14 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       std::fill(ws.q.begin(), ws.q.end(), 0.f);
       for (int j = 0; j < w.nq; ++j)
         for (int g = 0; g < G; ++g)
-          vec::load_row_scaled(qp + (w.tok0 + j) * q_s0 + (w.kh * G + g) * q_s1,
-                               static_cast<float>(scale), D, ws.q.data() + (j * G + g) * D);
-      prefill_tile<C>(ws, G, w.nq, pos0, window, kc + w.kh * cv.head_stride,
-                      vc + w.kh * cv.head_stride, bt + s * MB, cv);
+          vec::load_row_scaled(a.query_row(w.tok0 + j, w.kh * G + g), static_cast<float>(scale),
+                               D, ws.q.data() + (j * G + g) * D);
+      prefill_tile<C>(ws, G, w.nq, pos0, window, a.keys(w.kh), a.values(w.kh), a.table(s), a.cv);
       for (int j = 0; j < w.nq; ++j)
         for (int g = 0; g < G; ++g) {
           const int r = j * G + g;
-          vec::store_row(ws.acc.data() + r * D, 1.f / ws.l[r], D,
-                         op + (w.tok0 + j) * o_s0 + (w.kh * G + g) * o_s1);
+          T* dst = a.out_row(w.tok0 + j, w.kh * G + g);
+          vec::store_row(ws.acc.data() + r * D, 1.f / ws.l[r], D, dst);
         }
     }
   }
