@@ -1,6 +1,6 @@
-// Paged attention (decode: paged_attention.cpp, prefill: prefill_attention.cpp) and KV cache writes /
-// block ops (kv_cache_ops.cpp), registered in torch_bindings.cpp. Caches may be int8 / fp8 e4m3
-// with scale rows (kv_quant.h).
+// Paged attention (decode: paged_attention.cpp, prefill: prefill_attention.cpp) and KV cache
+// writes / block ops (kv_cache_ops.cpp), registered in torch_bindings.cpp. Caches may be int8 /
+// fp8 e4m3 with scale rows (kv_quant.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 
