@@ -258,8 +258,8 @@ def parse_cpus(text: str | None) -> set[int] | None:
 
 def run_config(args, variant: str) -> dict:
     """The four phases against a fresh server process built with ``variant``: an admission
-    policy, optionally followed by ``/``-separated boolean serve flags (``slots/prefill-first``
-    adds ``--prefill-first``)."""
+    policy, optionally followed by ``/``-separated serve flags (``slots/prefill-first`` adds
+    ``--prefill-first``; ``name=value`` adds ``--name value``)."""
     admission, *flags = variant.split("/")
     serve_args = [
         "--max-model-len", "512",
@@ -267,8 +267,10 @@ def run_config(args, variant: str) -> dict:
         "--max-waiting-requests", str(args.max_waiting_requests),
         "--admission", admission,
         "--log-stats-interval", "0",
-        *(f"--{flag}" for flag in flags),
     ]  # fmt: skip
+    for flag in flags:
+        name, _, value = flag.partition("=")
+        serve_args += [f"--{name}", value] if value else [f"--{name}"]
     if args.server_threads:
         serve_args += ["--num-threads", str(args.server_threads)]
     if args.model:
@@ -328,7 +330,8 @@ def main() -> int:
         "--admission",
         default="queue",
         help="comma-separated EngineConfig.admission policies, run in turn each round; a "
-        "policy may carry /-separated boolean serve flags, e.g. slots,slots/prefill-first",
+        "policy may carry /-separated serve flags (name or name=value), e.g. "
+        "slots,slots/prefill-first,slots/max-num-batched-tokens=256",
     )
     p.add_argument("--rounds", type=int, default=1, help="times each policy is run, alternating")
     p.add_argument("--overload-factor", type=float, default=3.0)
