@@ -10,7 +10,10 @@ Each ``GGUFLinear`` is called with one activation row [1, K]:
   step where every matrix comes from memory: reported as GB/s of weight bytes (quants and
   scales), next to a pure streaming read of the same number of bytes (``torch.sum`` of a float32
   tensor of that size, same thread count);
-* the sum of the cold times over one decode step's calls (30 layers x 4 + the LM head).
+* the sum of the cold times over one decode step's calls (30 layers x 4 + the LM head);
+* ``--rows M ...``: hot time per activation row of [M, K] calls (a batched decode step or a
+  prefill chunk, where the weights stay in cache and the kernels' arithmetic sets the speed;
+  they unpack each weight block once for up to 4 activation rows).
 
 Random blocks (float16 scales kept small), so the figures do not depend on the file. Runs with
 the kernels of the checkout on ``PYTHONPATH``: point it at another checkout to compare.
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cold-mb", type=int, default=160, help="weight bytes cycled through, MB")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", type=int, nargs="*", default=[], help="also time [M, K] calls")
     args = ap.parse_args()
 
     from pagedllm.ops import load_cpu_ops
@@ -116,6 +120,18 @@ def main() -> None:
             f"{nbytes / stream / 1e9:5.1f}"
         )
     print(f"one decode step's linears (cold, 30 layers x 4 + LM head): {step_us / 1e3:.2f} ms")
+    if args.rows:
+        print("hot ns per (activation row x row-block), by rows M per call:")
+        print("shape   " + "".join(f"{m:>8d}" for m in args.rows))
+    for name, qtype, n, k, _ in SHAPES if args.rows else []:
+        lin = GGUFLinear([repack(qtype, random_blocks(qtype, n, k, rng), n)], ops)
+        cells = []
+        for m in args.rows:
+            x = torch.randn(m, k)
+            calls = max(5, int(2e8 // (lin.weight_bytes() * m)))
+            t = per_call(lambda _i, lin=lin, x=x: lin(x), calls, 3)
+            cells.append(f"{1e9 * t / (m * n * k // 32):8.3f}")
+        print(f"{name:8s}" + "".join(cells))
 
 
 if __name__ == "__main__":

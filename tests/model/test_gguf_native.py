@@ -173,6 +173,21 @@ def test_kernel_matches_dequantized_fp32(ops, qtype: str, m: int, n: int, k: int
     assert ((y - exact).abs() / scale).max() < 1e-2
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+def test_rows_do_not_depend_on_the_batch(ops, qtype: str) -> None:  # noqa: ANN001
+    """The kernels pass over a row group's blocks once for up to 4 activation rows: every
+    output row is bit-identical whether computed alone or in a call of 2, 3, 5 or 11 rows
+    (float16 and float32 scale layouts of both kinds; N = 17 pads the last row group)."""
+    rng = np.random.default_rng(11)
+    n, k = 17, 256
+    lin = GGUFLinear([repack(qtype, gguf_blocks(qtype, n, k, rng), n)], ops)
+    x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(11)])
+    for size in (2, 3, 5, 11):
+        batched = torch.cat([lin(x[i : i + size]) for i in range(0, 11, size)])
+        assert torch.equal(batched, alone), size
+
+
 def test_mixed_parts_bias_and_leading_dims(ops) -> None:  # noqa: ANN001
     """q/k/v of different types in one GGUFLinear (Q4_K_M stores v as Q6_K), with a bias."""
     rng = np.random.default_rng(7)

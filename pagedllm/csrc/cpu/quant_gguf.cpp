@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -146,73 +147,86 @@ inline void prefetch_record(const uint8_t* w, int64_t bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + o, _MM_HINT_T0);
 }
 
-// One row group of the 4-bit layout against one quantized activation row: lane r of the
-// result is output row r. Lane r of quant chunk c holds row r's bytes 4c..4c+3 of the block
-// (low nibbles: elements 4c..4c+3, high: 16+4c..), so one maddubs multiplies all 8 rows by the
-// same 4 broadcast activation codes. The 8 int16 partial sums per lane stay below 2^15
+// One row group of the 4-bit layout against R quantized activation rows (row i's codes at
+// qa + i * nb * 32, its scales at da / sa + i * nb): lane r of out[i] is output row r for
+// activation row i. Lane r of quant chunk c holds row r's bytes 4c..4c+3 of the block (low
+// nibbles: elements 4c..4c+3, high: 16+4c..), so one maddubs multiplies all 8 rows by the same 4
+// broadcast activation codes; the nibbles are unpacked once per block for all R activation rows
+// (M > 1). Each activation row sees the same operations in the same order whatever R is, so a
+// row's result does not depend on the batch. The 8 int16 partial sums per lane stay below 2^15
 // (8 * 2 * 15 * 127 = 30480), so they add as int16 and widen once per block.
-template <typename S>
-inline __m256 q4_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
-                       const float* da, const float* sa) {
+template <typename S, int R>
+inline void q4_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                     const float* da, const float* sa, float* const* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  __m256 acc[R], macc[R];
+  for (int i = 0; i < R; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
     prefetch_record(w, bytes);
-    const int8_t* a = qa + b * kBlock;
-    __m256i s16 = _mm256_setzero_si256();
+    __m256i s16[R];
+    for (int i = 0; i < R; ++i) s16[i] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, bcast4(a + 4 * c)));
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, bcast4(a + 16 + 4 * c)));
+      for (int i = 0; i < R; ++i) {
+        const int8_t* a = qa + (i * nb + b) * kBlock;
+        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(a + 4 * c)));
+        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(a + 16 + 4 * c)));
+      }
     }
-    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
     const S* s = reinterpret_cast<const S*>(w + kQ4Quants);  // d[8], then m[8]
-    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(load8(s), _mm256_set1_ps(da[b])), acc);
-    macc = _mm256_fmadd_ps(load8(s + kRows), _mm256_set1_ps(sa[b]), macc);
+    const __m256 d = load8(s), m = load8(s + kRows);
+    for (int i = 0; i < R; ++i) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(da[i * nb + b])), acc[i]);
+      macc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[i * nb + b]), macc[i]);
+    }
   }
-  return _mm256_add_ps(acc, macc);
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], _mm256_add_ps(acc[i], macc[i]));
 }
 
-// One row group of the 8-bit layout: lane r of group chunk g holds row r's elements
-// 4g..4g+3. Elements 0-15 and 16-31 are summed apart (Q6_K has a scale per 16; float16 scales
-// use the same arithmetic with both halves scaled by d, so the two layouts give equal results).
-template <bool Half>
-inline __m256 q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
-                       const float* da) {
+// One row group of the 8-bit layout against R activation rows (as q4_group): lane r of group
+// chunk g holds row r's elements 4g..4g+3. Elements 0-15 and 16-31 are summed apart (Q6_K has a
+// scale per 16; float16 scales use the same arithmetic with both halves scaled by d, so the two
+// layouts give equal results).
+template <bool Half, int R>
+inline void q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
+                     const float* da, float* const* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
     prefetch_record(w, bytes);
-    const int8_t* a = qa + b * kBlock;
-    __m256i half[2];
-    for (int h = 0; h < 2; ++h) {
-      __m256i s32 = _mm256_setzero_si256();
-      for (int g = 4 * h; g < 4 * h + 4; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
-        const __m256i av = bcast4(a + 4 * g);
-        // maddubs multiplies unsigned by signed: move the weight's sign onto the activation.
-        s32 = _mm256_add_epi32(
-            s32, _mm256_madd_epi16(
-                     _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(av, v)), ones));
-      }
-      half[h] = s32;
-    }
-    const __m256 ad = _mm256_set1_ps(da[b]);
-    __m256 d0, d1;
+    __m256 scale[2];
     if constexpr (Half) {
-      d0 = d1 = _mm256_mul_ps(load8(reinterpret_cast<const at::Half*>(w + kQ8Quants)), ad);
+      scale[0] = scale[1] = load8(reinterpret_cast<const at::Half*>(w + kQ8Quants));
     } else {
       const float* s = reinterpret_cast<const float*>(w + kQ8Quants);  // d0[8], then d1[8]
-      d0 = _mm256_mul_ps(load8(s), ad);
-      d1 = _mm256_mul_ps(load8(s + kRows), ad);
+      scale[0] = load8(s);
+      scale[1] = load8(s + kRows);
     }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), d0, acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), d1, acc);
+    for (int h = 0; h < 2; ++h) {
+      __m256i s32[R];
+      for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
+      for (int g = 4 * h; g < 4 * h + 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
+        // maddubs multiplies unsigned by signed: move the weight's sign onto the activation.
+        const __m256i magnitude = _mm256_sign_epi8(v, v);
+        for (int i = 0; i < R; ++i) {
+          const __m256i av = bcast4(qa + (i * nb + b) * kBlock + 4 * g);
+          s32[i] = _mm256_add_epi32(
+              s32[i],
+              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(av, v)), ones));
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
+                                 _mm256_mul_ps(scale[h], _mm256_set1_ps(da[i * nb + b])), acc[i]);
+    }
   }
-  return acc;
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], acc[i]);
 }
 #endif
 
@@ -261,20 +275,26 @@ inline void q8_group_scalar(const uint8_t* w, int64_t nb, int64_t bytes, const i
 }
 
 constexpr int64_t kGrain = 8;  // row groups per parallel task
+constexpr int kActRows = 4;    // activation rows per pass over a row group's blocks (M > 1)
 
-// Runs group(g, m, out8) -- the 8 results of row group g for activation row m -- over all
-// groups, split over the cores; the last group's padding rows are not written out.
+// Runs group(g, m0, count, outs) -- the 8 results of row group g for activation rows
+// m0 .. m0 + count - 1 (count <= kActRows), written to outs[0 .. count - 1] -- over all groups,
+// split over the cores; the last group's padding rows are not written out.
 template <typename F>
 void for_row_groups(int64_t M, int64_t N, float* out, const F& group) {
   const int64_t groups = (N + kRows - 1) / kRows;
   at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
-    alignas(32) float tmp[kRows];
+    alignas(32) float tmp[kActRows][kRows];
+    float* outs[kActRows];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t r0 = g * kRows, rows = std::min(kRows, N - r0);
-      for (int64_t m = 0; m < M; ++m) {
-        float* o = out + m * N + r0;
-        group(g, m, rows == kRows ? o : tmp);
-        if (rows < kRows) std::copy(tmp, tmp + rows, o);
+      for (int64_t m0 = 0; m0 < M; m0 += kActRows) {
+        const int count = static_cast<int>(std::min<int64_t>(kActRows, M - m0));
+        for (int i = 0; i < count; ++i)
+          outs[i] = rows == kRows ? out + (m0 + i) * N + r0 : tmp[i];
+        group(g, m0, count, outs);
+        if (rows < kRows)
+          for (int i = 0; i < count; ++i) std::copy(tmp[i], tmp[i] + rows, out + (m0 + i) * N + r0);
       }
     }
   });
@@ -305,36 +325,59 @@ Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, const char* op
   return c;
 }
 
-// One row group (8 results) of each layout, on this build's instruction set; sa is unused by q8.
+// One row group (8 results) of each layout against `count` activation rows (1..kActRows; row
+// i's codes at qa + i * nb * 32, its scales at da / sa + i * nb), on this build's instruction
+// set; sa is unused by q8.
 using GroupFn = void (*)(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
-                         const float* da, const float* sa, float* out);
+                         const float* da, const float* sa, int count, float* const* out);
+
+#ifdef PAGEDLLM_GGUF_AVX2
+// kernel(std::integral_constant<int, R>) with R = count: the row count as a template argument.
+template <typename K>
+void with_row_count(int count, const K& kernel) {
+  static_assert(kActRows == 4, "one case per row count");
+  switch (count) {
+    case 1: kernel(std::integral_constant<int, 1>{}); break;
+    case 2: kernel(std::integral_constant<int, 2>{}); break;
+    case 3: kernel(std::integral_constant<int, 3>{}); break;
+    default: kernel(std::integral_constant<int, 4>{}); break;
+  }
+}
+#endif
 
 template <typename S>
 void q4_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
-            const float* sa, float* out) {
+            const float* sa, int count, float* const* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
-  _mm256_storeu_ps(out, q4_group<S>(w, nb, bytes, qa, da, sa));
+  with_row_count(count, [&](auto r) {
+    q4_group<S, decltype(r)::value>(w, nb, bytes, qa, da, sa, out);
+  });
 #else
-  q4_group_scalar<S>(w, nb, bytes, qa, da, sa, out);
+  for (int i = 0; i < count; ++i)
+    q4_group_scalar<S>(w, nb, bytes, qa + i * nb * kBlock, da + i * nb, sa + i * nb, out[i]);
 #endif
 }
 
 template <bool Half>
 void q8_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
-            const float* /*sa*/, float* out) {
+            const float* /*sa*/, int count, float* const* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
-  _mm256_storeu_ps(out, q8_group<Half>(w, nb, bytes, qa, da));
+  with_row_count(count, [&](auto r) {
+    q8_group<Half, decltype(r)::value>(w, nb, bytes, qa, da, out);
+  });
 #else
-  q8_group_scalar<Half>(w, nb, bytes, qa, da, out);
+  for (int i = 0; i < count; ++i)
+    q8_group_scalar<Half>(w, nb, bytes, qa + i * nb * kBlock, da + i * nb, out[i]);
 #endif
 }
 
 void run_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N, GroupFn group) {
   const int64_t nb = c.nb, bytes = c.bytes;
-  for_row_groups(M, N, c.y.data_ptr<float>(), [&](int64_t g, int64_t m, float* o) {
-    group(w + g * nb * bytes, nb, bytes, c.a.qa + m * nb * kBlock, c.a.da + m * nb,
-          c.a.sa + m * nb, o);
-  });
+  for_row_groups(M, N, c.y.data_ptr<float>(),
+                 [&](int64_t g, int64_t m0, int count, float* const* o) {
+                   group(w + g * nb * bytes, nb, bytes, c.a.qa + m0 * nb * kBlock,
+                         c.a.da + m0 * nb, c.a.sa + m0 * nb, count, o);
+                 });
 }
 
 }  // namespace
