@@ -26,6 +26,24 @@ from pagedllm.sequence import Sequence, SequenceGroup
 __all__ = ["ContextLengthExceededError", "InputProcessor"]
 
 
+def require_valid_unicode(text: str, field: str) -> None:
+    """Check that ``text`` can be encoded as UTF-8, as the tokenizer needs.
+
+    Raises:
+        ValueError: naming ``field`` when ``text`` holds a lone UTF-16 surrogate
+            (U+D800..U+DFFF; the tokenizer would raise a ``TypeError``).
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field} holds a lone UTF-16 surrogate {text[e.start]!a} at character {e.start}, "
+            "which is not valid Unicode"
+        ) from None
+
+
 class InputProcessor:
     """Tokenizes, validates and builds requests.
 
@@ -60,7 +78,12 @@ class InputProcessor:
         self._arrivals = itertools.count()
 
     def tokenize(self, prompt: str) -> list[int]:
-        """The prompt's token ids under the model's tokenizer (special tokens as it adds them)."""
+        """The prompt's token ids under the model's tokenizer (special tokens as it adds them).
+
+        Raises:
+            ValueError: naming ``prompt`` when it is not valid Unicode (a lone surrogate).
+        """
+        require_valid_unicode(prompt, "prompt")
         return list(self.tokenizer(prompt).input_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
