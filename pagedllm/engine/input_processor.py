@@ -134,6 +134,10 @@ class InputProcessor:
                 "prompt",
             )
         room = self.max_model_len - n_prompt
+        samples = num_samples(params)
+        field = "best_of" if samples > params.n else "n"
+        if params.max_tokens is None:  # all the room: also what the pool can hold
+            room = self._pool_room(n_prompt, room, samples, params.use_beam_search)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ContextLengthExceededError(
@@ -141,8 +145,6 @@ class InputProcessor:
                 f"max_model_len ({self.max_model_len})",
                 "max_tokens",
             )
-        samples = num_samples(params)
-        field = "best_of" if samples > params.n else "n"
         if samples > self.config.max_num_seqs:
             # The group's sequences run together: more than one step's batch would never run.
             raise ValueError(
@@ -150,6 +152,22 @@ class InputProcessor:
             )
         self.kv.check_request_fits(n_prompt, max_tokens, samples, params.use_beam_search, field)
         return max_tokens
+
+    def _pool_room(self, n_prompt: int, room: int, samples: int, beams: bool) -> int:
+        """The largest ``max_tokens`` <= ``room`` that the KV pool accepts for this request
+        (``check_request_fits``, which grows with ``max_tokens``), by bisection; ``room`` when
+        not even 1 fits (the caller's check then names the limit). A pool smaller than
+        ``max_model_len`` (a small ``kv_cache_memory``, a long-context model) would otherwise
+        refuse every request that asks for all the room (``max_tokens=None``)."""
+        lo, hi = 0, room
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                self.kv.check_request_fits(n_prompt, mid, samples, beams)
+                lo = mid
+            except ContextLengthExceededError:
+                hi = mid - 1
+        return lo or room
 
     def _validate_pooling(self, n_prompt: int, params: SamplingParams) -> int:
         """A pooling request: one sequence, no beam search; the prompt alone must fit in
