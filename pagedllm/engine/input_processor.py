@@ -26,6 +26,24 @@ from pagedllm.sequence import Sequence, SequenceGroup
 __all__ = ["ContextLengthExceededError", "InputProcessor"]
 
 
+def require_valid_unicode(text: str, field: str) -> None:
+    """Check that ``text`` can be encoded as UTF-8, as the tokenizer needs.
+
+    Raises:
+        ValueError: naming ``field`` when ``text`` holds a lone UTF-16 surrogate
+            (U+D800..U+DFFF; the tokenizer would raise a ``TypeError``).
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field} holds a lone UTF-16 surrogate {text[e.start]!a} at character {e.start}, "
+            "which is not valid Unicode"
+        ) from None
+
+
 class InputProcessor:
     """Tokenizes, validates and builds requests.
 
@@ -60,7 +78,12 @@ class InputProcessor:
         self._arrivals = itertools.count()
 
     def tokenize(self, prompt: str) -> list[int]:
-        """The prompt's token ids under the model's tokenizer (special tokens as it adds them)."""
+        """The prompt's token ids under the model's tokenizer (special tokens as it adds them).
+
+        Raises:
+            ValueError: naming ``prompt`` when it is not valid Unicode (a lone surrogate).
+        """
+        require_valid_unicode(prompt, "prompt")
         return list(self.tokenizer(prompt).input_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -111,6 +134,10 @@ class InputProcessor:
                 "prompt",
             )
         room = self.max_model_len - n_prompt
+        samples = num_samples(params)
+        field = "best_of" if samples > params.n else "n"
+        if params.max_tokens is None:  # all the room: also what the pool can hold
+            room = self._pool_room(n_prompt, room, samples, params.use_beam_search)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ContextLengthExceededError(
@@ -118,8 +145,6 @@ class InputProcessor:
                 f"max_model_len ({self.max_model_len})",
                 "max_tokens",
             )
-        samples = num_samples(params)
-        field = "best_of" if samples > params.n else "n"
         if samples > self.config.max_num_seqs:
             # The group's sequences run together: more than one step's batch would never run.
             raise ValueError(
@@ -127,6 +152,22 @@ class InputProcessor:
             )
         self.kv.check_request_fits(n_prompt, max_tokens, samples, params.use_beam_search, field)
         return max_tokens
+
+    def _pool_room(self, n_prompt: int, room: int, samples: int, beams: bool) -> int:
+        """The largest ``max_tokens`` <= ``room`` that the KV pool accepts for this request
+        (``check_request_fits``, which grows with ``max_tokens``), by bisection; ``room`` when
+        not even 1 fits (the caller's check then names the limit). A pool smaller than
+        ``max_model_len`` (a small ``kv_cache_memory``, a long-context model) would otherwise
+        refuse every request that asks for all the room (``max_tokens=None``)."""
+        lo, hi = 0, room
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                self.kv.check_request_fits(n_prompt, mid, samples, beams)
+                lo = mid
+            except ContextLengthExceededError:
+                hi = mid - 1
+        return lo or room
 
     def _validate_pooling(self, n_prompt: int, params: SamplingParams) -> int:
         """A pooling request: one sequence, no beam search; the prompt alone must fit in

@@ -9,6 +9,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig, check_engine_kwargs
+from pagedllm.engine.input_processor import require_valid_unicode
 from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
@@ -281,6 +282,7 @@ def apply_chat_template(
         )
     except Exception as e:  # jinja errors, bad roles
         raise ValueError(f"messages could not be rendered by the chat template: {e}") from e
+    require_valid_unicode(text, "messages")
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 

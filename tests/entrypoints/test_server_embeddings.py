@@ -115,6 +115,9 @@ def test_official_client_embeddings(server, hf_and_folder):
         ({"input": "hi", "pooling": "cls"}, "pooling"),
         ({"input": "hi", "normalize": "yes please"}, "normalize"),
         ({"input": "hi", "model": "other"}, "model"),
+        # Known but not implemented: refused, never silently ignored (breaker pass).
+        ({"input": "hi", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+        ({"input": "hi", "cache_salt": "s"}, "cache_salt"),
     ],
 )
 def test_embeddings_bad_input_is_400(client, server, body, param):

@@ -196,3 +196,66 @@ def test_auto_answers_plain_text_when_no_call_is_written(client, stream):
         events = sse_events(client, CH, {**body, "stream": True})
         texts = check_chunk_shape(events)
         assert texts[0] == plain["message"]["content"]
+
+
+def test_beam_search_with_a_forced_tool_choice_is_400(client, server):
+    """The grammar of a forced choice cannot run with beam search: a 400 naming tool_choice
+    (was a 500 from SamplingParams' ValueError)."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {"messages": MSG, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 4}
+        err = assert_error(client.post(CH, json={**body, "use_beam_search": True}), 400)
+        assert err["param"] == "tool_choice" and "use_beam_search" in err["message"]
+    healthy(server, client)
+
+
+# A short tool (the tiny tokenizer spends a token per character) whose forced JSON must write
+# the key "c" inside the arguments: the stop string '"c"' cuts the call there.
+CUT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "w",
+        "parameters": {
+            "type": "object",
+            "properties": {"c": {"type": "string"}},
+            "required": ["c"],
+        },
+    },
+}
+CUT_CASES = ["required", {"type": "function", "function": {"name": "w"}}]
+
+
+@pytest.mark.parametrize("choice", CUT_CASES, ids=["required", "named"])
+def test_stop_string_cutting_a_forced_call_finishes_stop(client, choice):
+    """A forced call cut by a stop string has unfinished arguments: finish_reason is "stop"
+    (never "tool_calls", which promises arguments that parse), streamed and not, and the
+    streamed fragments still concatenate to the non-streamed arguments. Uncut, the same request
+    finishes "tool_calls" with arguments that parse."""
+    body = {"messages": MSG, "tools": [CUT_TOOL], "tool_choice": choice, "temperature": 0}
+    whole = client.post(CH, json={**body, "max_tokens": 50})
+    assert whole.status_code == 200, whole.text
+    choice0 = whole.json()["choices"][0]
+    if choice0["finish_reason"] == "tool_calls":
+        for call in choice0["message"]["tool_calls"]:
+            assert "c" in json.loads(call["function"]["arguments"])
+    else:  # the random model may run on in whitespace-free JSON until max_tokens
+        assert choice0["finish_reason"] == "length"
+    cut = {**body, "max_tokens": 50, "stop": ['"c"']}
+    r = client.post(CH, json=cut)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop", c
+    calls = c["message"].get("tool_calls") or []
+    for call in calls:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(call["function"]["arguments"])
+    events = sse_events(client, CH, {**cut, "stream": True})
+    reasons = [
+        ch["finish_reason"] for e in events[:-1] for ch in e["choices"] if ch["finish_reason"]
+    ]
+    assert reasons == ["stop"]
+    args: dict[int, str] = {}
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            for tc in ch["delta"].get("tool_calls") or []:
+                args[tc["index"]] = args.get(tc["index"], "") + tc["function"].get("arguments", "")
+    assert [args[i] for i in sorted(args)] == [call["function"]["arguments"] for call in calls]

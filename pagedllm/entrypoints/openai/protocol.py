@@ -9,16 +9,51 @@ are logged once per name); known fields this server does not implement are refus
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _find_lone_surrogate(value: Any) -> str | None:
+    """The first string inside ``value`` (a str, or lists / dicts of them) holding a lone UTF-16
+    surrogate (U+D800..U+DFFF, which JSON's ``\\ud83d`` escape can write but UTF-8 cannot
+    encode), or None. Nested API models are skipped: their own validator checked them."""
+    if isinstance(value, str):
+        return None if value.isascii() or not _SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list | tuple):
+        for item in value:
+            if not isinstance(item, int) and (found := _find_lone_surrogate(item)) is not None:
+                return found
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of the API models: unknown fields are kept (and ignored), ``model_*`` names allowed."""
+    """Base of the API models: unknown fields are kept (and ignored), ``model_*`` names allowed.
+
+    Every known field's strings must be valid Unicode: a lone surrogate is a validation error
+    (a 400 naming the field), not a tokenizer ``TypeError`` (a 500) further on.
+    """
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    @field_validator("*")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        found = _find_lone_surrogate(value)
+        if found is not None:
+            at = _SURROGATE.search(found)
+            assert at is not None
+            raise ValueError(
+                f"text holds a lone UTF-16 surrogate {at.group()!a} at character {at.start()}, "
+                "which is not valid Unicode"
+            )
+        return value
 
 
 # ---- errors ---------------------------------------------------------------------------------

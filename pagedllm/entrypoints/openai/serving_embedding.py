@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     RequestContext,
     usage_body,
 )
-from pagedllm.entrypoints.openai.validation import log_unknown_fields
+from pagedllm.entrypoints.openai.validation import check_embedding_fields
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -88,12 +88,12 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest, raw: R
     """Serve one ``/v1/embeddings`` request.
 
     Raises:
-        APIError: 400 invalid request (``input``, ``dimensions``), 404 unknown model, 5xx engine
-            failure.
+        APIError: 400 invalid request (``input``, ``dimensions``, unsupported fields such as
+            ``truncate_prompt_tokens``), 404 unknown model, 5xx engine failure.
     """
     arrival = time.monotonic()
     serving.check_model(req.model)
-    log_unknown_fields(req, "embeddings")
+    check_embedding_fields(req)
     hidden = serving.async_engine.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
         raise APIError(

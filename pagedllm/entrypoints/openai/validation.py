@@ -62,6 +62,11 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special_tokens": (_set, "add_special_tokens is not supported for chat"),
 }
 
+#: Known fields of vLLM's embeddings request this server does not implement (same shape).
+UNSUPPORTED_EMBEDDING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    name: UNSUPPORTED_FIELDS[name] for name in ("truncate_prompt_tokens", "cache_salt")
+}
+
 #: Most distinct unknown field names remembered (and logged); later ones are not logged.
 MAX_LOGGED_UNKNOWN = 1000
 _logged_unknown: set[str] = set()
@@ -89,6 +94,16 @@ def _check_table(
     for name, (asks, why) in table.items():
         if name in extra and asks(extra[name]):
             raise APIError(400, f"{name}: {why}", param=name)
+
+
+def check_embedding_fields(req: BaseModel) -> None:
+    """Refuse the known embeddings fields this server does not implement; log unknown ones.
+
+    Raises:
+        APIError: 400 naming the field (e.g. ``truncate_prompt_tokens``, never silently dropped).
+    """
+    _check_table(req.model_extra or {}, UNSUPPORTED_EMBEDDING_FIELDS)
+    log_unknown_fields(req, "embeddings")
 
 
 def check_common(req: CompletionRequest | ChatCompletionRequest, where: str) -> None:

@@ -308,18 +308,22 @@ class ToolCallStream:
         self.ids: list[str] = []
         self.args_sent: list[int] = []
         self._scans: dict[int, tuple[int, list[str]]] = {}
+        #: Whether every call parsed so far has ended (a stop string may cut one).
+        self.calls_complete = True
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The non-streamed ``content`` (None when empty and there are calls) and ``tool_calls``
         of the finished ``text``."""
         res = self.parser.parse(text, final=True)
+        named = named_calls(res.calls, self.parallel)
+        self.calls_complete = all(c.complete for c in named)
         calls = [
             {
                 "id": new_call_id(),
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             }
-            for c in named_calls(res.calls, self.parallel)
+            for c in named
         ]
         return (res.content or (None if calls else "")), calls
 
@@ -334,7 +338,9 @@ class ToolCallStream:
         content = res.content[self.content_sent :]
         self.content_sent = max(self.content_sent, len(res.content))
         out: list[dict[str, Any]] = []
-        for idx, c in enumerate(named_calls(res.calls, self.parallel)):
+        named = named_calls(res.calls, self.parallel)
+        self.calls_complete = all(c.complete for c in named)
+        for idx, c in enumerate(named):
             if idx == len(self.ids):
                 self.ids.append(new_call_id())
                 self.args_sent.append(0)
@@ -348,5 +354,11 @@ class ToolCallStream:
 
     @property
     def called(self) -> bool:
-        """Whether a tool call has been sent (the finish reason becomes ``tool_calls``)."""
+        """Whether a tool call has been sent."""
         return bool(self.ids)
+
+    @property
+    def calls_ended(self) -> bool:
+        """Whether a tool call has been sent and every call sent has ended (the finish reason
+        becomes ``tool_calls``; a call cut by a stop string keeps ``stop``)."""
+        return bool(self.ids) and self.calls_complete

@@ -37,7 +37,8 @@ def _constrained(params: SamplingParams, schema: dict[str, Any]) -> SamplingPara
 
     Raises:
         APIError: 400 (``param="tool_choice"``) when the request already constrains its output
-            (``response_format``, ``structured_outputs``, ``guided_*``).
+            (``response_format``, ``structured_outputs``, ``guided_*``) or its parameters take
+            no grammar (``use_beam_search``).
     """
     if params.structured_outputs is not None:
         raise APIError(
@@ -46,7 +47,10 @@ def _constrained(params: SamplingParams, schema: dict[str, Any]) -> SamplingPara
             "response_format / structured_outputs / guided_*",
             param="tool_choice",
         )
-    return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+    try:
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+    except ValueError as e:  # e.g. use_beam_search, which takes no grammar
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
 
 
 def setup(
@@ -90,14 +94,17 @@ class ToolOutput:
 
     def message(self, text: str, prefix: str, reason: str | None) -> tuple[dict[str, Any], Any]:
         """The non-streamed ``message`` of a finished choice (``prefix``: echoed text) and its
-        finish reason (``tool_calls`` when it called tools and stopped on its own)."""
-        content, calls = ToolCallStream(self.parser, self.parallel).message(text)
+        finish reason (``tool_calls`` when it called tools, every call ended, and it stopped on
+        its own; a call cut by a stop string keeps ``stop``, as one cut by max_tokens keeps
+        ``length``)."""
+        ts = ToolCallStream(self.parser, self.parallel)
+        content, calls = ts.message(text)
         msg: dict[str, Any] = {"role": "assistant", "content": (prefix + (content or "")) or None}
         if calls:
             msg["tool_calls"] = calls
         elif msg["content"] is None:
             msg["content"] = ""
-        return msg, self._finish(reason, bool(calls))
+        return msg, self._finish(reason, bool(calls) and ts.calls_complete)
 
     def delta(self, index: int, text: str, reason: str | None) -> tuple[dict[str, Any], Any]:
         """The stream ``delta`` of choice ``index`` for its text so far, and its finish reason."""
@@ -108,4 +115,4 @@ class ToolOutput:
             d["content"] = content
         if calls:
             d["tool_calls"] = calls
-        return d, self._finish(reason, ts.called)
+        return d, self._finish(reason, ts.calls_ended)
