@@ -281,6 +281,12 @@ class EngineConfig:
         "running requests' next decode (vLLM V0's order) instead of in one batch with them: a "
         "lower time to first token under load for a little less throughput (fcfs only)",
     )
+    interrupt_decode_for_prefill: bool = _option(
+        False,
+        "(serve) when a request that can start arrives in the first half of a decode-only step, "
+        "stop that step between two layers and run it again with the new prefill: the request "
+        "does not wait for the step in flight (fused CPU layers, one process, no speculation)",
+    )
     max_waiting_requests: int | None = _option(
         None,
         "most requests waiting for admission; a new one beyond it is refused at once (the "

@@ -320,6 +320,7 @@ class AsyncLLMEngine(ModelFactsMixin):
                     ("add", request_id, prompt, params, arrival, priority, deadline, fut)
                 )
         self._wake.set()
+        self._interrupt_decode_step()
         self._pending_adds += 1
         try:
             await asyncio.wrap_future(fut)
@@ -429,6 +430,23 @@ class AsyncLLMEngine(ModelFactsMixin):
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(put)
 
+    def _interrupt_decode_step(self) -> None:
+        """``interrupt_decode_for_prefill``: after queueing an add, stop the step in flight when
+        it is decode-only, has run less than half a usual decode step, and the live requests
+        leave a batch slot (model.step_interrupt); the engine thread then takes the add and runs
+        the decodes again with its prefill."""
+        core = getattr(self.engine, "engine_core", None)
+        interrupt = getattr(core, "step_interrupt", None)
+        if core is None or interrupt is None:
+            return
+        in_flight = core.step_in_flight
+        if in_flight is None or not in_flight[1]:
+            return
+        if self._admission.live_seqs > self._admission.max_num_seqs:
+            return
+        if time.monotonic() - in_flight[0] < 0.5 * core.decode_step_seconds:
+            interrupt.request()
+
     def _drain_commands(self, reject: BaseException | None = None) -> None:
         eng = self.engine
         while True:
@@ -512,7 +530,7 @@ class AsyncLLMEngine(ModelFactsMixin):
                 self._on_step_error(e)
                 continue
             self._step_failures = 0
-            if not outputs:
+            if not outputs and not getattr(eng.engine_core, "last_step_interrupted", False):
                 # Nothing could be scheduled (e.g. waiting for blocks): sleep until a command
                 # (add, abort) arrives or a short backoff passes instead of spinning a core.
                 self._wake.wait(NO_PROGRESS_BACKOFF_S)

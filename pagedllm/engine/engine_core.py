@@ -29,6 +29,7 @@ from pagedllm.engine.beam_stepper import beam_step
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
+from pagedllm.model.step_interrupt import StepInterrupt, StepInterrupted
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.speculator import Speculator
@@ -87,6 +88,13 @@ class EngineCore:
             scheduler.is_ready = structured.is_ready
         if speculator is not None:
             speculator.structured = structured  # checks and masks constrained proposals
+        # interrupt_decode_for_prefill (model.step_interrupt): the flag the model checks between
+        # layers; (start monotonic s, decode only) of the forward pass in flight, read by the
+        # thread that may set the flag; a moving average of decode-only steps' seconds.
+        self.step_interrupt: StepInterrupt | None = None
+        self.step_in_flight: tuple[float, bool] | None = None
+        self.decode_step_seconds = 0.0
+        self.last_step_interrupted = False
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
@@ -151,7 +159,30 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.after_schedule(sched, self._seqs)  # a draft model drafts here
         now = time.monotonic()
-        result = self.executor.execute_model(sched)
+        if self.step_interrupt is None:
+            result = self.executor.execute_model(sched)
+        else:
+            decode_only = all(len(work.token_ids) == 1 for _, work in sched.scheduled)
+            self.step_interrupt.clear()
+            # The run again of an interrupted step may not be stopped: every other step at
+            # least completes, however often requests arrive.
+            self.step_in_flight = (now, decode_only and not self.last_step_interrupted)
+            try:
+                result = self.executor.execute_model(sched)
+            except StepInterrupted:
+                # Discarded whole: the next schedule() plans the same work again.
+                self.last_step_interrupted = True
+                self.stats.num_interrupted_steps += 1
+                if touched:
+                    self._free_finished()
+                return list(touched.values())
+            finally:
+                self.step_in_flight = None
+            self.last_step_interrupted = False
+            if decode_only:
+                took = time.monotonic() - now
+                avg = self.decode_step_seconds
+                self.decode_step_seconds = took if avg == 0.0 else 0.9 * avg + 0.1 * took
         self.scheduler.on_step_done(sched)
         for request_id, work in sched.scheduled:
             seq, group = self._seqs[work.seq_id]

@@ -31,6 +31,7 @@ from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.executor.factory import create_executor
 from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.model.sharding import TensorParallelShard
+from pagedllm.model.step_interrupt import StepInterrupt
 from pagedllm.outputs import RequestOutput
 from pagedllm.platform import cpu_flags
 from pagedllm.sampling.sampler import Sampler
@@ -237,6 +238,27 @@ class LLMEngine:
                 else None
             ),
         )
+        if config.interrupt_decode_for_prefill:
+            self._enable_step_interrupt()
+
+    def _enable_step_interrupt(self) -> None:
+        """``interrupt_decode_for_prefill``: share one ``StepInterrupt`` between the model's
+        fused layers and the engine core (``model.step_interrupt``); a warning and nothing else
+        where the step cannot be stopped (another executor, no fused layers, speculation)."""
+        model = getattr(getattr(self.executor, "worker", None), "model", None)
+        if (
+            model is None
+            or self.engine_core.speculator is not None
+            or getattr(model, "fused_stack", None) is None
+        ):
+            logger.warning(
+                "interrupt_decode_for_prefill is ignored: it needs one process, the fused CPU "
+                "decoder layers and no speculative decoding"
+            )
+            return
+        interrupt = StepInterrupt()
+        model.step_interrupt = interrupt
+        self.engine_core.step_interrupt = interrupt
 
     def _draft_proposer(self, draft: LoadedModel | None) -> DraftModelProposer | None:
         """The draft-model proposer (its worker in this process, a KV cache of the target's

@@ -34,6 +34,8 @@ class EngineStats:
         prompt_tokens / generation_tokens: tokens computed for prompts / sampled.
         peak_blocks_used: most KV blocks in use after any step.
         num_preemptions: preemptions of running requests (swap or recompute).
+        num_interrupted_steps: steps stopped between layers and discarded to take a new
+            request in (``interrupt_decode_for_prefill``, ``model.step_interrupt``).
         spec_num_drafts / spec_draft_tokens / spec_accepted_tokens: speculative decoding
             (``spec_decode``): verifications of a sequence's proposals, tokens proposed, tokens
             accepted; ``spec_accepted_per_pos[j]`` / ``spec_draft_per_pos[j]``: accepted /
@@ -62,6 +64,7 @@ class EngineStats:
     peak_blocks_used: int = 0
     slot_utilization_sum: float = 0.0
     num_preemptions: int = 0
+    num_interrupted_steps: int = 0
     blocks_used_sum: int = 0
     blocks_unshared_sum: int = 0
     batched_requests_sum: int = 0

@@ -34,6 +34,7 @@ from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, Rotate
 from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, pack_swiglu_layers
 from pagedllm.model.sharding import TensorParallelShard
+from pagedllm.model.step_interrupt import StepInterrupt
 from pagedllm.model.weight_map import load_named_weights
 
 #: Per layer (key_cache, value_cache), each [KVH, num_blocks, block_size, D].
@@ -148,6 +149,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head_packed: nn.Module | None = None  # PackedLinear, or Int8Linear
         #: This stage's layers as one C++ op (``use_fused_layers``), or None.
         self.fused_stack: FusedDecoderStack | None = None
+        # Set by the engine (interrupt_decode_for_prefill): lets another thread stop a fused
+        # step between layers (model.step_interrupt).
+        self.step_interrupt: StepInterrupt | None = None
         self.requires_grad_(False)
 
     def keep_stage_layers(self, layers: range) -> None:
@@ -343,7 +347,7 @@ class DecoderForCausalLM(nn.Module):
             h = self.embed(input_ids, positions)
         rotary = {name: cast(RotaryEmbedding, r) for name, r in self.rotary.items()}
         ctx = StepContext({}, meta, self.backend, rotary, positions)
-        if self.fused_stack is not None and self.fused_stack(h, kv, ctx):
+        if self.fused_stack is not None and self.fused_stack(h, kv, ctx, self.step_interrupt):
             return h  # every layer ran in the C++ op, on h in place
         # The per-layer path's rotary functions, built only when it runs.
         ctx.rotations = {name: r.for_step(positions, h.dtype, meta) for name, r in rotary.items()}

@@ -220,6 +220,7 @@ class CpuOps:
         value_caches: list[Tensor],
         layer_args: tuple[Any, ...],
         step_args: tuple[Any, ...],
+        interrupt: Tensor | None = None,
     ) -> None:
         """Pre-norm decoder layers on ``hidden [T, d]`` float32 in place, layer l with
         ``key_caches[l]`` / ``value_caches[l]`` (``csrc/cpu/fused_layer.h``).
@@ -230,5 +231,7 @@ class CpuOps:
         ``parts[4 l + i]`` (weight, kind, rows) entries, kinds 0 = q4, 1 = q8, 2 = fp32 panels,
         3 = SwiGLU panels. ``step_args`` = (cos, sin, rotary rows, slot_mapping, block_tables,
         seq_lens, query_start_loc, num_decodes, num_seqs, partition_size), as
-        :meth:`rotary_embedding`, :meth:`reshape_and_cache` and the attention ops take them."""
-        self._decoder_layers_(hidden, key_caches, value_caches, *layer_args, *step_args)
+        :meth:`rotary_embedding`, :meth:`reshape_and_cache` and the attention ops take them.
+        ``interrupt``: an int32 [2] flag (``model.step_interrupt.StepInterrupt.flag``): element 0
+        nonzero stops the call before its next layer, element 1 receives the layers run."""
+        self._decoder_layers_(hidden, key_caches, value_caches, *layer_args, *step_args, interrupt)

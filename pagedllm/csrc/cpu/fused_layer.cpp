@@ -118,8 +118,16 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                      const at::Tensor& sin, const at::Tensor& rotary_rows,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     int64_t num_decodes, int64_t num_seqs, int64_t partition_size) {
+                     int64_t num_decodes, int64_t num_seqs, int64_t partition_size,
+                     const std::optional<at::Tensor>& interrupt) {
   const size_t L = key_caches.size();
+  int32_t* flag = nullptr;
+  if (interrupt.has_value() && interrupt->defined()) {
+    TORCH_CHECK(interrupt->scalar_type() == at::kInt && interrupt->numel() == 2 &&
+                    interrupt->is_contiguous(),
+                "decoder_layers_: interrupt must be a contiguous int32 [2] tensor");
+    flag = interrupt->data_ptr<int32_t>();
+  }
   TORCH_CHECK(value_caches.size() == L && norms.size() == 2 * L && windows.size() == L &&
                   parts.size() == 4 * L && biases.size() == 4 * L,
               "decoder_layers_: per layer one key and value cache, two norms, one window, four "
@@ -142,6 +150,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                 num_decodes, num_seqs, partition_size};
   int64_t first = 0;
   for (size_t l = 0; l < L; ++l) {
+    if (flag && __atomic_load_n(flag, __ATOMIC_ACQUIRE)) break;
     Linear lin[4];
     for (int i = 0; i < 4; ++i) {
       const int64_t n = parts[4 * l + i];
@@ -155,6 +164,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
     }
     run_layer(hidden, st, norms[2 * l], norms[2 * l + 1], lin, key_caches[l], value_caches[l],
               windows[l]);
+    if (flag) __atomic_store_n(flag + 1, static_cast<int32_t>(l + 1), __ATOMIC_RELEASE);
   }
 }
 

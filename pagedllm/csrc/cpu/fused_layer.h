@@ -4,6 +4,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include <vector>
 
 namespace pagedllm {
@@ -22,6 +24,10 @@ enum LinearKind : int64_t {
 // outputs side by side, plus biases[4l + i] ([N] float32, or empty for none). Attention arguments
 // as paged_attention_decode / _prefill and reshape_and_cache; RoPE as rotary_embedding on the
 // first rotary_dim dimensions of each q and k head.
+// interrupt (optional) is an int32 [2] tensor another thread may write while this runs:
+// element 0 nonzero stops the call before its next layer; element 1 receives the number of layers
+// run (the caller discards a step stopped early; its K/V writes are rewritten identically when
+// the step runs again).
 void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                      std::vector<at::Tensor> value_caches, std::vector<at::Tensor> norms,
                      double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
@@ -31,5 +37,6 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                      const at::Tensor& sin, const at::Tensor& rotary_rows,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     int64_t num_decodes, int64_t num_seqs, int64_t partition_size);
+                     int64_t num_decodes, int64_t num_seqs, int64_t partition_size,
+                     const std::optional<at::Tensor>& interrupt);
 }  // namespace pagedllm

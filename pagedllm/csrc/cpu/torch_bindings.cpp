@@ -56,7 +56,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "Tensor[] biases, int[] windows, int num_heads, int num_kv_heads, int head_dim, "
       "int rotary_dim, float scale, Tensor cos, Tensor sin, Tensor rotary_rows, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "int num_decodes, int num_seqs, int partition_size) -> ()");
+      "int num_decodes, int num_seqs, int partition_size, Tensor? interrupt=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

@@ -87,6 +87,12 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:num_preemptions", "Preemptions of running requests.", st.num_preemptions
         )
+        yield counter(
+            "pagedllm:interrupted_steps",
+            "Decode steps stopped between layers to take a new request in "
+            "(--interrupt-decode-for-prefill).",
+            st.num_interrupted_steps,
+        )
         by_mode = CounterMetricFamily(
             "vllm:num_preemptions_by_mode",
             "Preemptions by mode (swap or recompute).",

@@ -28,6 +28,7 @@ from pagedllm.model.layers.mlp import GatedMLP
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU
 from pagedllm.model.quant.gguf_native import GGUFLinear
+from pagedllm.model.step_interrupt import StepInterrupt, StepInterrupted
 
 if TYPE_CHECKING:
     from pagedllm.model.decoder import StepContext
@@ -148,10 +149,11 @@ class FusedDecoderStack:
     Raises:
         ValueError: the layers differ in eps, heads, head size, rotary size or scale.
 
-    Call: ``(h [T, d] float32 contiguous, kv caches per layer, ctx)`` -> True when ``h`` was
-    run through every layer in place, False when this step cannot run fused (another attention
-    backend or KV dtype, another activation layout): the caller then runs the layers' Python
-    forward.
+    Call: ``(h [T, d] float32 contiguous, kv caches per layer, ctx, interrupt)`` -> True when
+    ``h`` was run through every layer in place, False when this step cannot run fused (another
+    attention backend or KV dtype, another activation layout): the caller then runs the layers'
+    Python forward. With an ``interrupt`` (``model.step_interrupt.StepInterrupt``) another thread
+    may stop the call between layers: it then raises ``StepInterrupted``.
     """
 
     def __init__(self, ops: CpuOps, layers: list[FusedDecoderLayer]) -> None:
@@ -179,7 +181,11 @@ class FusedDecoderStack:
         )
 
     def __call__(
-        self, h: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], ctx: StepContext
+        self,
+        h: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx: StepContext,
+        interrupt: StepInterrupt | None = None,
     ) -> bool:
         backend = ctx.backend
         if (
@@ -208,5 +214,8 @@ class FusedDecoderStack:
             backend.partition_size,
         )
         keys, values = [k for k, _ in kv], [v for _, v in kv]
-        self.ops.decoder_layers_(h, keys, values, self.layer_args, step_args)
+        flag = None if interrupt is None else interrupt.flag
+        self.ops.decoder_layers_(h, keys, values, self.layer_args, step_args, flag)
+        if interrupt is not None and interrupt.stopped_early(self.num_layers):
+            raise StepInterrupted(f"stopped before layer {int(interrupt.flag[1])}")
         return True
