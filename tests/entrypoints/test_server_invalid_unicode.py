@@ -11,26 +11,15 @@ import json
 
 import pytest
 
-from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.sampling_params import SamplingParams
-from tests.entrypoints.server_utils import ServerThread, assert_error, healthy
+from tests.entrypoints.server_utils import assert_error, healthy, start_tiny_server
 
 LONE = "\ud83d"  # the high half of an emoji's surrogate pair, alone
 
 
 @pytest.fixture(scope="module")
 def server(tiny_loaded):
-    app = build_app(
-        {
-            "max_model_len": 128,
-            "kv_cache_memory": 1 << 22,
-            "check_invariants": True,
-            "num_threads": 1,
-        },
-        loaded=tiny_loaded,
-        served_model_name="tiny",
-    )
-    srv = ServerThread(app).start()
+    srv = start_tiny_server(tiny_loaded)
     yield srv
     srv.stop()
 
