@@ -8,6 +8,10 @@ within every round; prints the median of ``--rounds`` rounds in ms and GFLOP/s, 
 of oneDNN to the own GEMM. The FMA peak of this 2-core AVX2 EPYC is ~200 GFLOP/s.
 
     .venv/bin/python benchmarks/gemm.py --rows 1 4 16 64 256 2048
+
+``--dtype bfloat16`` (CPUs with AVX512-BF16 or AMX-BF16) times oneDNN's packed bf16 matmul, what
+the engine runs there, against ``F.linear`` on the same bf16 weights ("aten"), and prints the
+ratio aten / oneDNN.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ from common import bench_lock, median, merge_json  # noqa: E402
 from pagedllm.attention.cpu import load_cpu_ops  # noqa: E402
 from pagedllm.model.loader.bundled import bundled_model_path  # noqa: E402
 from pagedllm.model.loader.gguf_loader import gguf_arch_config, open_gguf  # noqa: E402
-from pagedllm.model.packed_linear import PackedLinear, cpu_gemm_ops  # noqa: E402
+from pagedllm.model.packed_linear import (  # noqa: E402
+    PackedLinear,
+    bf16_packing_available,
+    cpu_gemm_ops,
+)
 
 
 def model_shapes() -> tuple[list[tuple[str, int, int, int]], int]:
@@ -54,28 +62,37 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", default="benchmarks/results/gemm.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ops = cpu_gemm_ops(load_cpu_ops(), torch.float32)
-    if ops is None:
-        raise SystemExit("the own GEMM needs the C++ extension built for AVX2 (simd_level avx2)")
+    dtype = getattr(torch, args.dtype)
     shapes, _ = model_shapes()
     torch.manual_seed(0)
-    weights = {name: [torch.randn(o, i) * 0.02 for _ in range(cnt)] for name, o, i, cnt in shapes}
-    kernels = {
-        "pagedllm": {n: [PackedLinear(w, ops) for w in ws] for n, ws in weights.items()},
-        "onednn": {n: [PackedLinear(w) for w in ws] for n, ws in weights.items()},
-        "mkl": {n: [lambda x, w=w: F.linear(x, w) for w in ws] for n, ws in weights.items()},
+    weights = {
+        name: [(torch.randn(o, i) * 0.02).to(dtype) for _ in range(cnt)]
+        for name, o, i, cnt in shapes
     }
+    plain = {n: [lambda x, w=w: F.linear(x, w) for w in ws] for n, ws in weights.items()}
+    onednn = {n: [PackedLinear(w) for w in ws] for n, ws in weights.items()}
+    if dtype == torch.bfloat16:
+        if not bf16_packing_available():
+            raise SystemExit("bf16 weights are packed only on CPUs with amx_bf16 or avx512_bf16")
+        kernels, base, tol = {"onednn": onednn, "aten": plain}, "onednn", 0.05
+    else:
+        ops = cpu_gemm_ops(load_cpu_ops(), torch.float32)
+        if ops is None:
+            raise SystemExit("the own GEMM needs the C++ extension built for AVX2 (avx2 variant)")
+        own = {n: [PackedLinear(w, ops) for w in ws] for n, ws in weights.items()}
+        kernels, base, tol = {"pagedllm": own, "onednn": onednn, "mkl": plain}, "pagedllm", 1e-4
     results: dict[str, dict] = {}
     with bench_lock(), torch.inference_mode():
         for rows in args.rows:
-            xs = {name: torch.randn(rows, i) for name, _, i, _ in shapes}
+            xs = {name: torch.randn(rows, i).to(dtype) for name, _, i, _ in shapes}
             for name, layers in kernels.items():  # same values from every kernel
-                got = layers["gate_up"][0](xs["gate_up"])
-                want = F.linear(xs["gate_up"], weights["gate_up"][0])
-                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
+                got = layers["gate_up"][0](xs["gate_up"]).float()
+                want = F.linear(xs["gate_up"].float(), weights["gate_up"][0].float())
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=name)
             times: dict[str, list[float]] = {k: [] for k in kernels}
             for _ in range(args.rounds):
                 for kname, layers in kernels.items():
@@ -89,8 +106,9 @@ def main() -> None:
             for kname, ts in times.items():
                 t = median(ts[1:])  # the first round warms the caches and thread pool
                 row[kname] = {"ms": round(t * 1e3, 2), "gflops": round(flop / t / 1e9, 1)}
-            ratio = row["onednn"]["ms"] / row["pagedllm"]["ms"]
-            row["onednn_over_pagedllm"] = round(ratio, 3)
+            other = next(k for k in kernels if k != base)
+            ratio = row[other]["ms"] / row[base]["ms"]
+            row[f"{other}_over_{base}"] = round(ratio, 3)
             results[str(rows)] = row
             print(
                 f"rows {rows:5d}: "
@@ -99,10 +117,10 @@ def main() -> None:
                     for k, v in row.items()
                     if isinstance(v, dict)
                 )
-                + f"  oneDNN/own {ratio:.2f}x",
+                + f"  {other}/{base} {ratio:.2f}x",
                 flush=True,
             )
-    merge_json(args.out, {"threads": args.threads, "rows": results})
+    merge_json(args.out, {"threads": args.threads, "dtype": args.dtype, "rows": results})
 
 
 if __name__ == "__main__":

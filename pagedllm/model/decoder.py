@@ -248,8 +248,9 @@ class DecoderForCausalLM(nn.Module):
 
     def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:
         """Run RMSNorm, the SiLU gate and the rotary embedding with the fused C++ kernels of
-        ``ops`` (``pagedllm.ops.load_cpu_ops()``); fp32 only, so other dtypes are ignored."""
-        if self.dtype != torch.float32:
+        ``ops`` (``pagedllm.ops.load_cpu_ops()``); fp32 and bf16 only, other dtypes are
+        ignored."""
+        if self.dtype not in (torch.float32, torch.bfloat16):
             return
         for m in self.modules():
             if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)):

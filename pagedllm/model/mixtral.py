@@ -99,7 +99,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def use_cpu_layer_ops(self, ops: CpuOps | None) -> None:
         """As ``DecoderForCausalLM.use_cpu_layer_ops``, plus the fused SiLU of the experts."""
         super().use_cpu_layer_ops(ops)
-        if self.dtype == torch.float32:
+        if self.dtype in (torch.float32, torch.bfloat16):
             for m in self.modules():
                 if isinstance(m, StackedExperts):
                     m.cpu_ops = ops

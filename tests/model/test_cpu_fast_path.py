@@ -116,8 +116,11 @@ def test_fused_layer_ops_match_aten(cpu_ops_or_skip):
         act = torch.empty(t, d)
         ops.silu_and_mul(act, gu)
         torch.testing.assert_close(act, F.silu(gu[:, :d]) * gu[:, d:], atol=1e-5, rtol=1e-5)
+    half = torch.ones(2, 4, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(torch.empty_like(half), half, torch.ones(4, dtype=torch.float16), 1e-5)
     bf = torch.ones(2, 4, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="weight must be contiguous and of x's dtype"):
         ops.rms_norm(torch.empty_like(bf), bf, torch.ones(4), 1e-5)
 
 
@@ -125,7 +128,7 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
     """The whole forward with packed linears + fused C++ layer ops + C++ attention equals the
     plain ATen model with torch_native attention (fp32, 1e-4): an 8-token prefill, then a
     decode, over a shuffled block table [2, 7, 5] with block size 4."""
-    from pagedllm.attention import AttentionMetadata, get_attention_backend
+    from pagedllm.attention import get_attention_backend
     from pagedllm.model.llama import LlamaForCausalLM
     from pagedllm.worker.cache_engine import CacheEngine
 
@@ -145,26 +148,41 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
     table = [2, 7, 5]
     ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
 
-    def meta(q_len: int, ctx: int) -> AttentionMetadata:
-        slots = [table[p // 4] * 4 + p % 4 for p in range(ctx - q_len, ctx)]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=torch.tensor([table]),
-            seq_lens=torch.tensor([ctx]),
-            query_start_loc=torch.tensor([0, q_len]),
-            seq_lens_list=[ctx],
-            query_lens_list=[q_len],
-            query_start_loc_list=[0, q_len],
-            num_decodes=int(q_len == 1),
-            block_size=4,
-        )
-
-    for q_ids, start in ((ids[:8], 0), (ids[8:9], 8)):
-        pos = torch.arange(start, start + len(q_ids))
-        rows = torch.arange(len(q_ids))
-        got = fast(q_ids, pos, caches[0], meta(len(q_ids), start + len(q_ids)), rows)
-        want = plain(q_ids, pos, caches[1], meta(len(q_ids), start + len(q_ids)), rows)
+    for got, want in zip(*_prefill_then_decode([fast, plain], caches, table, ids), strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _one_sequence_meta(table: list[int], q_len: int, ctx: int):
+    """Attention metadata of one sequence over block table ``table`` (block size 4) whose last
+    ``q_len`` of ``ctx`` tokens are new."""
+    from pagedllm.attention import AttentionMetadata
+
+    slots = [table[p // 4] * 4 + p % 4 for p in range(ctx - q_len, ctx)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([table]),
+        seq_lens=torch.tensor([ctx]),
+        query_start_loc=torch.tensor([0, q_len]),
+        seq_lens_list=[ctx],
+        query_lens_list=[q_len],
+        query_start_loc_list=[0, q_len],
+        num_decodes=int(q_len == 1),
+        block_size=4,
+    )
+
+
+def _prefill_then_decode(models, caches, table, ids):
+    """Each model's logits of an 8-token prefill of ``ids[:8]`` and then a decode of ``ids[8]``
+    (one list of two [T, V] tensors per model), each model on its own caches."""
+    outs = []
+    for model, kv in zip(models, caches, strict=True):
+        got = []
+        for q_ids, start in ((ids[:8], 0), (ids[8:9], 8)):
+            pos = torch.arange(start, start + len(q_ids))
+            meta = _one_sequence_meta(table, len(q_ids), start + len(q_ids))
+            got.append(model(q_ids, pos, kv, meta, torch.arange(len(q_ids))))
+        outs.append(got)
+    return outs
 
 
 def test_rotary_kernel_matches_aten_in_place_on_a_strided_view(cpu_ops_or_skip):

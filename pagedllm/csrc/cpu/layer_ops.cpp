@@ -1,7 +1,8 @@
-// Fused element-wise ops for the CPU step (fp32): RMSNorm, residual add + RMSNorm, the SwiGLU
+// Fused element-wise ops for the CPU step: RMSNorm, residual add + RMSNorm, the SwiGLU
 // activation, rotary embedding in place, and the sampler's per-row argmax + logsumexp. Each
 // replaces 3-7 separate ATen ops (and their temporaries) by one pass over the rows, parallel over
-// rows with at::parallel_for. bf16 and other dtypes stay on the ATen path in Python.
+// rows with at::parallel_for. RMSNorm, the SwiGLU activation and RoPE also take bfloat16 rows
+// (widened to fp32 on load, one rounding per stored value); the sampler op is fp32 only.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -22,7 +23,20 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [T, d] with unit inner stride");
 }
 
-float sum_squares(const float* x, int n) {
+// As check_rows, for the ops that take float32 or bfloat16 rows (of dtype `dtype`).
+void check_act_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " (as x), got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [T, d] with unit inner stride");
+}
+
+void check_act_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename T>
+float sum_squares(const T* x, int n) {
   float s = 0.f;
   int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
@@ -33,116 +47,91 @@ float sum_squares(const float* x, int n) {
   }
   s = vec::hsum(acc);
 #endif
-  for (; i < n; ++i) s += x[i] * x[i];
+  for (; i < n; ++i) s += vec::to_float(x[i]) * vec::to_float(x[i]);
   return s;
 }
 
-// dst = src * inv * w
-void scale_by_weight(float* dst, const float* src, const float* w, float inv, int n) {
+// dst = src * inv * w, in fp32, rounded once to T.
+template <typename T>
+void scale_by_weight(T* dst, const T* src, const T* w, float inv, int n) {
   int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
   vec::V iv = vec::set1(inv);
   for (; i + vec::W <= n; i += vec::W)
     vec::store(dst + i, vec::mul(vec::mul(vec::load(src + i), iv), vec::load(w + i)));
 #endif
-  for (; i < n; ++i) dst[i] = src[i] * inv * w[i];
+  for (; i < n; ++i) vec::from_float(vec::to_float(src[i]) * inv * vec::to_float(w[i]), dst + i);
 }
 
-}  // namespace
-
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat, "weight must be float32");
-  const int64_t T = x.size(0);
+template <typename T>
+void rms_norm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t T_ = x.size(0);
   const int d = static_cast<int>(x.size(1));
-  TORCH_CHECK(out.size(0) == T && out.size(1) == d && weight.numel() == d, "shape mismatch");
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const float* row = xp + t * xs;
+      const T* row = xp + t * xs;
       const float inv = 1.0f / std::sqrt(sum_squares(row, d) / d + static_cast<float>(eps));
       scale_by_weight(op + t * os, row, wp, inv, d);
     }
   });
 }
 
-void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat, "weight must be float32");
-  const int64_t T = x.size(0);
+template <typename T>
+void fused_add_rms_norm_rows(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                             double eps) {
+  const int64_t T_ = x.size(0);
   const int d = static_cast<int>(x.size(1));
-  TORCH_CHECK(residual.size(0) == T && residual.size(1) == d && weight.numel() == d,
-              "shape mismatch");
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      float* xr = xp + t * xs;
-      float* rr = rp + t * rs;
+      T* xr = xp + t * xs;
+      T* rr = rp + t * rs;
       int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
       for (; i + vec::W <= d; i += vec::W)
         vec::store(rr + i, vec::add(vec::load(rr + i), vec::load(xr + i)));
 #endif
-      for (; i < d; ++i) rr[i] += xr[i];
+      for (; i < d; ++i) vec::from_float(vec::to_float(rr[i]) + vec::to_float(xr[i]), rr + i);
+      // The sum is rounded to T first (the residual stream's dtype), then normalized.
       const float inv = 1.0f / std::sqrt(sum_squares(rr, d) / d + static_cast<float>(eps));
       scale_by_weight(xr, rr, wp, inv, d);
     }
   });
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  check_rows(out, "out");
-  const int64_t T = gate_up.size(0);
-  const int n = static_cast<int>(out.size(1));
-  TORCH_CHECK(gate_up.size(1) == 2 * n && out.size(0) == T, "gate_up must be [T, 2 * I], out [T, I]");
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename T>
+void silu_and_mul_rows(at::Tensor& out, const at::Tensor& gate_up, int n) {
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, gate_up.size(0), 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const float* g = gp + t * gs;
+      const T* g = gp + t * gs;
       vec::silu_mul_row(g, g + n, op + t * os, n);
     }
   });
 }
 
-void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be float32 on the CPU");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with unit inner stride");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
-              "positions must be contiguous int64");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 2,
-              "cos and sin must be contiguous float32 [P, D/2]");
-  const int64_t T = x.size(0), heads = x.size(1);
-  const int D = static_cast<int>(x.size(2)), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && cos.size(1) == half, "head_dim must be even and equal 2 * cos.size(1)");
-  TORCH_CHECK(positions.numel() == T, "positions must have one entry per token");
-  const int64_t P = cos.size(0);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table [0, ", P, ")");
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+template <typename T>
+void rotate_rows(at::Tensor& x, const int64_t* pos, const float* cp, const float* sp) {
+  const int64_t T_ = x.size(0), heads = x.size(1);
+  const int half = static_cast<int>(x.size(2)) / 2;
+  T* xp = x.data_ptr<T>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pos[t] * half;
       const float* sn = sp + pos[t] * half;
       for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = xp + t * s0 + h * s1;  // "rotate half": pairs (i, i + D/2)
-        float* x2 = x1 + half;
+        T* x1 = xp + t * s0 + h * s1;  // "rotate half": pairs (i, i + D/2)
+        T* x2 = x1 + half;
         int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
         for (; i + vec::W <= half; i += vec::W) {
@@ -153,13 +142,82 @@ void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tenso
         }
 #endif
         for (; i < half; ++i) {
-          const float a = x1[i], bb = x2[i];
-          x1[i] = a * c[i] - bb * sn[i];
-          x2[i] = bb * c[i] + a * sn[i];
+          const float a = vec::to_float(x1[i]), bb = vec::to_float(x2[i]);
+          vec::from_float(a * c[i] - bb * sn[i], x1 + i);
+          vec::from_float(bb * c[i] + a * sn[i], x2 + i);
         }
       }
     }
   });
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_act_dtype(x, "x");
+  check_act_rows(x, "x", x.scalar_type());
+  check_act_rows(out, "out", x.scalar_type());
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous and of x's dtype");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
+                  weight.numel() == x.size(1),
+              "shape mismatch");
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<vec::bf16>(out, x, weight, eps);
+  else
+    rms_norm_rows<float>(out, x, weight, eps);
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_act_dtype(x, "x");
+  check_act_rows(x, "x", x.scalar_type());
+  check_act_rows(residual, "residual", x.scalar_type());
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous and of x's dtype");
+  TORCH_CHECK(residual.size(0) == x.size(0) && residual.size(1) == x.size(1) &&
+                  weight.numel() == x.size(1),
+              "shape mismatch");
+  if (x.scalar_type() == at::kBFloat16)
+    fused_add_rms_norm_rows<vec::bf16>(x, residual, weight, eps);
+  else
+    fused_add_rms_norm_rows<float>(x, residual, weight, eps);
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_act_dtype(gate_up, "gate_up");
+  check_act_rows(gate_up, "gate_up", gate_up.scalar_type());
+  check_act_rows(out, "out", gate_up.scalar_type());
+  const int64_t T = gate_up.size(0);
+  const int n = static_cast<int>(out.size(1));
+  TORCH_CHECK(gate_up.size(1) == 2 * n && out.size(0) == T, "gate_up must be [T, 2 * I], out [T, I]");
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_and_mul_rows<vec::bf16>(out, gate_up, n);
+  else
+    silu_and_mul_rows<float>(out, gate_up, n);
+}
+
+void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
+  check_act_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with unit inner stride");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 2,
+              "cos and sin must be contiguous float32 [P, D/2]");
+  const int64_t T = x.size(0);
+  const int D = static_cast<int>(x.size(2)), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.size(1) == half, "head_dim must be even and equal 2 * cos.size(1)");
+  TORCH_CHECK(positions.numel() == T, "positions must have one entry per token");
+  const int64_t P = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table [0, ", P, ")");
+  if (x.scalar_type() == at::kBFloat16)
+    rotate_rows<vec::bf16>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+  else
+    rotate_rows<float>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {

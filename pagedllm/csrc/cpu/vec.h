@@ -60,6 +60,14 @@ inline V load(const fp8* p) {
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+// fp32 -> bf16, round to nearest even (as c10::BFloat16); NaN stays a quiet NaN.
+inline void store(bf16* p, V v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+}
 inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V add(V a, V b) { return _mm512_add_ps(a, b); }
@@ -104,6 +112,16 @@ inline V load(const fp8* p) {
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+// fp32 -> bf16, round to nearest even (as c10::BFloat16); NaN stays a quiet NaN.
+inline void store(bf16* p, V v) {
+  __m256i b = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // packus works per 128-bit lane: [b0..b3 b0..b3 | b4..b7 b4..b7]; keep qwords 0 and 2.
+  __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(h));
+}
 inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V add(V a, V b) { return _mm256_add_ps(a, b); }
@@ -226,8 +244,9 @@ inline void store_row(const float* src, float scale, int n, T* dst) {
   for (int i = 0; i < n; ++i) from_float(src[i] * scale, dst + i);
 }
 
-// o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] (the SwiGLU activation).
-inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
+// o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] (the SwiGLU activation), in fp32.
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int n) {
   int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
   const V one = set1(1.0f), neg = set1(-1.0f);
@@ -242,7 +261,10 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
     store(o + i, mul(mul(gv, sig), load(u + i)));
   }
 #endif
-  for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  for (; i < n; ++i) {
+    const float gi = to_float(g[i]);
+    from_float(gi / (1.0f + std::exp(-gi)) * to_float(u[i]), o + i);
+  }
 }
 
 }  // namespace vec

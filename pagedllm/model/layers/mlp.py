@@ -51,7 +51,7 @@ class GatedMLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = column_linear(hidden, 2 * inter, dtype, bias=bias)
         self.down_proj = row_linear(inter, hidden, group, dtype, bias=bias)
-        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
+        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32 / bf16, CPU)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the result

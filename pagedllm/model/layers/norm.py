@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.weight_offset = weight_offset
-        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
+        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32 / bf16, CPU)
 
     def load_weight(self, value: torch.Tensor) -> torch.Tensor:
         """The parameter value for checkpoint tensor ``value``: ``value + weight_offset``,

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 Rotate = Callable[[torch.Tensor], torch.Tensor]
 
+# Activation dtypes the C++ rotary kernel rotates in place.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def rope_inv_freq(
     rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None, trained_len: int = 2048
@@ -114,7 +117,7 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos() * mult, persistent=False)
         self.register_buffer("sin", freqs.sin() * mult, persistent=False)
-        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32, CPU)
+        self.cpu_ops: CpuOps | None = None  # the C++ kernels when fused ops are on (fp32 / bf16, CPU)
 
     def step_tables(
         self, positions: torch.Tensor, meta: AttentionMetadata | None = None
@@ -148,12 +151,13 @@ class RotaryEmbedding(nn.Module):
     ) -> Rotate:
         """The step's rotation: a function taking [T, heads, D] (a strided view is fine) and
         returning it rotated by ``positions`` ([T] int64; ``meta`` gives the sequence lengths
-        the length-dependent types need). With the C++ kernel (fp32 on the CPU) it rotates in
+        the length-dependent types need). With the C++ kernel (fp32 / bf16 on the CPU, in fp32
+        arithmetic with the fp32 tables) it rotates in
         place with no temporaries; otherwise it returns a new tensor. With partial rotary only
         ``x[..., :rotary_dim]`` turns."""
         ops = self.cpu_ops
         r = self.rotary_dim
-        if ops is not None and dtype == torch.float32 and positions.device.type == "cpu":
+        if ops is not None and dtype in _KERNEL_DTYPES and positions.device.type == "cpu":
             cos, sin, rows = self.step_tables(positions, meta)
             rows = rows.contiguous()
 

@@ -73,7 +73,14 @@ def int8_matmul(
     Returns:
         [M, N] float32 = (q_x @ q_w^T) * s_x[:, None] * s_w (+ bias), in that order.
     """
-    acc = torch._int_mm(q_x, q_w.t()) if q_x.shape[0] else q_x.new_zeros(0, q_w.shape[0]).int()
+    if q_x.shape[0] == 0:
+        acc = q_x.new_zeros(0, q_w.shape[0]).int()
+    elif q_x.shape[1] == 1:
+        # torch 2.13's _int_mm returns garbage for K = 1 on a Xeon with AMX-INT8 / AVX512-VNNI
+        # (every M, N tried); the product is then an outer product, exact in int32.
+        acc = q_x.int() * q_w.int().t()
+    else:
+        acc = torch._int_mm(q_x, q_w.t())
     y = acc.float() * s_x.unsqueeze(1) * s_w
     return y if bias is None else y + bias
 
