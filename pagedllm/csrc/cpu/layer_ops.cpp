@@ -35,6 +35,19 @@ void check_act_dtype(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// The RMSNorm ops' arguments: x and `other` (out or residual) [T, d] rows of one dtype, weight [d].
+void check_norm_args(const at::Tensor& x, const at::Tensor& other, const char* other_name,
+                     const at::Tensor& weight) {
+  check_act_dtype(x, "x");
+  check_act_rows(x, "x", x.scalar_type());
+  check_act_rows(other, other_name, x.scalar_type());
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous and of x's dtype");
+  TORCH_CHECK(other.size(0) == x.size(0) && other.size(1) == x.size(1) &&
+                  weight.numel() == x.size(1),
+              "shape mismatch");
+}
+
 template <typename T>
 float sum_squares(const T* x, int n) {
   float s = 0.f;
@@ -154,14 +167,7 @@ void rotate_rows(at::Tensor& x, const int64_t* pos, const float* cp, const float
 }  // namespace
 
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_act_dtype(x, "x");
-  check_act_rows(x, "x", x.scalar_type());
-  check_act_rows(out, "out", x.scalar_type());
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous and of x's dtype");
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
-                  weight.numel() == x.size(1),
-              "shape mismatch");
+  check_norm_args(x, out, "out", weight);
   if (x.scalar_type() == at::kBFloat16)
     rms_norm_rows<vec::bf16>(out, x, weight, eps);
   else
@@ -169,14 +175,7 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
 }
 
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  check_act_dtype(x, "x");
-  check_act_rows(x, "x", x.scalar_type());
-  check_act_rows(residual, "residual", x.scalar_type());
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous and of x's dtype");
-  TORCH_CHECK(residual.size(0) == x.size(0) && residual.size(1) == x.size(1) &&
-                  weight.numel() == x.size(1),
-              "shape mismatch");
+  check_norm_args(x, residual, "residual", weight);
   if (x.scalar_type() == at::kBFloat16)
     fused_add_rms_norm_rows<vec::bf16>(x, residual, weight, eps);
   else
