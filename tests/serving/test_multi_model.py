@@ -91,8 +91,10 @@ def test_unknown_model_is_404_naming_model(client):
 
 def test_idle_model_unloads_and_reloads_on_use(server, client, reference):
     front = server.app
-    deadline = time.monotonic() + 60  # a poll: unloads wait for engine threads to stop
-    while front.loaded and time.monotonic() < deadline:
+    # A poll: a slot leaves ``loaded`` when its unload starts and counts in ``num_unloads``
+    # once its engine thread has stopped, so wait for the count of both.
+    deadline = time.monotonic() + 60
+    while front.num_unloads < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert front.loaded == []
     unloads = front.num_unloads
