@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,11 +39,10 @@ def _is_int(x: Any) -> bool:
 
 
 def _as_float(name: str, value: Any) -> float:
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    return f
+    # A real number only: True is no temperature, and "0.5" is a caller's bug, not a value.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 #: Fields of :class:`StructuredOutputsParams` that name a constraint (exactly one is set).
@@ -359,10 +359,10 @@ class SamplingParams:
 
         Raises:
             ValueError: message starting with ``stop_token_ids`` or ``logit_bias`` for an id
-                outside the vocabulary.
+                outside the vocabulary (or, in ``stop_token_ids``, not an integer: True is no id).
         """
         for tid in self.stop_token_ids or []:
-            if not 0 <= tid < vocab_size:
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
                 raise ValueError(
                     f"stop_token_ids must be in [0, {vocab_size}) for this model, got {tid}"
                 )

@@ -90,7 +90,7 @@ class InputProcessor:
         """Check a request before it enters the engine; returns its effective max_tokens.
 
         Raises:
-            ValueError: naming the field: ``prompt`` (empty, ids outside the vocabulary, too
+            ValueError: naming the field: ``prompt`` (empty, ids not integers in the vocabulary, too
                 long), ``max_tokens`` (prompt + max_tokens over ``max_model_len``, or one
                 sequence needing more blocks than the whole pool), ``n`` / ``best_of`` (whichever
                 asks for more sequences: more than ``max_num_seqs``, prompts that together with
@@ -103,10 +103,16 @@ class InputProcessor:
         """
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        # bool is an int subclass, but True is no token id (it would silently mean token 1).
+        bad = [
+            t
+            for t in prompt_token_ids
+            if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < self.vocab_size)
+        ]
         if bad:
             raise ValueError(
-                f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+                f"prompt contains token ids that are not integers in the vocabulary "
+                f"[0, {self.vocab_size}): {bad[:5]}"
             )
         params.verify_token_ids(self.vocab_size)
         if params.pooling is not None:

@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _not_bool(value: Any) -> Any:
+    # JSON true / false are not numbers; pydantic's lax mode would read them as 1 / 0, so that
+    # `"prompt": [true]` would silently become token id 1.
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+# Integer and number request fields: lax (3.0 is 3, 1 is 1.0) but a boolean is a 400 naming
+# the field (OpenAI refuses `"temperature": true` too).
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 def _find_lone_surrogate(value: Any) -> str | None:
@@ -92,12 +106,12 @@ class ResponseFormat(OpenAIBaseModel):
 class SamplingExtensions(OpenAIBaseModel):
     """vLLM's extensions to the OpenAI sampling fields (sent with ``extra_body`` by the client)."""
 
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -105,18 +119,18 @@ class SamplingExtensions(OpenAIBaseModel):
     return_token_ids: bool = False
     #: vLLM's scheduling priority: lower is served first under ``--scheduling-policy
     #: priority`` (ties by arrival); must be 0 under the default ``fcfs``.
-    priority: int = 0
+    priority: Int = 0
     #: Deadline in seconds after the request arrived: the request is then aborted; the answer
     #: holds what was generated, with ``finish_reason: "timeout"`` (504 when nothing was).
-    timeout: float | None = None
+    timeout: Float | None = None
     #: Most speculative tokens proposed per step for this request (needs the server's
     #: ``--speculative-config``): None = the server's default, 0 = off (``docs/spec_decode.md``).
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: Int | None = None
     #: vLLM's beam search: ``best_of`` (default ``n``) is the beam width, the best ``n`` beams
     #: are returned; ranked by ``cumulative_logprob / len ** length_penalty``; ``early_stopping``
     #: is True, False or "never" (transformers' rules). Not with ``stream``.
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Float = 1.0
     early_stopping: bool | Literal["never"] = False
     # Structured output (see ``structured.py``): OpenAI's response_format, vLLM's object and
     # its legacy guided_* fields.
@@ -134,22 +148,22 @@ class CompletionRequest(SamplingExtensions):
     """The body of ``POST /v1/completions``."""
 
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt: str | list[Int] | list[str] | list[list[Int]] | None = None
     suffix: str | None = None
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
+    max_tokens: Int | None = 16
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
+    best_of: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    seed: Int | None = None
     user: str | None = None
 
 
@@ -194,21 +208,21 @@ class ChatCompletionRequest(SamplingExtensions):
 
     model: str | None = None
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
+    best_of: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    seed: Int | None = None
     user: str | None = None
     tools: list[ChatTool] | None = None
     #: ``none``, ``auto``, ``required`` or ``{"type": "function", "function": {"name": ...}}``;
@@ -270,7 +284,7 @@ class DetokenizeRequest(OpenAIBaseModel):
     """The body of ``POST /detokenize``: token ids to decode."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 # ---- /v1/embeddings -------------------------------------------------------------------------
@@ -283,7 +297,7 @@ class EmbeddingRequest(OpenAIBaseModel):
     input: Any = None
     encoding_format: Literal["float", "base64"] = "float"
     #: Only the model's own hidden size is served (no Matryoshka truncation).
-    dimensions: int | None = None
+    dimensions: Int | None = None
     user: str | None = None
     #: Extensions: the pooling method (default: the server's ``--pooling``), L2 normalization
     #: (OpenAI's embeddings are unit vectors), special tokens added to text inputs.
@@ -302,9 +316,9 @@ class ResponsesRequest(OpenAIBaseModel):
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     stream: bool = False
     #: Keep the response (and its conversation) in memory for ``previous_response_id`` and
     #: ``GET /v1/responses/{id}`` (a bounded LRU; OpenAI's default is true).
