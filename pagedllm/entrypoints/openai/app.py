@@ -29,26 +29,48 @@ from pagedllm.entrypoints.openai.middleware import (
     ServerLifecycle,
 )
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
-from pagedllm.entrypoints.openai.routes import make_router, server_version
+from pagedllm.entrypoints.openai.routes import add_api_routes, server_version
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
 from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
 
+# Union members' tags in a pydantic error location ("prompt", "list[int]", 0): not field names.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """Of a field's errors (one per union member it failed), the one to show: a validator's own
+    ``value_error`` (e.g. "must be an integer, not a boolean") before a type mismatch that only
+    says which member did not apply, then the deepest location."""
+    if not errors:
+        return {}
+    field = tuple(errors[0].get("loc", ()))[:2]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
+    return max(same, key=lambda e: (e.get("type") == "value_error", len(e.get("loc", ()))))
+
+
+def _where(loc: list) -> str:
+    """``loc`` as a dotted path of field names and indices, union tags left out."""
+    return ".".join(
+        str(x) for x in loc if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS)
+    )
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """A 400 for a body FastAPI could not parse, with ``param`` naming the first bad field."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ())]
+    errors = list(exc.errors())
+    first = _most_telling(errors)
+    loc = [x if isinstance(x, int) else str(x) for x in first.get("loc", ())]
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx", {}) or {}
         return APIError(400, f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}")
-    param = loc[1] if len(loc) > 1 and loc[0] == "body" else None
+    param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
     if param is None and loc[:1] == ["body"]:
         msg = f"the body must be a JSON object: {first.get('msg', 'invalid')}"
     else:
-        where = ".".join(loc[1:]) if loc[:1] == ["body"] else ".".join(loc)
+        where = _where(loc[1:] if loc[:1] == ["body"] else loc)
         msg = f"{where}: {first.get('msg', 'invalid value')}"
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more errors)"
@@ -157,7 +179,6 @@ def create_app(
     app = FastAPI(
         title="pagedllm OpenAI-compatible server", version=server_version(), lifespan=lifespan
     )
-    app.state.serving = serving
     app.state.async_engine = async_engine
     app.state.lifecycle = ServerLifecycle()
     app.add_middleware(
@@ -167,7 +188,7 @@ def create_app(
         lifecycle=app.state.lifecycle,
     )
     _add_exception_handlers(app)
-    app.include_router(make_router(serving))
+    add_api_routes(app, serving)
     router_metrics = getattr(async_engine, "router_metrics", None)
     if router_metrics is not None:  # data parallel: the router's decisions and replica loads
         serving.metrics.registry.register(router_metrics())

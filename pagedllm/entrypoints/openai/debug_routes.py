@@ -210,87 +210,101 @@ def _tables_arg(tables: str) -> bool | str:
     return choices.get(tables, tables)
 
 
-def make_router(source: KVSnapshotSource, history: KVHistory) -> APIRouter:
-    """The ``/debug`` endpoints over one snapshot source and one history."""
-    router = APIRouter()
+# Module-level endpoints reading the app's snapshot source and history from ``app.state``
+# (set by ``mount_debug_routes``), not closures over them: FastAPI's process-wide cache of
+# endpoint callables would keep a closed-over engine alive after its app is gone (routes.py).
+router = APIRouter()
 
-    @router.get("/debug/kv")
-    async def debug_kv(
-        max_cells: int | None = Query(None, ge=1),
-        owners: bool = True,
-        tables: str = "all",
-    ) -> JSONResponse:
-        snap = await source.snapshot(
-            max_cells=max_cells, include_owners=owners, tables=_tables_arg(tables)
-        )
-        return JSONResponse(snap)
 
-    @router.get("/debug/engine_stats")
-    async def debug_engine_stats() -> dict[str, Any]:
-        """``EngineStats.summary()`` (cumulative counters: benchmarks difference two reads) and
-        the pool's state, from the counters published after the latest step."""
-        c = source.async_engine.counters
-        return {
-            "kv_manager": c.kv_manager,
-            "num_blocks": c.num_blocks,
-            "block_size": c.block_size,
-            "num_free_blocks": c.num_free_blocks,
-            "num_unfinished_requests": c.num_unfinished_requests,
-            "stats": c.stats.summary(),
-        }
+def _source(request: Request) -> KVSnapshotSource:
+    return request.app.state.kv_source
 
-    @router.get("/debug/kv/history")
-    async def debug_kv_history() -> dict[str, Any]:
-        return {"period_s": HISTORY_PERIOD, "samples": list(history.samples)}
 
-    @router.get(
-        "/debug/kv/stream",
-        response_class=StreamingResponse,
-        responses={
-            200: {
-                "description": "SSE events: `snapshot` (JSON), `error` when the engine stops",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
-            }
-        },
+def _history(request: Request) -> KVHistory:
+    return request.app.state.kv_history
+
+
+@router.get("/debug/kv")
+async def debug_kv(
+    request: Request,
+    max_cells: int | None = Query(None, ge=1),
+    owners: bool = True,
+    tables: str = "all",
+) -> JSONResponse:
+    snap = await _source(request).snapshot(
+        max_cells=max_cells, include_owners=owners, tables=_tables_arg(tables)
     )
-    async def debug_kv_stream(
-        request: Request,
-        interval: float = Query(0.25, ge=MIN_CAPTURE_INTERVAL, le=60.0),
-        max_cells: int | None = Query(None, ge=1),
-        owners: bool = False,
-        tables: str = "auto",
-    ) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
-            while True:
-                t0 = time.monotonic()
-                try:
-                    snap = await source.snapshot(
-                        max_cells=max_cells, include_owners=owners, tables=_tables_arg(tables)
-                    )
-                except Exception as e:  # noqa: BLE001 - the engine stopped: tell and end
-                    yield f"event: error\ndata: {json.dumps({'error': str(e)})}\n\n"
-                    return
-                snap["history_last"] = history.samples[-1] if history.samples else None
-                yield f"event: snapshot\ndata: {json.dumps(snap, separators=(',', ':'))}\n\n"
-                if await request.is_disconnected():
-                    return
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+    return JSONResponse(snap)
 
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
 
-    return router
+@router.get("/debug/engine_stats")
+async def debug_engine_stats(request: Request) -> dict[str, Any]:
+    """``EngineStats.summary()`` (cumulative counters: benchmarks difference two reads) and
+    the pool's state, from the counters published after the latest step."""
+    c = _source(request).async_engine.counters
+    return {
+        "kv_manager": c.kv_manager,
+        "num_blocks": c.num_blocks,
+        "block_size": c.block_size,
+        "num_free_blocks": c.num_free_blocks,
+        "num_unfinished_requests": c.num_unfinished_requests,
+        "stats": c.stats.summary(),
+    }
+
+
+@router.get("/debug/kv/history")
+async def debug_kv_history(request: Request) -> dict[str, Any]:
+    return {"period_s": HISTORY_PERIOD, "samples": list(_history(request).samples)}
+
+
+@router.get(
+    "/debug/kv/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "SSE events: `snapshot` (JSON), `error` when the engine stops",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def debug_kv_stream(
+    request: Request,
+    interval: float = Query(0.25, ge=MIN_CAPTURE_INTERVAL, le=60.0),
+    max_cells: int | None = Query(None, ge=1),
+    owners: bool = False,
+    tables: str = "auto",
+) -> StreamingResponse:
+    source, history = _source(request), _history(request)
+
+    async def events() -> AsyncIterator[str]:
+        while True:
+            t0 = time.monotonic()
+            try:
+                snap = await source.snapshot(
+                    max_cells=max_cells, include_owners=owners, tables=_tables_arg(tables)
+                )
+            except Exception as e:  # noqa: BLE001 - the engine stopped: tell and end
+                yield f"event: error\ndata: {json.dumps({'error': str(e)})}\n\n"
+                return
+            snap["history_last"] = history.samples[-1] if history.samples else None
+            yield f"event: snapshot\ndata: {json.dumps(snap, separators=(',', ':'))}\n\n"
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def mount_debug_routes(app: FastAPI, async_engine: AsyncLLMEngine) -> None:
     """Add the dashboard's endpoints and page to ``app`` (before it starts)."""
     async_engine.enable_kv_stats()  # the history and /debug/engine_stats read it
-    source = KVSnapshotSource(async_engine)
-    history = KVHistory(async_engine)
-    app.include_router(make_router(source, history))
+    app.state.kv_source = KVSnapshotSource(async_engine)
+    app.state.kv_history = history = KVHistory(async_engine)
+    app.include_router(router)
     app.add_middleware(DashboardPages)  # outermost: the page itself needs no API key
 
     inner = app.router.lifespan_context
