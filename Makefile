@@ -24,8 +24,10 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/pagedllm generate --prompts-file examples/prompts.jsonl --max-tokens 64
 
+# Two workers (pytest-xdist), one test file per worker at a time: module fixtures (servers,
+# real models) are built once, and the 2-core machine runs the suite in about half the time.
 test: install
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
