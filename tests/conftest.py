@@ -157,8 +157,9 @@ def gguf_readers():
 def _release_memory_after_module():
     """After each test file: collect its garbage and hand the freed heap back to the OS. A
     worker runs many files, and glibc keeps freed blocks of a model load (weights, tokenizer
-    tables) in its arenas, so without this a worker's RSS only grows (measured: past 13 GiB
-    over the suite, two workers then overflowing the 24 GiB machine)."""
+    tables) in its arenas. Workers once grew past 13 GiB each and ran the 24 GiB machine out
+    of memory (mostly the engine leak tests/entrypoints/test_app_releases_engine.py pins); with
+    the leak fixed and this trim they stay near 2 GiB."""
     yield
     gc.collect()
     if _LIBC is not None:

@@ -42,7 +42,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 def _most_telling(errors: list[dict]) -> dict:
     """Of a field's errors (one per union member it failed), the one to show: a validator's own
-    ``value_error`` (e.g. "must be an integer, not a boolean") before a type mismatch that only
+    ``value_error`` (e.g. "must be a number, not a boolean") before a type mismatch that only
     says which member did not apply, then the deepest location."""
     if not errors:
         return {}
