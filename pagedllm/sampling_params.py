@@ -359,10 +359,10 @@ class SamplingParams:
 
         Raises:
             ValueError: message starting with ``stop_token_ids`` or ``logit_bias`` for an id
-                outside the vocabulary (or, in ``stop_token_ids``, not an integer: True is no id).
+                outside the vocabulary.
         """
         for tid in self.stop_token_ids or []:
-            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
+            if not 0 <= tid < vocab_size:
                 raise ValueError(
                     f"stop_token_ids must be in [0, {vocab_size}) for this model, got {tid}"
                 )
