@@ -1,7 +1,9 @@
 """A JSON boolean where the API wants a number (token ids, counts, sampling parameters) is a 400
 naming the field, on every endpoint, and a ``ValueError`` in the engine: pydantic's lax mode (and
 Python's ``bool`` being an ``int``) would otherwise read ``true`` as 1, so ``{"prompt": [true]}``
-silently generated from token id 1 and ``"temperature": true`` sampled at 1.0.
+silently generated from token id 1 and ``"temperature": true`` sampled at 1.0. The other way
+round too: a flag takes only ``true`` / ``false`` (lax mode read ``"stream": "yes"`` and
+``"echo": 1`` as true), as OpenAI answers.
 """
 
 from __future__ import annotations
@@ -34,6 +36,29 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": True}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "top_p": False}, "top_p"),
 ]
+
+
+FLAG_CASES = [
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": "true"}, "ignore_eos"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": 0}, "stream"),
+    ("/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": "on"}, "add_generation_prompt"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream": True, "stream_options": {"include_usage": "y"}},
+        "stream_options",
+    ),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": 0}, "add_special_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", FLAG_CASES, ids=[f"{c[0]}-{c[2]}" for c in FLAG_CASES])
+def test_non_boolean_for_a_flag_is_400_naming_the_field(client, server, path, body, param):
+    err = assert_error(client.post(path, json=body), 400, param)
+    assert "boolean" in err["message"], err
+    healthy(server, client)
 
 
 @pytest.mark.parametrize("path,body,param", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])

@@ -13,7 +13,7 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -90,9 +90,9 @@ class ErrorResponse(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk carrying the usage."""
 
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
     #: vLLM's per-chunk usage: refused (400) when true.
-    continuous_usage_stats: bool | None = False
+    continuous_usage_stats: StrictBool | None = False
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -110,13 +110,13 @@ class SamplingExtensions(OpenAIBaseModel):
     min_p: Float | None = None
     repetition_penalty: Float | None = None
     min_tokens: Int = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[Int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     #: Add the generated token ids (``token_ids``) to every choice (and chunk).
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
     #: vLLM's scheduling priority: lower is served first under ``--scheduling-policy
     #: priority`` (ties by arrival); must be 0 under the default ``fcfs``.
     priority: Int = 0
@@ -129,9 +129,9 @@ class SamplingExtensions(OpenAIBaseModel):
     #: vLLM's beam search: ``best_of`` (default ``n``) is the beam width, the best ``n`` beams
     #: are returned; ranked by ``cumulative_logprob / len ** length_penalty``; ``early_stopping``
     #: is True, False or "never" (transformers' rules). Not with ``stream``.
-    use_beam_search: bool = False
+    use_beam_search: StrictBool = False
     length_penalty: Float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    early_stopping: StrictBool | Literal["never"] = False
     # Structured output (see ``structured.py``): OpenAI's response_format, vLLM's object and
     # its legacy guided_* fields.
     response_format: ResponseFormat | None = None
@@ -155,10 +155,10 @@ class CompletionRequest(SamplingExtensions):
     top_p: Float | None = None
     n: Int = 1
     best_of: Int | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logprobs: Int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     stop: str | list[str] | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
@@ -214,9 +214,9 @@ class ChatCompletionRequest(SamplingExtensions):
     top_p: Float | None = None
     n: Int = 1
     best_of: Int | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Int | None = None
     stop: str | list[str] | None = None
     presence_penalty: Float | None = None
@@ -228,16 +228,16 @@ class ChatCompletionRequest(SamplingExtensions):
     #: ``none``, ``auto``, ``required`` or ``{"type": "function", "function": {"name": ...}}``;
     #: the legacy ``functions`` / ``function_call`` (kept as extra fields) map onto these.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # vLLM extensions for the template
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     #: vLLM's chat echo: the reply starts with the last message's content when that message is
     #: the assistant's (with ``continue_final_message``, the text being continued).
-    echo: bool = False
+    echo: StrictBool = False
     #: Let special-token strings written in message contents (``<|im_end|>``) act as control
     #: tokens; by default they are tokenized as plain text, as OpenAI does.
-    allow_special_tokens_in_content: bool = False
+    allow_special_tokens_in_content: StrictBool = False
     #: A Jinja chat template used for this request instead of the model's (rendered in
     #: transformers' sandboxed environment); a template that fails to render is a 400.
     chat_template: str | None = None
@@ -272,10 +272,10 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     #: Tools offered to the chat template (as in a chat request).
     tools: list[ChatTool] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    allow_special_tokens_in_content: bool = False
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    allow_special_tokens_in_content: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -302,8 +302,8 @@ class EmbeddingRequest(OpenAIBaseModel):
     #: Extensions: the pooling method (default: the server's ``--pooling``), L2 normalization
     #: (OpenAI's embeddings are unit vectors), special tokens added to text inputs.
     pooling: Literal["mean", "last"] | None = None
-    normalize: bool = True
-    add_special_tokens: bool = True
+    normalize: StrictBool = True
+    add_special_tokens: StrictBool = True
 
 
 # ---- /v1/responses --------------------------------------------------------------------------
@@ -319,15 +319,15 @@ class ResponsesRequest(OpenAIBaseModel):
     max_output_tokens: Int | None = None
     temperature: Float | None = None
     top_p: Float | None = None
-    stream: bool = False
+    stream: StrictBool = False
     #: Keep the response (and its conversation) in memory for ``previous_response_id`` and
     #: ``GET /v1/responses/{id}`` (a bounded LRU; OpenAI's default is true).
-    store: bool = True
+    store: StrictBool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
