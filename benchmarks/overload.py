@@ -13,8 +13,10 @@
 
 ``--admission queue,slots --rounds 3`` runs the phases for each admission policy in turn (a
 fresh server each time), alternating, so a noisy machine affects both alike; the medians of
-each policy's ratios are printed last. ``slots/prefill-first`` is ``slots`` with the server's
-``--prefill-first`` scheduling. The server's split of TTFT (mean queue time and prefill time
+each policy's ratios are printed last. A policy may carry serve flags after ``/``:
+``slots`` schedules prefill-first and stops decode steps for arrivals by default, so
+``slots/no-prefill-first/no-interrupt-decode-for-prefill`` is ``slots`` with mixed steps. The
+server's split of TTFT (mean queue time and prefill time
 from its ``/metrics``) is printed beside the client's figures.
 
 All requests: a ``--prompt-tokens`` prompt (the same long prefix + a number), ``--max-tokens``
@@ -331,7 +333,7 @@ def main() -> int:
         default="queue",
         help="comma-separated EngineConfig.admission policies, run in turn each round; a "
         "policy may carry /-separated serve flags (name or name=value), e.g. "
-        "slots,slots/prefill-first,slots/max-num-batched-tokens=256",
+        "slots,slots/no-prefill-first,slots/max-num-batched-tokens=256",
     )
     p.add_argument("--rounds", type=int, default=1, help="times each policy is run, alternating")
     p.add_argument("--overload-factor", type=float, default=3.0)

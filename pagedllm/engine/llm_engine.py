@@ -187,7 +187,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 policy=config.scheduling_policy,
-                prefill_first=config.prefill_first,
+                prefill_first=config.use_prefill_first,
             ),
             self.block_manager,
         )
@@ -238,23 +238,31 @@ class LLMEngine:
                 else None
             ),
         )
-        if config.interrupt_decode_for_prefill:
-            self._enable_step_interrupt()
+        if config.use_step_interrupt:
+            self._enable_step_interrupt(warn=config.interrupt_decode_for_prefill is True)
+        if config.admission == "slots":
+            logger.info(
+                "admission=slots: prefill-first steps %s, decode steps stopped for arrivals %s",
+                "on" if config.use_prefill_first else "off",
+                "on" if self.engine_core.step_interrupt is not None else "off",
+            )
 
-    def _enable_step_interrupt(self) -> None:
+    def _enable_step_interrupt(self, warn: bool) -> None:
         """``interrupt_decode_for_prefill``: share one ``StepInterrupt`` between the model's
-        fused layers and the engine core (``model.step_interrupt``); a warning and nothing else
-        where the step cannot be stopped (another executor, no fused layers, speculation)."""
+        fused layers and the engine core (``model.step_interrupt``). Nothing where the step
+        cannot be stopped (another executor, no fused layers, speculation), with a warning if
+        ``warn`` (the option was asked for, not on by default)."""
         model = getattr(getattr(self.executor, "worker", None), "model", None)
         if (
             model is None
             or self.engine_core.speculator is not None
             or getattr(model, "fused_stack", None) is None
         ):
-            logger.warning(
-                "interrupt_decode_for_prefill is ignored: it needs one process, the fused CPU "
-                "decoder layers and no speculative decoding"
-            )
+            if warn:
+                logger.warning(
+                    "interrupt_decode_for_prefill is ignored: it needs one process, the fused "
+                    "CPU decoder layers and no speculative decoding"
+                )
             return
         interrupt = StepInterrupt()
         model.step_interrupt = interrupt

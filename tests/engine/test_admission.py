@@ -84,6 +84,42 @@ def test_unknown_admission_policy_is_a_value_error():
         EngineConfig(admission="lifo")
 
 
+@pytest.mark.parametrize(
+    "options,resolved",
+    [
+        ({}, (False, False)),
+        ({"admission": "slots"}, (True, True)),
+        ({"admission": "slots", "scheduling_policy": "priority"}, (False, True)),
+        (
+            {"admission": "slots", "prefill_first": False, "interrupt_decode_for_prefill": False},
+            (False, False),
+        ),
+        ({"prefill_first": True, "interrupt_decode_for_prefill": True}, (True, True)),
+    ],
+)
+def test_slots_turns_on_prefill_first_and_step_interrupts_by_default(options, resolved):
+    """``prefill_first`` / ``interrupt_decode_for_prefill`` left at None follow ``admission``:
+    on with ``slots`` (prefill-first only with fcfs), off with ``queue``; given values win."""
+    cfg = EngineConfig(**options)
+    assert (cfg.use_prefill_first, cfg.use_step_interrupt) == resolved
+
+
+def test_slots_engine_schedules_prefill_first_and_warns_only_when_asked(tiny_loaded, caplog):
+    """The engine follows the resolved values; where a step cannot be stopped (speculative
+    decoding) the default stays quiet, while asking for the option explicitly warns."""
+    engine = make_engine(tiny_loaded, admission="slots")
+    assert engine.scheduler.config.prefill_first is True
+    assert make_engine(tiny_loaded).scheduler.config.prefill_first is False
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        quiet = make_engine(tiny_loaded, admission="slots", speculative_config=spec)
+    assert quiet.engine_core.step_interrupt is None
+    assert "interrupt_decode_for_prefill is ignored" not in caplog.text
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        make_engine(tiny_loaded, interrupt_decode_for_prefill=True, speculative_config=spec)
+    assert "interrupt_decode_for_prefill is ignored" in caplog.text
+
+
 def test_async_engine_admits_only_into_free_slots(tiny_loaded):
     eng = make_engine(tiny_loaded, max_num_seqs=2, admission="slots")
     prompt = [1, 2, 3, 4, 5]

@@ -95,6 +95,44 @@ def test_stopped_steps_leave_no_trace(tiny_llm_factory) -> None:  # noqa: ANN001
     assert stoppable[2] is True  # a plain decode step
 
 
+PREEMPT_PROMPTS = [list(range(10, 42)) + list(range(100 + 8 * i, 108 + 8 * i)) for i in range(4)]
+PREEMPT_CASES = {
+    "n3": SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, ignore_eos=True),
+    "beam": SamplingParams(
+        n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=20, ignore_eos=True
+    ),
+    "greedy_logprobs": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+}
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("case", list(PREEMPT_CASES))
+def test_stopped_steps_with_forks_beams_preemption_and_cached_prefixes(
+    tiny_llm_factory, case, mode
+) -> None:  # noqa: ANN001
+    """Every third forward pass stops in a 12-block pool where four 40-token prompts sharing
+    their first 32 tokens (prefix cache hits) are preempted, fork their prompt blocks (n = 3,
+    beams: copy on write when a shared last block grows) and swap: the scheduler's work for a
+    stopped step (new blocks, copies, swaps, preemptions) is kept and the step's forward pass
+    run again, so every output equals the run without stops; the factory checks the pool."""
+    kw = dict(block_size=16, num_gpu_blocks_override=12, max_model_len=96, preemption_mode=mode)
+
+    def outputs(llm: LLM) -> list:
+        outs = llm.generate(PREEMPT_PROMPTS, PREEMPT_CASES[case], use_tqdm=False)
+        return [
+            [(c.token_ids, c.cumulative_logprob, c.logprobs and [sorted(d) for d in c.logprobs])
+             for c in o.outputs]
+            for o in outs
+        ]  # fmt: skip
+
+    reference = outputs(tiny_llm_factory(**kw))
+    llm = tiny_llm_factory(interrupt_decode_for_prefill=True, **kw)
+    install(llm, StopBeforeFirstLayer(set(range(2, 400, 3))))
+    assert outputs(llm) == reference
+    assert llm.engine.stats.num_interrupted_steps > 5
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 @pytest.mark.slow
 def test_stops_between_layers_from_another_thread(smollm) -> None:  # noqa: ANN001
     """SmolLM2-135M (30 layers, milliseconds per step): a thread asks every other step to stop
