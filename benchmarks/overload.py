@@ -341,9 +341,10 @@ def main() -> int:
     p.add_argument(
         "--unloaded-requests",
         type=int,
-        default=40,
-        help="sequential unloaded requests; p99 by nearest rank is their slowest, so a sample "
-        "near the admitted count (~80 at the default rates) compares like with like",
+        default=120,
+        help="sequential unloaded requests; p99 by nearest rank is the slowest of up to 100, "
+        "so a sample near the admitted count (120-190 in 25 s phases on 2 Zen 3 cores) "
+        "compares like with like",
     )
     p.add_argument("--idle-seconds", type=float, default=10.0)
     p.add_argument(
