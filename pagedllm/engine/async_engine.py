@@ -434,7 +434,7 @@ class AsyncLLMEngine(ModelFactsMixin):
         """``interrupt_decode_for_prefill``: after queueing an add, stop the step in flight when
         it is decode-only, has run less than half a usual decode step, and the live requests
         leave a batch slot (model.step_interrupt); the engine thread then takes the add and runs
-        the decodes again with its prefill."""
+        the decodes again with its prefill (or after it, with prefill_first)."""
         core = getattr(self.engine, "engine_core", None)
         interrupt = getattr(core, "step_interrupt", None)
         if core is None or interrupt is None:

@@ -8,8 +8,9 @@ decode-only step and a batch slot is free: the fused decoder op (``csrc/cpu/fuse
 checks the flag before each layer and returns early, the model raises :class:`StepInterrupted`,
 and the engine discards the step (no token is sampled, no ``num_computed_tokens`` advances, no
 block is registered in the prefix cache). The next step schedules the same decodes again together
-with the new request's prefill; the K/V the stopped step wrote for those decodes is rewritten with
-the same values.
+with the new request's prefill (with ``prefill_first``, the prefill runs alone first and the
+decodes in the step after it); the K/V the stopped step wrote for those decodes is rewritten with
+the same values. Both options are on by default under ``admission="slots"``.
 """
 
 from __future__ import annotations
