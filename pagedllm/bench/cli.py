@@ -20,7 +20,8 @@ from pagedllm.bench.datasets import (
     hf_tokenize,
     load_dataset,
 )
-from pagedllm.config import add_engine_args, engine_kwargs_from_args
+from pagedllm.config import engine_kwargs_from_args
+from pagedllm.config_cli import add_engine_args
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:

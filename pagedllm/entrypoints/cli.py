@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import add_engine_args
 from pagedllm.config import engine_kwargs_from_args as engine_kwargs
+from pagedllm.config_cli import add_engine_args
 
 __all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
 

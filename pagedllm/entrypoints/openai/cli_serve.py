@@ -11,7 +11,8 @@ import importlib.util
 import os
 from typing import Any
 
-from pagedllm.config import add_engine_args, parse_size, served_model_name
+from pagedllm.config import parse_size, served_model_name
+from pagedllm.config_cli import add_engine_args
 from pagedllm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 from pagedllm.serving.routing import ROUTER_POLICIES
 
