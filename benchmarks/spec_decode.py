@@ -83,6 +83,9 @@ def main() -> None:
                     help="also run each n-gram / suffix method with the earlier per-sequence k "
                          "policy (grow after a full run, halve after a miss; no goodput rule), "
                          "as METHOD-halving, in the same process")
+    ap.add_argument("--fixed-step-cost", action="store_true",
+                    help="also run each n-gram / suffix method with the goodput rule on the prior "
+                         "step cost model (learn_step_cost false), as METHOD-fixed")
     ap.add_argument("--draft-model", default=None,
                     help="draft of --methods draft_model (registry name or path); default: the "
                          "bundled SmolLM2 as its own draft (100%% greedy acceptance expected)")
@@ -100,11 +103,14 @@ def main() -> None:
     methods = list(args.methods)
     if args.old_policy:
         methods += [f"{m}-halving" for m in args.methods if m in ("ngram", "suffix")]
+    if args.fixed_step_cost:
+        methods += [f"{m}-fixed" for m in args.methods if m in ("ngram", "suffix")]
     for name in methods:
-        method = name.removesuffix("-halving")
+        method = name.removesuffix("-halving").removesuffix("-fixed")
         spec: dict[str, Any] | None = None
         if method != "off":
-            spec = {"method": method, "num_speculative_tokens": args.k, "disable_by_batch_size": 10_000}
+            spec = {"method": method, "num_speculative_tokens": args.k, "disable_by_batch_size": 10_000,
+                    "learn_step_cost": not name.endswith("-fixed")}
         if method == "draft_model":  # default draft: the bundled target itself (already loaded)
             assert spec is not None
             spec["model"] = args.draft_model or loaded
@@ -120,6 +126,10 @@ def main() -> None:
             print(f"{name:6s} batch {b:3d}: TPOT {r['tpot_ms']:7.2f} ms, wall {r['wall_s']:6.1f} s, "
                   f"{r['tokens']} tokens, acceptance {r['acceptance_rate']:.2f}, mean accepted length "
                   f"{r['mean_accepted_length']:.2f}, per position {r['acceptance_per_pos']}")
+            allocator = llm.engine.engine_core.speculator and llm.engine.engine_core.speculator.allocator
+            if allocator is not None and allocator.learn_step_cost:
+                table = " ".join(f"{rows}:{1000 * t:.1f}" for rows, t in allocator.step_cost.measured)
+                print(f"       learned forward ms by rows: {table}")
         del llm
     for name in methods[1:]:
         for b in args.batches:

@@ -48,10 +48,39 @@ def greedy_answers(n: int, cache: Path) -> list[dict[str, Any]]:
     return pairs
 
 
+def parse_curve(text: str) -> list[tuple[int, float]]:
+    """``"1:26.4,8:34.2,40:94.5"`` (rows:ms of a measured step) -> sorted (rows, ms) pairs.
+
+    Raises:
+        ValueError: on a malformed pair or fewer than two of them.
+    """
+    points = sorted((int(r), float(t)) for r, t in (p.split(":") for p in text.split(",")))
+    if len(points) < 2:
+        raise ValueError("--curve needs at least two rows:ms pairs")
+    return points
+
+
+def curve_time(points: list[tuple[int, float]], rows: int) -> float:
+    """Step time of ``rows`` rows on a measured curve: linear between its points, the end
+    segments' slopes carried on past them."""
+    i = next((j for j in range(1, len(points)) if rows <= points[j][0]), len(points) - 1)
+    (ra, ta), (rb, tb) = points[i - 1], points[i]
+    return max(ta + (tb - ta) * (rows - ra) / (rb - ra), 0.0)
+
+
 def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, proposer: Proposer,
-           knee: int, row_cost: float) -> tuple[float, int, int]:
-    """(modelled time in decode steps, drafts verified, drafts accepted) of one policy."""
-    alloc = DraftAllocator(knee_rows=knee, row_cost=row_cost)
+           knee: int, row_cost: float, curve: list[tuple[int, float]] | None = None,
+           alloc: DraftAllocator | None = None) -> tuple[float, int, int]:
+    """(modelled time, drafts verified, drafts accepted) of one policy.
+
+    The time is in one-token decode steps of the prior model, or in ms of ``curve`` when one is
+    given. Policy ``goodput-learned`` reports every step's curve time to the allocator (its
+    ``StepCostTable`` learns the curve); pass the same ``alloc`` to a second call to replay
+    with what it learned.
+    """
+    if alloc is None:
+        alloc = DraftAllocator(knee_rows=knee, row_cost=row_cost)
+    goodput = policy.startswith("goodput")
     k_of: dict[int, int] = {}
     time = 0.0
     drafts = accepted = 0
@@ -61,11 +90,11 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
         while active := [s for s in seqs if s["done"] < len(s["out"])]:
             props: dict[int, list[int]] = {}
             for s in active:
-                kk = 0 if policy == "off" else k if policy == "goodput" else k_of.get(s["id"], k)
+                kk = 0 if policy == "off" else k if goodput else k_of.get(s["id"], k)
                 kk = min(kk, len(s["out"]) - s["done"] - 1)  # never past max_tokens
                 props[s["id"]] = (proposer.propose(s["ids"], s["n_prompt"], kk, str(s["id"]))[:kk]
                                   if kk > 0 else [])
-            if policy == "goodput":
+            if goodput:
                 kept = alloc.allocate({i: len(p) for i, p in props.items() if p}, len(active))
                 props.update({i: props[i][:n] for i, n in kept.items()})
             rows = 0
@@ -83,7 +112,10 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
                 if p:
                     alloc.record(s["id"], len(p), a)
                     k_of[s["id"]] = len(p) + 1 if a == len(p) else max(1, len(p) // 2) if a == 0 else len(p)
-            time += 1.0 + row_cost * max(0, rows - knee)
+            step = 1.0 + row_cost * max(0, rows - knee) if curve is None else curve_time(curve, rows)
+            time += step
+            if policy == "goodput-learned":
+                alloc.observe_step(rows, step)
         for s in seqs:
             proposer.on_request_finished(s["ids"], s["n_prompt"], str(s["id"]))
     return time, drafts, accepted
@@ -93,20 +125,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--knee", type=int, default=6)
     ap.add_argument("--row-cost", type=float, default=0.025)
     ap.add_argument("--cache", default="/tmp/pagedllm_spec_answers.json")
+    ap.add_argument("--curve", type=parse_curve, default=None,
+                    help="measured step times as rows:ms pairs (benchmarks/spec_cutoff.py), e.g. "
+                         "1:26.4,8:34.2,40:94.5: steps are then timed on this curve, the policies "
+                         "keep --knee / --row-cost as their prior, and goodput-learned learns the "
+                         "curve (its figure: a second replay with what the first learned)")
     args = ap.parse_args()
     pairs = greedy_answers(args.n, Path(args.cache))
+    timing = (f"T(R) = 1 + {args.row_cost} * max(0, R - {args.knee})" if args.curve is None
+              else f"steps timed on the curve {args.curve}")
     print(f"{len(pairs)} greedy answers, {sum(len(p['out']) for p in pairs)} output tokens; "
-          f"T(R) = 1 + {args.row_cost} * max(0, R - {args.knee}); k = {args.k}")
+          f"{timing}; k = {args.k}")
+    policies = ("halving", "goodput") if args.curve is None else ("halving", "goodput", "goodput-learned")
     for method in ("ngram", "suffix"):
-        for batch in (1, 8):
+        for batch in args.batches:
             line = [f"{method} batch {batch}:"]
-            off = replay(pairs, batch, "off", 0, NgramProposer(), args.knee, args.row_cost)[0]
-            for policy in ("halving", "goodput"):
-                proposer: Proposer = NgramProposer(1, 4) if method == "ngram" else SuffixProposer()
-                t, d, a = replay(pairs, batch, policy, args.k, proposer, args.knee, args.row_cost)
+            off = replay(pairs, batch, "off", 0, NgramProposer(), args.knee, args.row_cost, args.curve)[0]
+            for policy in policies:
+                alloc = DraftAllocator(knee_rows=args.knee, row_cost=args.row_cost)
+                for _ in range(2 if policy == "goodput-learned" else 1):  # learn, then measure
+                    proposer: Proposer = NgramProposer(1, 4) if method == "ngram" else SuffixProposer()
+                    t, d, a = replay(pairs, batch, policy, args.k, proposer, args.knee,
+                                     args.row_cost, args.curve, alloc)
                 line.append(f"{policy} {off / t:.2f}x (drafts {d}, accepted {a})")
             print(" ".join(line))
 

@@ -183,6 +183,8 @@ class EngineCore:
                 took = time.monotonic() - now
                 avg = self.decode_step_seconds
                 self.decode_step_seconds = took if avg == 0.0 else 0.9 * avg + 0.1 * took
+        if self.speculator is not None:
+            self.speculator.observe_step(sched, time.monotonic() - now)
         self.scheduler.on_step_done(sched)
         for request_id, work in sched.scheduled:
             seq, group = self._seqs[work.seq_id]

@@ -29,7 +29,11 @@ class SpeculativeConfig:
             decode (weight-read-bound), each row past it adds ``step_row_cost`` of one. The
             proposals are trimmed per step so that a draft takes a row only while it raises the
             expected tokens per unit of step time (``spec_decode.policy.DraftAllocator``).
-            Measured on this CPU with ``benchmarks/spec_cutoff.py`` (docs/spec_decode.md).
+            This is the prior: with ``learn_step_cost`` the measured time of every decode /
+            verification step replaces it (``policy.StepCostTable``). The defaults come from an
+            AVX2 CPU before the fused layers (``benchmarks/spec_cutoff.py``, docs/spec_decode.md).
+        learn_step_cost: learn the step cost from measured step times (default True); False
+            keeps ``step_rows_knee`` / ``step_row_cost`` as they are.
         suffix_max_depth / suffix_max_cached_requests: the suffix proposer's tree depth and how
             many finished requests' outputs it keeps.
         model: the draft model of method "draft_model" (required there, refused elsewhere): a
@@ -48,6 +52,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 16
     step_rows_knee: int = 6
     step_row_cost: float = 0.025
+    learn_step_cost: bool = True
     suffix_max_depth: int = 24
     suffix_max_cached_requests: int = 1000
     model: Any = None
@@ -61,6 +66,10 @@ class SpeculativeConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("method", "model"):
+                continue
+            if f.name == "learn_step_cost":
+                if not isinstance(value, bool):
+                    raise ValueError(f"speculative_config.learn_step_cost must be true or false, got {value!r}")
                 continue
             if f.name == "step_row_cost":
                 if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:

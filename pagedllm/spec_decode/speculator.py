@@ -81,7 +81,11 @@ class Speculator:
         self.allocator: DraftAllocator | None = (
             None
             if hasattr(self.proposer, "after_schedule")
-            else DraftAllocator(knee_rows=config.step_rows_knee, row_cost=config.step_row_cost)
+            else DraftAllocator(
+                knee_rows=config.step_rows_knee,
+                row_cost=config.step_row_cost,
+                learn_step_cost=config.learn_step_cost,
+            )
         )
         self.structured: StructuredOutputManager | None = None
 
@@ -153,6 +157,20 @@ class Speculator:
             hook(sched, seqs)
 
     # ---- after the step ----------------------------------------------------------------------
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Feed the measured time of a step's forward pass (the part the drafts' rows change;
+        sampling and output processing scale with the tokens emitted, which are paid with or
+        without speculation) to the draft allocator's cost model when every scheduled sequence
+        was decoding or verifying (a prefill chunk would make its rows incomparable)."""
+        if self.allocator is None or not sched.scheduled:
+            return
+        rows = 0
+        for _, work in sched.scheduled:
+            if len(work.token_ids) != 1 + work.num_spec_tokens or not work.do_sample:
+                return
+            rows += len(work.token_ids)
+        self.allocator.observe_step(rows, seconds)
+
     def verify(
         self,
         sched: SchedulerOutput,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedllm.spec_decode.policy import DraftAllocator
+from pagedllm.spec_decode.policy import DraftAllocator, StepCostTable
 
 
 def test_below_the_knee_every_draft_is_kept():
@@ -65,7 +65,100 @@ def test_speculator_takes_the_cost_model_from_the_config():
     spec = Speculator(cfg, max_model_len=64)
     assert spec.allocator is not None
     assert (spec.allocator.knee_rows, spec.allocator.row_cost) == (12, 0.5)
+    assert spec.allocator.learn_step_cost
+    cfg = parse_speculative_config({"method": "suffix", "learn_step_cost": False})
+    assert not Speculator(cfg, max_model_len=64).allocator.learn_step_cost
+    with pytest.raises(ValueError, match="speculative_config.learn_step_cost"):
+        parse_speculative_config({"learn_step_cost": 1})
     with pytest.raises(ValueError, match="speculative_config.step_row_cost"):
         parse_speculative_config({"step_row_cost": -0.1})
     with pytest.raises(ValueError, match="speculative_config.step_rows_knee"):
         parse_speculative_config({"step_rows_knee": 0})
+
+
+def test_step_cost_table_prior_quartile_interpolation_and_extrapolation():
+    table = StepCostTable(knee_rows=6, row_cost=0.025, window=8, min_samples=3)
+    assert table.cost(40) == pytest.approx(1 + 0.025 * 34)  # the prior until measured
+    table.observe(8, 0.031)
+    table.observe(8, 0.030)
+    assert table.measured == [] and table.cost(8) == pytest.approx(1.05)  # 2 < min_samples
+    table.observe(8, 0.100)  # a slow step: the lower quartile ignores it
+    assert table.measured == [(8, 0.030)]
+    # One count measured: the prior's shape, scaled to it.
+    assert table.cost(40) == pytest.approx(0.030 * (1 + 0.025 * 34) / 1.05)
+    for t in (0.050, 0.052, 0.051, 0.049):
+        table.observe(16, t)
+    assert table.measured == [(8, 0.030), (16, 0.050)]  # sorted(...)[4 // 4] = 0.050
+    assert table.cost(12) == pytest.approx(0.040)  # linear between the neighbours
+    assert table.cost(24) == pytest.approx(0.050 + 0.0025 * 8)  # the last slope carried on
+    assert table.cost(4) == pytest.approx(0.030 * 1.0 / 1.05)  # below: the prior's shape
+    table.observe(0, 1.0)
+    table.observe(3, 0.0)
+    assert table.measured == [(8, 0.030), (16, 0.050)]  # ignored
+
+
+def test_step_cost_table_is_non_decreasing_and_forgets_old_samples():
+    table = StepCostTable(window=4, min_samples=1)
+    table.observe(4, 0.040)
+    table.observe(8, 0.030)  # fewer rows slower than more: pooled, weighted by count
+    assert table.measured == [(4, 0.035), (8, 0.035)]
+    for _ in range(4):
+        table.observe(4, 0.020)  # the 0.040 sample leaves the window of 4
+    assert table.measured == [(4, 0.020), (8, 0.030)]
+    with pytest.raises(ValueError, match="window"):
+        StepCostTable(window=0)
+    with pytest.raises(ValueError, match="min_samples"):
+        StepCostTable(window=4, min_samples=5)
+
+
+def test_measured_step_costs_replace_the_prior():
+    # The prior says every row is free (knee 64): all 8 x 4 drafts of alpha 0.6 are kept.
+    alloc = DraftAllocator(knee_rows=64, row_cost=0.025, prior=0.6)
+    proposals = {i: 4 for i in range(8)}
+    assert sum(alloc.allocate(proposals, num_rows=8).values()) == 32
+    # Measured: 8 rows 30 ms, 40 rows 120 ms (each row 2.8 ms, ~9 % of a plain step).
+    fixed = DraftAllocator(knee_rows=64, row_cost=0.025, prior=0.6, learn_step_cost=False)
+    for _ in range(3):
+        for a in (alloc, fixed):
+            a.observe_step(8, 0.030)
+            a.observe_step(40, 0.120)
+    assert sum(fixed.allocate(proposals, num_rows=8).values()) == 32
+    # Goodput (8 + 0.6 n) / (30 + 2.8125 n) ms for n first drafts: falls from the first one
+    # (0.6 / 2.8125 < 8 / 30), so none is kept.
+    assert alloc.allocate(proposals, num_rows=8) == dict.fromkeys(range(8), 0)
+    mixed = DraftAllocator(knee_rows=64, row_cost=0.025, smoothing=1.0)
+    for seq_id in range(8):
+        mixed.record(seq_id, 4, 4 if seq_id < 4 else 1)  # alpha 1.0 for 0-3, 0.5 for 4-7
+    for _ in range(3):
+        mixed.observe_step(8, 0.030)
+        mixed.observe_step(40, 0.120)
+    # A certain draft pays for its row (24 / (30 + 16 * 2.8125) = 0.32 > 8 / 30); a 0.5 draft
+    # after them does not (24.5 / 77.8 < 0.32).
+    assert mixed.allocate(proposals, num_rows=8) == {0: 4, 1: 4, 2: 4, 3: 4, 4: 0, 5: 0, 6: 0, 7: 0}
+
+
+def test_the_engine_reports_every_decode_and_verification_step(tiny_loaded):
+    from collections import Counter
+
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = LLM(loaded=tiny_loaded, max_model_len=256, kv_cache_memory=1 << 22,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    core = llm.engine.engine_core
+    table = core.speculator.allocator.step_cost = StepCostTable(window=10_000)
+    decode_rows: Counter[int] = Counter()
+    run_model = core.executor.execute_model
+
+    def counting(sched):
+        works = [w for _, w in sched.scheduled]
+        if works and all(len(w.token_ids) == 1 + w.num_spec_tokens and w.do_sample for w in works):
+            decode_rows[sum(len(w.token_ids) for w in works)] += 1
+        return run_model(sched)
+
+    core.executor.execute_model = counting
+    prompts = [[10, 11, 12, 13, 14] * 6, list(range(20, 60))]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    counted = Counter({rows: len(s) for rows, s in table._samples.items()})
+    assert counted == decode_rows and sum(counted.values()) > 0
+    assert max(counted) <= 2 * 5  # the two prompts' prefills (30 and 40 tokens) are not steps here
