@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.loader.gguf_index import load_index, save_index
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,10 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """Open a GGUF file with ``gguf.GGUFReader`` (memory-mapped, nothing is dequantized yet).
 
+    The first open of a file saves an index of its metadata and tensor table in pagedllm's
+    cache (``gguf_index``); later opens of the unchanged file return a ``GGUFIndex`` built from
+    it, which serves the same ``fields`` / ``tensors`` without the reader's slow metadata parse.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: ``"<path> is not a valid GGUF file: <reason>"`` for a bad magic number, an
@@ -168,6 +173,9 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         raise FileNotFoundError(f"GGUF file not found: {p}")
     if not p.is_file():
         raise ValueError(f"{p} is not a valid GGUF file: not a regular file")
+    indexed = load_index(p)
+    if indexed is not None:
+        return indexed
     try:
         reader = gguf.GGUFReader(p)
         # The reader slices the memory map lazily; a short slice means the data was truncated.
@@ -178,6 +186,7 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         raise
     except Exception as exc:  # gguf raises ValueError, KeyError, IndexError, UnicodeError...
         raise ValueError(f"{p} is not a valid GGUF file: {type(exc).__name__}: {exc}") from exc
+    save_index(p, reader)
     return reader
 
 
