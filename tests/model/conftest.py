@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+from tests.model.test_loader import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -14,3 +18,12 @@ def ops():  # noqa: ANN201
     if loaded is None:
         pytest.skip(f"the C++ CPU kernels are unavailable: {cpu_ops_error()}")
     return loaded
+
+
+@pytest.fixture
+def tiny_gguf_own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny GGUF with a tokenizer, and PAGEDLLM_CACHE_DIR set to an empty ``tmp_path/cache``."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tokenizer=True)
+    return path

@@ -3,7 +3,6 @@ serves the reader's metadata and tensors without building ``gguf.GGUFReader``; a
 a damaged entry or a value the index did not keep falls back to the reader."""
 
 import os
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -13,14 +12,6 @@ import torch
 from pagedllm.model.loader import gguf_index, load_gguf_weights, open_gguf
 from pagedllm.model.loader.gguf_index import GGUFIndex, index_path
 from tests.model.test_loader import write_tiny_gguf
-
-
-@pytest.fixture
-def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, tokenizer=True)
-    return path
 
 
 def _count_reader_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -35,7 +26,8 @@ def _count_reader_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return built
 
 
-def test_second_open_serves_the_readers_fields_and_tensors(tiny, tmp_path, monkeypatch):
+def test_second_open_serves_the_readers_fields_and_tensors(tiny_gguf_own_cache, tmp_path, monkeypatch):
+    tiny = tiny_gguf_own_cache
     monkeypatch.setattr(gguf_index, "MAX_CACHED_ARRAY", 8)  # the 264-token vocabulary: length only
     built = _count_reader_builds(monkeypatch)
     reader = open_gguf(tiny)
@@ -66,7 +58,8 @@ def test_second_open_serves_the_readers_fields_and_tensors(tiny, tmp_path, monke
     assert {t.tensor_type.name for t in index.tensors} >= {"F32", "F16", "Q8_0"}
 
 
-def test_weights_and_config_from_the_index_equal_the_readers(tiny, monkeypatch):
+def test_weights_and_config_from_the_index_equal_the_readers(tiny_gguf_own_cache, monkeypatch):
+    tiny = tiny_gguf_own_cache
     built = _count_reader_builds(monkeypatch)
     cfg1, sd1 = load_gguf_weights(tiny)
     cfg2, sd2 = load_gguf_weights(tiny)
@@ -75,7 +68,8 @@ def test_weights_and_config_from_the_index_equal_the_readers(tiny, monkeypatch):
         assert torch.equal(sd1[name], sd2[name]), name
 
 
-def test_a_changed_file_gets_a_fresh_index(tiny, monkeypatch):
+def test_a_changed_file_gets_a_fresh_index(tiny_gguf_own_cache, monkeypatch):
+    tiny = tiny_gguf_own_cache
     built = _count_reader_builds(monkeypatch)
     open_gguf(tiny)
     old = index_path(tiny)
@@ -88,7 +82,8 @@ def test_a_changed_file_gets_a_fresh_index(tiny, monkeypatch):
     assert open_gguf(tiny).fields["llama.rope.freq_base"].contents() == 5000.0
 
 
-def test_a_damaged_index_is_dropped_and_rebuilt(tiny, monkeypatch, caplog):
+def test_a_damaged_index_is_dropped_and_rebuilt(tiny_gguf_own_cache, monkeypatch, caplog):
+    tiny = tiny_gguf_own_cache
     open_gguf(tiny)
     index_path(tiny).write_text('{"fields": {}, "tensors": [{"name": 1}]}')
     built = _count_reader_builds(monkeypatch)
@@ -99,7 +94,8 @@ def test_a_damaged_index_is_dropped_and_rebuilt(tiny, monkeypatch, caplog):
     assert isinstance(open_gguf(tiny), GGUFIndex)  # written again from the reader
 
 
-def test_an_unwritable_cache_only_costs_the_reader_again(tiny, tmp_path, monkeypatch):
+def test_an_unwritable_cache_only_costs_the_reader_again(tiny_gguf_own_cache, tmp_path, monkeypatch):
+    tiny = tiny_gguf_own_cache
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(blocker))

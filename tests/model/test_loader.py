@@ -359,15 +359,6 @@ def _from_pretrained_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, d
     return calls
 
 
-@pytest.fixture
-def tiny_gguf_own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A tiny GGUF with a tokenizer, and PAGEDLLM_CACHE_DIR set to an empty ``tmp_path/cache``."""
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, tokenizer=True)
-    return path
-
-
 def test_gguf_tokenizer_cached_after_first_load(
     tiny_gguf_own_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
