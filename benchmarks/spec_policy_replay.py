@@ -8,9 +8,14 @@ rows of every step without running the model again. The sequences of a batch adv
 steps for R rows (the model of ``spec_decode.policy``), so the printed speed-up is modelled,
 not measured (``benchmarks/spec_decode.py`` measures), but it does not depend on the machine's
 load. Policies: ``halving`` (the earlier rule: k grows by one after a fully accepted run, halves
-after a miss) and ``goodput`` (``DraftAllocator``).
+after a miss) and ``goodput`` (``DraftAllocator`` on its prior cost model). With ``--curve``
+(a step time curve measured by ``benchmarks/spec_cutoff.py``) the steps are timed on that curve
+instead, and ``goodput-learned`` also runs: the allocator is told every step's curve time (as the
+engine tells it the measured forward time), and its figure is a second pass over the workload
+with what the first pass learned.
 
     PAGEDLLM_DATA=../shared/data PYTHONPATH=. python benchmarks/spec_policy_replay.py [--k 4]
+        [--batches 1 8 16] [--curve 1:26.4,8:34.2,16:44.2,40:94.5]
 """
 
 from __future__ import annotations

@@ -138,10 +138,10 @@ class DraftAllocator:
     """Per-sequence acceptance estimates and the per-step choice of draft lengths.
 
     Args:
-        knee_rows: rows (tokens) of a step up to which its cost is flat (weight-read-bound),
-            >= 1.
-        row_cost: the cost of each row past ``knee_rows``, as a fraction of a one-token decode
-            step, >= 0.
+        knee_rows: rows (tokens) of a step up to which the prior cost model is flat
+            (weight-read-bound), >= 1.
+        row_cost: the prior's cost of each row past ``knee_rows``, as a fraction of a one-token
+            decode step, >= 0.
         prior: ``alpha`` of a sequence before its first verification, in [0, 1].
         smoothing: weight of the newest verification in the moving average, in (0, 1].
         min_value: a draft whose acceptance probability ``alpha ** j`` is below this is never
