@@ -146,7 +146,8 @@ def _private_cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def gguf_readers():
     """One ``gguf.GGUFReader`` per bundled model file for the whole run (tests/gguf_readers.py):
-    each real-model load otherwise parses its vocabulary metadata again (5-10 s)."""
+    transformers' loads of the same file (reference models, tokenizer builds) otherwise parse its
+    vocabulary metadata again (5-10 s each; pagedllm's own later opens use the GGUF index)."""
     from tests.gguf_readers import shared_gguf_readers
 
     with shared_gguf_readers() as shared:
