@@ -68,6 +68,7 @@ class StepCostTable:
     window: int = 32
     min_samples: int = 3
     _samples: dict[int, deque[float]] = field(default_factory=dict, repr=False)
+    _quartiles: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
     _measured: list[tuple[int, float]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,18 +84,17 @@ class StepCostTable:
             return
         samples = self._samples.setdefault(rows, deque(maxlen=self.window))
         samples.append(seconds)
-        if len(samples) >= self.min_samples:
+        if len(samples) >= self.min_samples:  # only this count's quartile changed
+            self._quartiles[rows] = (sorted(samples)[len(samples) // 4], float(len(samples)))
             self._refit()
 
     def _refit(self) -> None:
-        # Pool adjacent violators: blocks of [sum of weight * time, sum of weight, row counts].
+        # Pool adjacent violators over the counts' quartiles, weighted by their sample counts:
+        # blocks of [sum of weight * time, sum of weight, row counts].
         blocks: list[list] = []
-        for rows in sorted(self._samples):
-            samples = self._samples[rows]
-            if len(samples) < self.min_samples:
-                continue
-            w = float(len(samples))
-            blocks.append([w * sorted(samples)[len(samples) // 4], w, [rows]])
+        for rows in sorted(self._quartiles):
+            t, w = self._quartiles[rows]
+            blocks.append([w * t, w, [rows]])
             while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
                 tw, w, counts = blocks.pop()
                 blocks[-1][0] += tw
@@ -104,7 +104,8 @@ class StepCostTable:
 
     @property
     def measured(self) -> list[tuple[int, float]]:
-        """``(rows, median seconds)`` of every measured row count, by rows."""
+        """``(rows, seconds)`` of every measured row count, by rows: the lower quartiles after
+        the isotonic fit."""
         return list(self._measured)
 
     def prior(self, rows: int) -> float:

@@ -15,7 +15,6 @@ callers see the reader's behaviour either way.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -44,12 +43,11 @@ def index_path(gguf_path: str | os.PathLike[str]) -> Path:
     library's version and :data:`INDEX_VERSION` (a replaced file gets a fresh entry)."""
     from importlib.metadata import version
 
-    from pagedllm.model.loader.tokenizer import pagedllm_cache_dir
+    from pagedllm.model.loader.tokenizer import file_cache_key, pagedllm_cache_dir
 
-    f = Path(gguf_path).resolve()
-    st = f.stat()
-    ident = f"{f}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|gguf {version('gguf')}|v{INDEX_VERSION}"
-    return pagedllm_cache_dir() / "gguf_index" / f"{hashlib.sha1(ident.encode()).hexdigest()[:20]}.json"
+    inode = str(Path(gguf_path).resolve().stat().st_ino)
+    key = file_cache_key(gguf_path, inode, f"gguf {version('gguf')}", f"v{INDEX_VERSION}")
+    return pagedllm_cache_dir() / "gguf_index" / f"{key[:20]}.json"
 
 
 class IndexedField:

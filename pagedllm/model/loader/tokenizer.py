@@ -69,10 +69,22 @@ def tokenizer_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:
     """
     import transformers
 
-    f = Path(gguf_path).resolve()
+    key = file_cache_key(gguf_path, f"transformers {transformers.__version__}", "v1")
+    return pagedllm_cache_dir() / "tokenizers" / key[:16]
+
+
+def file_cache_key(path: str | os.PathLike[str], *extra: str) -> str:
+    """A hex SHA-1 naming a cache entry derived from the file at ``path``: it hashes the
+    resolved path, size and modification time (ns) and the ``extra`` parts (versions), so a
+    replaced file or a new library version gets a fresh entry.
+
+    Raises:
+        OSError: the file cannot be stat'ed.
+    """
+    f = Path(path).resolve()
     st = f.stat()
-    ident = f"{f}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}|v1"
-    return pagedllm_cache_dir() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+    ident = "|".join([str(f), str(st.st_size), str(st.st_mtime_ns), *extra])
+    return hashlib.sha1(ident.encode()).hexdigest()
 
 
 def pagedllm_cache_dir() -> Path:
