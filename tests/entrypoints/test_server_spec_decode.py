@@ -21,7 +21,8 @@ def server(tiny_loaded):
             "kv_cache_memory": 1 << 22,
             "check_invariants": True,
             "num_threads": 1,
-            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+            # learn_step_cost off: the tests count drafts, which a timing-learned policy may cut.
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "learn_step_cost": False},
         },
         loaded=tiny_loaded,
         served_model_name="tiny",

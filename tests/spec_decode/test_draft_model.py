@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 def spec(model, k=3, **extra):
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k,
-            "disable_by_batch_size": 64, **extra}  # fmt: skip
+            "disable_by_batch_size": 64, "learn_step_cost": False, **extra}  # fmt: skip
 
 
 def run(llm, prompts, params):

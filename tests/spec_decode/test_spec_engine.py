@@ -11,7 +11,9 @@ import pytest
 from pagedllm.sampling_params import SamplingParams
 from tests.spec_decode.stress import drive_with_aborts
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}'
+# learn_step_cost off: these tests count drafts, which a timing-learned policy may cut.
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64, '
+        '"learn_step_cost": false}')
 PROMPTS = [
     [10, 11, 12, 13, 14] * 6,
     list(range(20, 60)),
@@ -173,7 +175,7 @@ def test_stress_aborts_and_preemption_leak_nothing(tiny_llm_factory):
 
 
 def test_suffix_proposer_outputs_equal_speculation_off(tiny_llm_factory, reference):
-    llm = tiny_llm_factory(speculative_config='{"method": "suffix", "num_speculative_tokens": 4}')
+    llm = tiny_llm_factory(speculative_config='{"method": "suffix", "num_speculative_tokens": 4, "learn_step_cost": false}')
     for _ in range(2):  # the second round also matches the first round's outputs
         assert run(llm, PROMPTS, CASES["greedy"]) == reference["greedy"]
     st = llm.engine.stats

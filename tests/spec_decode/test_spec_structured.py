@@ -19,7 +19,9 @@ from pagedllm.structured.mask import unpack_bitmask
 from tests.spec_decode.test_spec_engine import OracleProposer
 
 S = StructuredOutputsParams
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}'
+# learn_step_cost off: these tests count drafts, which a timing-learned policy may cut.
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64, '
+        '"learn_step_cost": false}')
 SCHEMA = {
     "type": "object",
     "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"enum": ["xy", "z"]}}},

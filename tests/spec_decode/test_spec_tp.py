@@ -7,7 +7,9 @@ import torch
 
 from tests.distributed.tp_utils import child_pids, greedy_tokens, small_llm, tiny_variant
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}'
+# learn_step_cost off: the test counts drafts, which a timing-learned policy may cut.
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64, '
+        '"learn_step_cost": false}')
 
 
 def repetitive_prompts(vocab_size: int) -> list[list[int]]:
