@@ -57,7 +57,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/spec_cutoff.json")
+    ap.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+                    help="lossy weights (EngineConfig.quantization); default: fp32 weights")
+    ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/spec_cutoff[_QUANT].json)")
     args = ap.parse_args()
 
     from pagedllm.config import EngineConfig
@@ -76,6 +78,7 @@ def main() -> None:
         num_threads=args.threads,
         max_num_seqs=n_max,
         max_num_batched_tokens=max(2048, n_max * (k_max + 1)),
+        quantization=args.quantization,
     )
     engine = LLMEngine(cfg, loaded=loaded)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -116,7 +119,8 @@ def main() -> None:
             t2 = time.perf_counter()
             return (t1 - t0) * 1e3, (t2 - t0) * 1e3
 
-        print(f"bundled SmolLM2-135M fp32, context {args.prompt_len}, {args.threads} threads, "
+        weights = args.quantization or "fp32"
+        print(f"bundled SmolLM2-135M, weights {weights}, context {args.prompt_len}, {args.threads} threads, "
               f"medians of {args.repeats}; r = T(k+1 tokens) / T(1 token)")
         print(f"{'B':>3} {'k':>2} {'T1 ms':>8} {'Tk+1 ms':>8} {'r fwd':>6} {'r step':>6} "
               f"{'A needed':>8} {'alpha needed':>12}")
@@ -149,8 +153,9 @@ def main() -> None:
         for g in list(engine.scheduler.running):
             engine.abort_request(g.request_id)
     results["meta"] = {"context": args.prompt_len, "threads": args.threads,
-                       "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M")}
-    merge_json(args.out, results)
+                       "repeats": args.repeats, "weights": args.quantization or "fp32", "date": time.strftime("%Y-%m-%d %H:%M")}
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    merge_json(args.out or f"benchmarks/results/spec_cutoff{suffix}.json", results)
 
 
 if __name__ == "__main__":

@@ -52,12 +52,18 @@ class StepCostTable:
 
     A count not yet measured is thus estimated from its neighbours (optimistically past the
     last one); the allocator picks it when the estimate pays, and its own samples then replace
-    the estimate.
+    the estimate. A count with no sample in the last ``max_age`` steps reported (any row count)
+    is forgotten: the allocator stops choosing a count it measured as too slow, so without
+    expiry a few samples slowed by interference would turn those drafts off for good; once
+    forgotten the count is estimated again and, where the estimate pays, re-measured (at most
+    ``min_samples`` steps per count every ``max_age`` steps).
 
     Args:
         knee_rows / row_cost: the prior's shape (as :class:`DraftAllocator`'s).
         window: samples kept per row count (>= 1).
         min_samples: samples before a row count counts as measured (1 .. ``window``).
+        max_age: steps reported (of any row count) after a count's newest sample before the
+            count is forgotten (>= ``window``).
 
     Raises:
         ValueError: naming the argument out of range.
@@ -67,26 +73,44 @@ class StepCostTable:
     row_cost: float = 0.025
     window: int = 32
     min_samples: int = 3
+    max_age: int = 2000
     _samples: dict[int, deque[float]] = field(default_factory=dict, repr=False)
     _quartiles: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
     _measured: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    _steps: int = field(default=0, repr=False)  # steps reported so far
+    _last_seen: dict[int, int] = field(default_factory=dict, repr=False)  # rows -> _steps
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.min_samples <= self.window:
             raise ValueError(f"min_samples must be in [1, window], got {self.min_samples}")
+        if self.max_age < self.window:
+            raise ValueError(f"max_age must be >= window ({self.window}), got {self.max_age}")
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record one step of ``rows`` rows (tokens) that took ``seconds`` (ignored unless both
         are > 0)."""
         if rows <= 0 or not seconds > 0:
             return
+        self._steps += 1
+        self._last_seen[rows] = self._steps
         samples = self._samples.setdefault(rows, deque(maxlen=self.window))
         samples.append(seconds)
+        changed = self._expire() if self._steps % self.window == 0 else False
         if len(samples) >= self.min_samples:  # only this count's quartile changed
             self._quartiles[rows] = (sorted(samples)[len(samples) // 4], float(len(samples)))
+            changed = True
+        if changed:
             self._refit()
+
+    def _expire(self) -> bool:
+        """Forget the counts not seen in the last ``max_age`` steps; True if one was measured.
+        Checked every ``window`` steps, so a count lives at most ``max_age + window`` steps."""
+        stale = [r for r, seen in self._last_seen.items() if self._steps - seen >= self.max_age]
+        for rows in stale:
+            del self._last_seen[rows], self._samples[rows]
+        return any([self._quartiles.pop(rows, None) is not None for rows in stale])
 
     def _refit(self) -> None:
         # Pool adjacent violators over the counts' quartiles, weighted by their sample counts:

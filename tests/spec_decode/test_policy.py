@@ -111,6 +111,28 @@ def test_step_cost_table_is_non_decreasing_and_forgets_old_samples():
         StepCostTable(window=4, min_samples=5)
 
 
+def test_a_count_not_seen_for_max_age_steps_is_forgotten_and_tried_again():
+    alloc = DraftAllocator(knee_rows=64, row_cost=0.025, prior=0.6)
+    alloc.step_cost = StepCostTable(64, 0.025, window=4, min_samples=3, max_age=8)
+    for _ in range(3):  # 40 rows measured while something else slowed the machine
+        alloc.observe_step(8, 0.030)
+        alloc.observe_step(40, 0.500)
+    proposals = {i: 4 for i in range(8)}
+    assert alloc.allocate(proposals, num_rows=8) == dict.fromkeys(range(8), 0)
+    # Only plain steps follow. The check runs every window (4) steps: at step 12 the 40-row
+    # count is 7 steps old and stays; at step 16, 11 >= 8 steps old, it is forgotten.
+    for _ in range(6):
+        alloc.observe_step(8, 0.030)
+    assert alloc.step_cost.measured == [(8, 0.030), (40, 0.500)]
+    for _ in range(4):
+        alloc.observe_step(8, 0.030)
+    assert alloc.step_cost.measured == [(8, 0.030)]
+    # Estimated from 8 rows with the prior's shape again (flat to 64 rows): every draft kept.
+    assert sum(alloc.allocate(proposals, num_rows=8).values()) == 32
+    with pytest.raises(ValueError, match="max_age"):
+        StepCostTable(window=4, max_age=3)
+
+
 def test_measured_step_costs_replace_the_prior():
     # The prior says every row is free (knee 64): all 8 x 4 drafts of alpha 0.6 are kept.
     alloc = DraftAllocator(knee_rows=64, row_cost=0.025, prior=0.6)
@@ -146,7 +168,7 @@ def test_the_engine_reports_every_decode_and_verification_step(tiny_loaded):
     llm = LLM(loaded=tiny_loaded, max_model_len=256, kv_cache_memory=1 << 22,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     core = llm.engine.engine_core
-    table = core.speculator.allocator.step_cost = StepCostTable(window=10_000)
+    table = core.speculator.allocator.step_cost = StepCostTable(window=10_000, max_age=10_000)
     decode_rows: Counter[int] = Counter()
     run_model = core.executor.execute_model
 
