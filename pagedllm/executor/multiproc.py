@@ -1,7 +1,10 @@
 """Multi-process tensor parallelism on one machine (paper section 4.6).
 
 The engine's process is the driver and rank 0; ranks 1 .. tp - 1 are processes started with the
-``spawn`` context. They rendezvous through a TCP store on a free port chosen by the OS and form a
+``forkserver`` context where the platform has it (else ``spawn``): the server imports torch and
+pagedllm once (~4 s on 2 cores) and forks every later rank from that, so the second and later
+multi-process engines of a process skip the imports; each rank then takes the driver's current
+environment and working directory (the server's are from its own start). They rendezvous through a TCP store on a free port chosen by the OS and form a
 gloo (CPU) or nccl (CUDA) group. Each step the driver pickles the ``SchedulerOutput`` once, writes
 the same bytes to every worker's pipe, then runs its own shard's forward; the all-reduces keep
 the ranks in lockstep and the logits are gathered to rank 0.
@@ -36,10 +39,24 @@ logger = logging.getLogger(__name__)
 
 # How long execute_model waits for the monitor to name the dead worker after a collective failed.
 _FAILURE_WAIT_S = 5.0
+# What the fork server imports before it forks ranks: torch and the rank's own code (importing
+# them starts no thread, so forking stays safe). Not the C++ kernels: a rank builds them from its
+# own environment (PAGEDLLM_KERNEL_VARIANT and the cache paths).
+_FORKSERVER_PRELOAD = ["pagedllm.executor.worker_main", "pagedllm.worker.worker"]
+
+
+def _start_context() -> Any:
+    """The multiprocessing context ranks start in: ``forkserver`` (preloaded) where available,
+    else ``spawn``."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
 
 
 class MultiprocExecutor(DriverStepMixin):
-    """Driver (rank 0, in this process) plus tp - 1 spawned worker processes.
+    """Driver (rank 0, in this process) plus tp - 1 worker processes (module docstring).
 
     Args:
         make_driver_worker: builds rank 0's ``Worker`` given its groups (called once joined).
@@ -80,15 +97,16 @@ class MultiprocExecutor(DriverStepMixin):
         self._stop_r, self._stop_w = os.pipe()
         self._monitor: threading.Thread | None = None
         self.driver_worker: Worker | None = None
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
         self._store: Any = create_store(self.host, port=0)
         port = self._store.port
+        env = (dict(os.environ), os.getcwd())
         try:
             for rank, init in enumerate(worker_inits, start=1):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(child, init, rank, self.tp, self.pp, self.host, port, backend),
+                    args=(child, init, rank, self.tp, self.pp, self.host, port, backend, env),
                     name=f"pagedllm-tp-rank{rank}",
                     daemon=True,
                 )

@@ -1,8 +1,10 @@
-"""The loop a remote tensor-parallel rank runs (multi-process executor, ``spawn`` context)."""
+"""The loop a remote tensor-parallel rank runs (multi-process executor: ``forkserver`` or
+``spawn`` context)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import sys
 import traceback
@@ -20,15 +22,22 @@ def worker_main(
     host: str,
     port: int,
     backend: str,
+    env: tuple[dict[str, str], str] | None = None,
 ) -> None:
-    """Join the groups (tensor-parallel of its stage, pipeline), build the shard, say "ready",
-    then run every step the driver sends. ``host`` is the driver's (the store's) address, which
-    on one host is also this rank's.
+    """Take the driver's environment and working directory (``env``: ``(os.environ, cwd)`` at
+    start-up; a forked rank would otherwise have the fork server's), join the groups
+    (tensor-parallel of its stage, pipeline), build the shard, say "ready", then run every step
+    the driver sends. ``host`` is the driver's (the store's) address, which on one host is also
+    this rank's.
 
     Messages from the driver are pickled ``SchedulerOutput`` bytes; a pickled None (or a closed
     pipe) ends the loop. Nothing is sent back per step: rank 0's logits stay in the driver. On an
     exception the traceback is sent as ("error", text) and the process exits with code 1.
     """
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env[0])
+        os.chdir(env[1])
     import torch
 
     from pagedllm.device import activate_device, device_for_rank

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pagedllm.entrypoints.llm import LLM
@@ -41,31 +40,22 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = 16) -> l
 
 
 def child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this process, except multiprocessing's
-    resource tracker (one per interpreter, started by the first ``spawn``; it exits with us)."""
-    try:
-        import psutil
+    """Live (non-zombie) descendants of this process, except multiprocessing's resource tracker
+    and fork server (one each per interpreter, started with the first ranks; they exit with us).
+    The ranks are the fork server's children and carry its command line, so the server is told
+    apart by being our own child."""
+    import psutil
 
-        out = set()
-        for c in psutil.Process().children(recursive=True):
-            try:
-                if c.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if any("resource_tracker" in a for a in c.cmdline()):
-                    continue
-            except psutil.NoSuchProcess:
+    me = psutil.Process()
+    out = set()
+    for c in me.children(recursive=True):
+        try:
+            if c.status() == psutil.STATUS_ZOMBIE:
                 continue
-            out.add(c.pid)
-        return out
-    except ImportError:  # pragma: no cover
-        me = os.getpid()
-        out = set()
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(stat[1]) == me and stat[0] != "Z":
-                    out.add(int(d.name))
-        return out
+            cmdline = " ".join(c.cmdline())
+            if "resource_tracker" in cmdline or ("forkserver" in cmdline and c.ppid() == me.pid):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        out.add(c.pid)
+    return out
