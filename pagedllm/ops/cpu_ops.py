@@ -46,6 +46,7 @@ class CpuOps:
         self._int8_pack_weight = lib.int8_pack_weight.default
         self._int8_quantize_rows = lib.int8_quantize_rows.default
         self._int8_linear = lib.int8_linear.default
+        self._int8_linear_record = lib.int8_linear_record.default
         self._int8_gemm_isa = lib.int8_gemm_isa.default
         self._decoder_layers_ = lib.decoder_layers_.default
         self._simd = str(self._simd_level())
@@ -206,6 +207,14 @@ class CpuOps:
     ) -> Tensor:
         """``[M, K]`` float32 x, quantized per row inside -> ``[M, out_features]`` float32."""
         return self._int8_linear(x, packed, wscale, wsum, bias, out_features)
+
+    def int8_linear_record(
+        self, x: Tensor, record: Tensor, out_features: int, bias: Tensor | None = None
+    ) -> Tensor:
+        """:meth:`int8_linear` on a record: one 1-D int8 tensor holding the packed panels, then
+        ``wscale`` [N] float32, then ``wsum`` [panels * 16] int32 (the fused layers' form of an
+        ``Int8Linear``). ``[M, K]`` float32 -> ``[M, out_features]``."""
+        return self._int8_linear_record(x, record, out_features, bias)
 
     def int8_gemm_isa(self) -> str:
         """The int8 inner loop this CPU runs: ``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``."""

@@ -1,7 +1,7 @@
 """The decoder layers as one C++ op (``model.layers.fused_layer``, ``csrc/cpu/fused_layer.cpp``):
 the same kernels as the layers' Python forward, so every logprob of a mixed prefill + decode
 batch is bit-identical with and without it, on each weight kind the op runs (fp32 panels with
-the SwiGLU epilogue, GGUF 4- and 8-bit blocks in several parts with biases), with partial RoPE,
+the SwiGLU epilogue, GGUF 4- and 8-bit blocks in several parts with biases, int8 W8A8 records), with partial RoPE,
 a sliding window and a quantized KV cache; and the layers it cannot run stay unfused."""
 
 from __future__ import annotations
@@ -101,13 +101,15 @@ VARIANTS = {
     },
     "gguf_bias": {"bias": True, "gguf": True},
     "gguf_int8_kv": {"gguf": True, "kv_cache_dtype": "int8"},
+    "int8_w8a8": {"quantization": "int8"},
+    "int8_w8a8_bias": {"bias": True, "quantization": "int8"},
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> None:  # noqa: ANN001
     spec = VARIANTS[variant]
-    if not spec.get("gguf") and ops.simd_level() != "avx2":
+    if not (spec.get("gguf") or spec.get("quantization")) and ops.simd_level() != "avx2":
         pytest.skip(
             "fp32 layers fuse only on pagedllm's own GEMM, which runs in the avx2 kernel variant; "
             f"this CPU runs {ops.simd_level()!r} (oneDNN linears, left unfused)"
@@ -123,6 +125,7 @@ def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> No
         kv_cache_memory=1 << 22,
         enable_prefix_caching=False,
         kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+        quantization=spec.get("quantization"),
     )
     engine = LLMEngine(cfg, loaded=loaded)
     model = engine.executor.worker.model

@@ -115,6 +115,25 @@ def test_saturation_free_at_the_int8_limits(ops):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_record_holds_the_layer_and_its_linear_is_bit_identical(ops, shape):
+    torch.manual_seed(shape[0] + 7 * shape[1])
+    n, k = shape
+    w, x = torch.randn(n, k), torch.randn(6, k)
+    b = torch.randn(n)
+    lin = Int8Linear(w, b, ops)
+    qw, sw = quantize_symmetric(w)
+    # qweight, wscale and wsum are views of the one record the fused layers take.
+    base = lin.record.untyped_storage().data_ptr()
+    for t in (lin.qweight, lin.wscale, lin.wsum):
+        assert t.untyped_storage().data_ptr() == base
+    assert torch.equal(lin.wscale, sw) and torch.equal(lin.wsum[:n], qw.sum(1, dtype=torch.int32))
+    assert lin.record.numel() == lin.qweight.numel() + 4 * n + 4 * lin.wsum.numel()
+    assert torch.equal(ops.int8_linear_record(x, lin.record, n, b), lin(x))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.int8_linear_record(torch.randn(2, k + 4), lin.record, n)
+
+
 def test_kernel_rejects_bad_input(ops):
     lin = Int8Linear(torch.randn(16, 8), None, ops)
     with pytest.raises(RuntimeError, match="columns"):

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "int8_gemm.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gguf.h"
@@ -35,12 +36,18 @@ at::Tensor run_part(const at::Tensor& x, const at::Tensor& w, int64_t kind, int6
       return gemm_linear(x, w, n);
     case kLinearSwiGLU:
       return gemm_swiglu(x, w);
+    case kLinearInt8:
+      return int8_linear_record(x, w, n, c10::nullopt);
     default:
       TORCH_CHECK(false, "decoder_layers_: unknown linear kind ", kind);
   }
 }
 
 at::Tensor run_linear(const at::Tensor& x, const Linear& l) {
+  // The int8 kernel adds the bias in its epilogue, as the unfused Int8Linear does (a later add
+  // would round differently where the compiler contracts the epilogue into an FMA).
+  if (l.count == 1 && l.kinds[0] == kLinearInt8 && l.bias->numel())
+    return int8_linear_record(x, l.weights[0], l.rows[0], *l.bias);
   at::Tensor y;
   if (l.count == 1) {
     y = run_part(x, l.weights[0], l.kinds[0], l.rows[0]);
@@ -141,7 +148,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                   rows.size() == weights.size(),
               "decoder_layers_: weights, kinds and rows must have one entry per part");
   for (size_t i = 0; i < kinds.size(); ++i)
-    TORCH_CHECK(kinds[i] >= kLinearQ4 && kinds[i] <= kLinearSwiGLU,
+    TORCH_CHECK(kinds[i] >= kLinearQ4 && kinds[i] <= kLinearInt8,
                 "decoder_layers_: unknown linear kind ", kinds[i]);
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat,
               "decoder_layers_: hidden must be a contiguous [T, d] float32 tensor");

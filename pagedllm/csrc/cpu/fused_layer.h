@@ -15,6 +15,7 @@ enum LinearKind : int64_t {
   kLinearQ8 = 1,      // gguf_q8_linear's interleaved 8-bit records
   kLinearGemm = 2,    // gemm_pack_weight's fp32 panels
   kLinearSwiGLU = 3,  // gemm_pack_swiglu_weight's panels: the gate/up part yields the activation
+  kLinearInt8 = 4,    // an Int8Linear record (int8_linear_record)
 };
 
 // hidden [T, d] float32 (the residual stream, updated in place) through L layers in order.

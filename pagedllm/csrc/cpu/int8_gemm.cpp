@@ -278,4 +278,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+at::Tensor int8_linear_record(const at::Tensor& x, const at::Tensor& record, int64_t out_features,
+                              const c10::optional<at::Tensor>& bias) {
+  check_x(x);
+  const int64_t N = out_features, K = x.size(1);
+  const int64_t panels = (N + NR - 1) / NR, G = (K + KG - 1) / KG;
+  const int64_t wbytes = panels * G * NR * KG;
+  TORCH_CHECK(record.scalar_type() == at::kChar && record.dim() == 1 && record.is_contiguous() &&
+                  record.numel() == wbytes + 4 * N + 4 * panels * NR,
+              "int8_linear_record: record of ", record.numel(), " bytes does not match a [",
+              N, ", ", K, "] weight");
+  const at::Tensor packed = record.narrow(0, 0, wbytes).view({panels, G, NR, KG});
+  const at::Tensor wscale = record.narrow(0, wbytes, 4 * N).view(at::kFloat);
+  const at::Tensor wsum = record.narrow(0, wbytes + 4 * N, 4 * panels * NR).view(at::kInt);
+  return int8_linear(x, packed, wscale, wsum, bias, N);
+}
+
 }  // namespace pagedllm

@@ -19,6 +19,12 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale,
                        const at::Tensor& wsum, const c10::optional<at::Tensor>& bias,
                        int64_t out_features);
+// int8_linear on one int8 linear held as a single 1-D int8 tensor, a record (the fused layers'
+// weight entry): the packed panels (int8_pack_weight's [P, G, 16, 4], P = ceil(N / 16),
+// G = ceil(K / 4)), then wscale [N] float32, then wsum [P * 16] int32, back to back, the record
+// 64-byte aligned. x [M, K] float32 -> [M, out_features] float32 (+ bias [out_features]).
+at::Tensor int8_linear_record(const at::Tensor& x, const at::Tensor& record, int64_t out_features,
+                              const c10::optional<at::Tensor>& bias);
 // Which inner loop int8_linear runs on this CPU: "avx512_vnni", "avx2" or "scalar".
 std::string int8_gemm_isa();
 }  // namespace pagedllm

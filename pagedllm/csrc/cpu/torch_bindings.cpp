@@ -49,6 +49,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor wscale, Tensor wsum, Tensor? bias, "
       "int out_features) -> Tensor");
+  m.def("int8_linear_record(Tensor x, Tensor record, int out_features, Tensor? bias) -> Tensor");
   m.def("int8_gemm_isa() -> str", &pagedllm::int8_gemm_isa);
   m.def(
       "decoder_layers_(Tensor(a!) hidden, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
@@ -80,5 +81,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("int8_pack_weight", &pagedllm::int8_pack_weight);
   m.impl("int8_quantize_rows", &pagedllm::int8_quantize_rows);
   m.impl("int8_linear", &pagedllm::int8_linear);
+  m.impl("int8_linear_record", &pagedllm::int8_linear_record);
   m.impl("decoder_layers_", &pagedllm::decoder_layers_);
 }

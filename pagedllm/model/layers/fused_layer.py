@@ -9,9 +9,9 @@ bit-identical to the unfused path's.
 
 It applies when every layer has the Llama shape (pre-norm, RMSNorm, fused QKV without q/k norms,
 RoPE, no soft cap, SwiGLU MLP, no tensor parallelism) and every projection is a kernel the op
-knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM, ``PackedSwiGLU``); otherwise, and
-for any step the C++ attention cannot run (other backend, KV dtype), the layers' Python forward
-runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1`` turns it off.
+knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM, ``PackedSwiGLU``, ``Int8Linear``
+on the C++ int8 GEMM); otherwise, and for any step the C++ attention cannot run (other backend,
+KV dtype), the layers' Python forward runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pagedllm.model.layers.mlp import GatedMLP
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU
 from pagedllm.model.quant.gguf_native import GGUFLinear
+from pagedllm.model.quant.int8 import Int8Linear
 from pagedllm.model.step_interrupt import StepInterrupt, StepInterrupted
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from pagedllm.ops import CpuOps
 
 # The op's linear kinds (csrc/cpu/fused_layer.h LinearKind).
-KIND_Q4, KIND_Q8, KIND_GEMM, KIND_SWIGLU = 0, 1, 2, 3
+KIND_Q4, KIND_Q8, KIND_GEMM, KIND_SWIGLU, KIND_INT8 = 0, 1, 2, 3, 4
 # KV cache storages the C++ attention reads and writes (CpuPagedAttention's).
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
@@ -57,8 +58,8 @@ class _LinearParts:
 
 def linear_parts(module: nn.Module, gate_up: bool = False) -> _LinearParts | None:
     """The op's description of a projection, or None when it is not a kernel the op runs:
-    ``GGUFLinear`` (one part per merged block kind), ``PackedLinear`` on the own GEMM, and for
-    ``gate_up`` a ``PackedSwiGLU``."""
+    ``GGUFLinear`` (one part per merged block kind), ``PackedLinear`` on the own GEMM,
+    ``Int8Linear`` on the C++ int8 GEMM, and for ``gate_up`` a ``PackedSwiGLU``."""
     if isinstance(module, GGUFLinear):
         kinds = [KIND_Q4 if p.kind == "q4" else KIND_Q8 for p in module.parts]
         bias = _NO_BIAS if module.bias is None else module.bias
@@ -70,6 +71,9 @@ def linear_parts(module: nn.Module, gate_up: bool = False) -> _LinearParts | Non
         return _LinearParts([module.packed], [KIND_GEMM], [module.out_features], bias)
     if gate_up and isinstance(module, PackedSwiGLU):
         return _LinearParts([module.packed], [KIND_SWIGLU], [module.inter], _NO_BIAS)
+    if type(module) is Int8Linear and module.record is not None:  # not the row-parallel one
+        bias = _NO_BIAS if module.bias is None else module.bias
+        return _LinearParts([module.record], [KIND_INT8], [module.out_features], bias)
     return None
 
 

@@ -100,6 +100,11 @@ class Int8Linear(nn.Module):
         cpu_ops: the C++ CPU kernels; when they have the int8 GEMM the weight is packed into its
             panels, else kept [N, K] int8 for ``torch._int_mm``.
 
+    Attributes:
+        record: with the C++ GEMM, the packed panels, ``wscale`` and ``wsum`` as one 1-D int8
+            tensor (``CpuOps.int8_linear_record``; ``qweight``, ``wscale`` and ``wsum`` are views
+            of it); None without.
+
     Forward: x [..., in_features] float32 or bfloat16 -> [..., out_features], x's dtype.
     """
 
@@ -112,6 +117,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.ops = int8_kernel_ops(cpu_ops)
+        self.record: torch.Tensor | None = None
         with torch.no_grad():
             q, scale = quantize_symmetric(weight.detach())
             self.wscale = scale.contiguous()
@@ -120,8 +126,15 @@ class Int8Linear(nn.Module):
                 panels = -(-self.out_features // INT8_PANEL)
                 wsum = torch.zeros(panels * INT8_PANEL, dtype=torch.int32)
                 wsum[: self.out_features] = q.sum(dim=1, dtype=torch.int32)
-                self.wsum = wsum
-                self.qweight = self.ops.int8_pack_weight(q)
+                packed = self.ops.int8_pack_weight(q)
+                # One tensor for the fused layers (int8_linear_record); the three are views.
+                self.record = torch.cat(
+                    [packed.view(-1), self.wscale.view(torch.int8), wsum.view(torch.int8)]
+                )
+                end = packed.numel() + 4 * self.out_features
+                self.qweight = self.record[: packed.numel()].view(packed.shape)
+                self.wscale = self.record[packed.numel() : end].view(torch.float32)
+                self.wsum = self.record[end:].view(torch.int32)
             else:
                 self.wsum = torch.empty(0, dtype=torch.int32)
                 self.qweight = q
