@@ -1,8 +1,9 @@
 """The decoder layers as one C++ op (``model.layers.fused_layer``, ``csrc/cpu/fused_layer.cpp``):
 the same kernels as the layers' Python forward, so every logprob of a mixed prefill + decode
 batch is bit-identical with and without it, on each weight kind the op runs (fp32 panels with
-the SwiGLU epilogue, GGUF 4- and 8-bit blocks in several parts with biases, int8 W8A8 records), with partial RoPE,
-a sliding window and a quantized KV cache; and the layers it cannot run stay unfused."""
+the SwiGLU epilogue, GGUF 4- and 8-bit blocks in several parts with biases, int8 W8A8 records
+with and without biases), with partial RoPE, a sliding window and a quantized KV cache; and the
+layers it cannot run stay unfused."""
 
 from __future__ import annotations
 
