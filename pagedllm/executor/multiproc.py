@@ -4,10 +4,11 @@ The engine's process is the driver and rank 0; ranks 1 .. tp - 1 are processes s
 ``forkserver`` context where the platform has it (else ``spawn``): the server imports torch and
 pagedllm once (~4 s on 2 cores) and forks every later rank from that, so the second and later
 multi-process engines of a process skip the imports; each rank then takes the driver's current
-environment and working directory (the server's are from its own start). They rendezvous through a TCP store on a free port chosen by the OS and form a
-gloo (CPU) or nccl (CUDA) group. Each step the driver pickles the ``SchedulerOutput`` once, writes
-the same bytes to every worker's pipe, then runs its own shard's forward; the all-reduces keep
-the ranks in lockstep and the logits are gathered to rank 0.
+environment and working directory (the server's are from its own start). They rendezvous
+through a TCP store on a free port chosen by the OS and form a gloo (CPU) or nccl (CUDA) group.
+Each step the driver pickles the ``SchedulerOutput`` once, writes the same bytes to every
+worker's pipe, then runs its own shard's forward; the all-reduces keep the ranks in lockstep and
+the logits are gathered to rank 0.
 
 Faults: a monitor thread waits on the workers' process sentinels. When one exits, the monitor
 records a ``WorkerDiedError`` (rank, exit code, the worker's traceback if it sent one) and kills
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 _FAILURE_WAIT_S = 5.0
 # What the fork server imports before it forks ranks: torch and the rank's own code (importing
 # them starts no thread, so forking stays safe). Not the C++ kernels: a rank builds them from its
-# own environment (PAGEDLLM_KERNEL_VARIANT and the cache paths).
+# own environment (PAGEDLLM_CPU_KERNEL_VARIANT and the cache paths).
 _FORKSERVER_PRELOAD = ["pagedllm.executor.worker_main", "pagedllm.worker.worker"]
 
 

@@ -108,9 +108,11 @@ class StepCostTable:
         """Forget the counts not seen in the last ``max_age`` steps; True if one was measured.
         Checked every ``window`` steps, so a count lives at most ``max_age + window`` steps."""
         stale = [r for r, seen in self._last_seen.items() if self._steps - seen >= self.max_age]
+        was_measured = False
         for rows in stale:
             del self._last_seen[rows], self._samples[rows]
-        return any([self._quartiles.pop(rows, None) is not None for rows in stale])
+            was_measured |= self._quartiles.pop(rows, None) is not None
+        return was_measured
 
     def _refit(self) -> None:
         # Pool adjacent violators over the counts' quartiles, weighted by their sample counts:
