@@ -1,4 +1,5 @@
-# Quickstart: `make run` (install + generate with the bundled model), `make test` (install + tests).
+# Quickstart: `make serve` (install + serve the bundled model; `make run`: generate offline),
+# `make test` (install + tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -142,11 +142,12 @@ class LLMEngine:
         #: KV capacity per GiB of kv_cache_memory (per rank), scales included.
         self.kv_tokens_per_gib = (1 << 30) // self.block_bytes * config.block_size
         logger.info(
-            "model: %s | weights %.1f MiB | KV cache dtype %s (requested %s): %.1f bytes/token "
+            "model: %s | weights %.1f MiB%s | KV cache dtype %s (requested %s): %.1f bytes/token "
             "(2 x %d layers x %d kv heads x %d dims, scales included), %d tokens per GiB | "
             "%d blocks x %d tokens = %d tokens in cache (%.1f MiB)",
             loaded.source,
             loaded.weight_bytes / 2**20,
+            f" as loaded, before quantization={config.quantization}" if config.quantization else "",
             str(kv_dtype).replace("torch.", ""),
             config.kv_cache_dtype,
             self.block_bytes / config.block_size,
