@@ -119,8 +119,8 @@ def test_a_count_not_seen_for_max_age_steps_is_forgotten_and_tried_again():
         alloc.observe_step(40, 0.500)
     proposals = {i: 4 for i in range(8)}
     assert alloc.allocate(proposals, num_rows=8) == dict.fromkeys(range(8), 0)
-    # Only plain steps follow. The check runs every window (4) steps: at step 12 the 40-row
-    # count is 7 steps old and stays; at step 16, 11 >= 8 steps old, it is forgotten.
+    # Only plain steps follow. The 40-row count was last seen at step 6 and the check runs every
+    # window (4) steps: at step 12 it is 6 steps old and stays; at step 16, 10 >= 8, forgotten.
     for _ in range(6):
         alloc.observe_step(8, 0.030)
     assert alloc.step_cost.measured == [(8, 0.030), (40, 0.500)]
