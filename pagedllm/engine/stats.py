@@ -93,6 +93,14 @@ class EngineStats:
         return 1.0 + self.spec_accepted_tokens / self.spec_num_drafts
 
     @property
+    def spec_acceptance_per_pos(self) -> list[float]:
+        """Accepted / proposed speculative tokens at each draft position (0 where none)."""
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.spec_accepted_per_pos, self.spec_draft_per_pos, strict=False)
+        ]
+
+    @property
     def mean_batched_requests(self) -> float:
         """Requests per step, averaged over the observed steps (paper figure 13; 0 if none)."""
         return self.batched_requests_sum / self.observed_steps if self.observed_steps else 0.0
@@ -110,13 +118,16 @@ class EngineStats:
 
     def summary(self) -> dict[str, Any]:
         """Every counter plus the derived figures (batched requests, memory waste, slot
-        utilization, sharing saving), JSON-ready."""
+        utilization, sharing saving, speculative acceptance), JSON-ready."""
         return {
             **asdict(self),
             "mean_batched_requests": self.mean_batched_requests,
             "mean_slot_utilization": self.mean_slot_utilization,
             "sharing_saving": self.sharing_saving,
             "memory_waste": self.memory_waste(),
+            "spec_acceptance_rate": self.spec_acceptance_rate,
+            "spec_mean_accepted_length": self.spec_mean_accepted_length,
+            "spec_acceptance_per_pos": self.spec_acceptance_per_pos,
         }
 
     @classmethod
@@ -206,10 +217,7 @@ def log_throughput(c: EngineCounters, dt: float, last_prompt: int, last_gen: int
         st.num_preemptions,
     )
     if st.spec_draft_tokens:
-        per_pos = ", ".join(
-            f"{a / max(1, d):.2f}"
-            for a, d in zip(st.spec_accepted_per_pos, st.spec_draft_per_pos, strict=False)
-        )
+        per_pos = ", ".join(f"{r:.2f}" for r in st.spec_acceptance_per_pos)
         logger.info(
             "speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, "
             "accepted %d of %d draft tokens, per-position acceptance [%s]",
