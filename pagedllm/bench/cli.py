@@ -119,20 +119,6 @@ def kv_memory_line(st: dict[str, Any]) -> str:
     )
 
 
-def spec_decode_line(st: dict[str, Any]) -> str | None:
-    """The run's speculative decoding figures (acceptance rate, mean accepted length: tokens
-    per verification, per-position acceptance), or None when nothing was proposed."""
-    drafts = st.get("spec_draft_tokens", 0)
-    if not drafts:
-        return None
-    per_pos = ", ".join(f"{r:.2f}" for r in st["spec_acceptance_per_pos"])
-    return (
-        f"speculative decoding: acceptance {100 * st['spec_acceptance_rate']:.1f}% "
-        f"({st['spec_accepted_tokens']} of {drafts} draft tokens), mean accepted length "
-        f"{st['spec_mean_accepted_length']:.2f}, per position [{per_pos}]"
-    )
-
-
 def cmd_throughput(args: argparse.Namespace) -> int:
     """``bench throughput``: serve the workload in-process and print / write the result."""
     from pagedllm.bench.throughput import (
@@ -168,7 +154,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             f"batched requests/step {st['mean_batched_requests']:.2f}; {kv_memory_line(st)}; "
             f"preemptions {st['num_preemptions']}"
         )
-        spec = spec_decode_line(st)
+        from pagedllm.engine.stats import EngineStats
+
+        spec = EngineStats.from_summary(st).spec_decode_line()
         if spec is not None:
             print(spec)
     _write(result, args.output)

@@ -100,6 +100,18 @@ class EngineStats:
             for a, d in zip(self.spec_accepted_per_pos, self.spec_draft_per_pos, strict=False)
         ]
 
+    def spec_decode_line(self) -> str | None:
+        """The speculative decoding figures as one line (acceptance, mean accepted length,
+        per-position acceptance), or None when nothing was proposed."""
+        if not self.spec_draft_tokens:
+            return None
+        per_pos = ", ".join(f"{r:.2f}" for r in self.spec_acceptance_per_pos)
+        return (
+            f"speculative decoding: acceptance {100 * self.spec_acceptance_rate:.1f}% "
+            f"({self.spec_accepted_tokens} of {self.spec_draft_tokens} draft tokens), mean "
+            f"accepted length {self.spec_mean_accepted_length:.2f}, per position [{per_pos}]"
+        )
+
     @property
     def mean_batched_requests(self) -> float:
         """Requests per step, averaged over the observed steps (paper figure 13; 0 if none)."""
@@ -129,6 +141,11 @@ class EngineStats:
             "spec_mean_accepted_length": self.spec_mean_accepted_length,
             "spec_acceptance_per_pos": self.spec_acceptance_per_pos,
         }
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> EngineStats:
+        """The counters of a ``summary()`` dict (its derived figures are recomputed)."""
+        return cls(**{f.name: summary[f.name] for f in fields(cls)})
 
     @classmethod
     def delta(cls, before: dict[str, Any], after: dict[str, Any]) -> EngineStats:
@@ -216,14 +233,6 @@ def log_throughput(c: EngineCounters, dt: float, last_prompt: int, last_gen: int
         100.0 * c.kv_usage,
         st.num_preemptions,
     )
-    if st.spec_draft_tokens:
-        per_pos = ", ".join(f"{r:.2f}" for r in st.spec_acceptance_per_pos)
-        logger.info(
-            "speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, "
-            "accepted %d of %d draft tokens, per-position acceptance [%s]",
-            100.0 * st.spec_acceptance_rate,
-            st.spec_mean_accepted_length,
-            st.spec_accepted_tokens,
-            st.spec_draft_tokens,
-            per_pos,
-        )
+    spec = st.spec_decode_line()
+    if spec is not None:
+        logger.info("%s", spec)

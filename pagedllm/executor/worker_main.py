@@ -22,7 +22,7 @@ def worker_main(
     host: str,
     port: int,
     backend: str,
-    env: tuple[dict[str, str], str] | None = None,
+    env: tuple[dict[str, str], str],
 ) -> None:
     """Take the driver's environment and working directory (``env``: ``(os.environ, cwd)`` at
     start-up; a forked rank would otherwise have the fork server's), join the groups
@@ -34,10 +34,9 @@ def worker_main(
     pipe) ends the loop. Nothing is sent back per step: rank 0's logits stay in the driver. On an
     exception the traceback is sent as ("error", text) and the process exits with code 1.
     """
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env[0])
-        os.chdir(env[1])
+    os.environ.clear()
+    os.environ.update(env[0])
+    os.chdir(env[1])
     import torch
 
     from pagedllm.device import activate_device, device_for_rank

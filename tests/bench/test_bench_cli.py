@@ -40,13 +40,12 @@ def test_kv_memory_line_calls_the_useful_share_token_states():
 
 
 def test_spec_decode_line_gives_acceptance_and_mean_accepted_length():
-    from pagedllm.bench.cli import spec_decode_line
     from pagedllm.engine.stats import EngineStats
 
     st = EngineStats(spec_num_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=6,
                      spec_accepted_per_pos=[3, 2, 1], spec_draft_per_pos=[4, 4, 4]).summary()
-    assert spec_decode_line(st) == (
+    assert EngineStats.from_summary(st).spec_decode_line() == (
         "speculative decoding: acceptance 50.0% (6 of 12 draft tokens), mean accepted length "
         "2.50, per position [0.75, 0.50, 0.25]"
     )
-    assert spec_decode_line(EngineStats().summary()) is None
+    assert EngineStats().spec_decode_line() is None
