@@ -168,6 +168,18 @@ def _release_memory_after_module():
 
 
 @pytest.fixture(scope="session")
+def cpu_ops():
+    """The C++ CPU kernels (``pagedllm.ops.CpuOps``); the test skips, with the build error, where
+    they cannot be built."""
+    from pagedllm.ops import cpu_ops_error, load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
+    return ops
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tiny_tokenizer()
 

@@ -117,8 +117,9 @@ class CpuPagedAttention:
             )
         if nd < ns:
             ops.paged_attention_prefill(
-                out, query, key_cache, value_cache, tables, seq_lens, starts, nd, ns, scale, window
-            )
+                out, query, key_cache, value_cache, tables, seq_lens, starts, nd, ns, scale,
+                self.partition_size, window,
+            )  # fmt: skip
         return out
 
 

@@ -105,15 +105,6 @@ LAYOUTS = [
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cpu_ops():
-    from pagedllm.attention.cpu import cpu_ops_error, load_cpu_ops
-
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
-    return ops
-
 
 @pytest.fixture(scope="module")
 def cpu_backend(cpu_ops):

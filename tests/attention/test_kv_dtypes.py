@@ -28,15 +28,6 @@ QUALITY_REL = {torch.bfloat16: 0.005, torch.int8: 0.02, torch.float8_e4m3fn: 0.0
 EXACT = dict(atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def cpu_ops():
-    from pagedllm.attention.cpu import cpu_ops_error, load_cpu_ops
-
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
-    return ops
-
 
 def _empty_cache(kvh, nb, bs, hd, dtype):
     return torch.zeros(kvh, nb, cache_rows_per_block(bs, dtype), hd, dtype=dtype)

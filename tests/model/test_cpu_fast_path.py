@@ -50,10 +50,10 @@ def test_pack_linear_layers_replaces_plain_linears_with_their_bias():
     torch.testing.assert_close(m[1].forward_add_(out, x), want, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_linear_bias_on_own_gemm(cpu_ops_or_skip):
+def test_packed_linear_bias_on_own_gemm(cpu_ops):
     torch.manual_seed(0)
     w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(5, 32)
-    lin = PackedLinear(w, cpu_ops_or_skip, b)
+    lin = PackedLinear(w, cpu_ops, b)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
     out = torch.randn(5, 48)
     want = out + F.linear(x, w, b)
@@ -85,18 +85,9 @@ def test_worker_model_is_packed_and_matches_unpacked(tiny_loaded):
     )
 
 
-@pytest.fixture(scope="module")
-def cpu_ops_or_skip():
-    from pagedllm.attention.cpu import cpu_ops_error, load_cpu_ops
 
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
-    return ops
-
-
-def test_fused_layer_ops_match_aten(cpu_ops_or_skip):
-    ops = cpu_ops_or_skip
+def test_fused_layer_ops_match_aten(cpu_ops):
+    ops = cpu_ops
     torch.manual_seed(0)
     for t, d in ((1, 576), (64, 576), (7, 13), (300, 1536)):
         x, w, r = torch.randn(t, d), torch.randn(d), torch.randn(t, d)
@@ -124,7 +115,7 @@ def test_fused_layer_ops_match_aten(cpu_ops_or_skip):
         ops.rms_norm(torch.empty_like(bf), bf, torch.ones(4), 1e-5)
 
 
-def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
+def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops):
     """The whole forward with packed linears + fused C++ layer ops + C++ attention equals the
     plain ATen model with torch_native attention (fp32, 1e-4): an 8-token prefill, then a
     decode, over a shuffled block table [2, 7, 5] with block size 4."""
@@ -137,10 +128,10 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops_or_skip):
     plain = LlamaForCausalLM(cfg, torch.float32, get_attention_backend("torch_native"), 64)
     for m in (fast, plain):
         m.load_weights(tiny_loaded.state_dict)
-    fast.pack_linears(cpu_ops_or_skip)
-    fast.use_cpu_layer_ops(cpu_ops_or_skip)
+    fast.pack_linears(cpu_ops)
+    fast.use_cpu_layer_ops(cpu_ops)
     assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
-    own = cpu_ops_or_skip.simd_level() == "avx2"
+    own = cpu_ops.simd_level() == "avx2"
     assert fast.layers[0].mlp.down_proj.kernel == ("pagedllm" if own else "onednn")
     gate_up = fast.layers[0].mlp.gate_up_proj
     assert isinstance(gate_up, PackedSwiGLU if own else PackedLinear)
@@ -185,12 +176,12 @@ def _prefill_then_decode(models, caches, table, ids):
     return outs
 
 
-def test_rotary_kernel_matches_aten_in_place_on_a_strided_view(cpu_ops_or_skip):
+def test_rotary_kernel_matches_aten_in_place_on_a_strided_view(cpu_ops):
     """The C++ rotary embedding rotates the Q and K heads of a fused [T, (H + 2 KVH) D] buffer in
     place (a strided view), equal to ``apply_rotary``; the V columns are left untouched."""
     from pagedllm.model.llama import apply_rotary
 
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     torch.manual_seed(0)
     for t, heads, d, v_heads in ((1, 12, 64, 3), (37, 12, 64, 3), (5, 3, 6, 1), (300, 2, 128, 1)):
         p_max = 100
@@ -212,10 +203,10 @@ def test_rotary_kernel_matches_aten_in_place_on_a_strided_view(cpu_ops_or_skip):
         )
 
 
-def test_argmax_logsumexp_matches_aten(cpu_ops_or_skip):
+def test_argmax_logsumexp_matches_aten(cpu_ops):
     """One fused pass per row = torch.argmax (first index on ties) and torch.logsumexp, for
     vocabulary sizes that are and are not a multiple of the vector width, with -inf entries."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     torch.manual_seed(0)
     for b, v in ((1, 1), (3, 7), (64, 49152), (5, 49157)):
         logits = torch.randn(b, v) * 5
@@ -231,7 +222,7 @@ def test_argmax_logsumexp_matches_aten(cpu_ops_or_skip):
     torch.testing.assert_close(lse, torch.logsumexp(wide, -1), atol=1e-5, rtol=1e-6)
 
 
-def test_sampler_with_fused_ops_equals_aten_sampler(cpu_ops_or_skip):
+def test_sampler_with_fused_ops_equals_aten_sampler(cpu_ops):
     """Sampler(cpu_ops=...) picks the same tokens with the same logprobs as the ATen sampler over
     greedy, seeded random, logit-bias and logprob rows."""
     from pagedllm.sampling.sampler import Sampler, SamplingBatch
@@ -255,7 +246,7 @@ def test_sampler_with_fused_ops_equals_aten_sampler(cpu_ops_or_skip):
         prompt_token_ids=[[3]] * 6,
         eos_token_ids=[0],
     )
-    fused = Sampler(vocab, cpu_ops=cpu_ops_or_skip)(logits, batch)
+    fused = Sampler(vocab, cpu_ops=cpu_ops)(logits, batch)
     plain = Sampler(vocab)(logits, batch)
     assert fused.sampled_token_ids == plain.sampled_token_ids
     assert fused.sampled_token_ids[3] == 5
@@ -272,11 +263,11 @@ def test_sampler_with_fused_ops_equals_aten_sampler(cpu_ops_or_skip):
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 301])
 @pytest.mark.parametrize("shape", [(576, 960), (17, 33), (1, 16), (1536, 5)])
-def test_own_gemm_matches_f_linear(cpu_ops_or_skip, rows, shape):
+def test_own_gemm_matches_f_linear(cpu_ops, rows, shape):
     """gemm_linear over packed panels = F.linear (fp32, 1e-4) for row counts around the 6-row
     tile, widths that are not a multiple of the 16-column panel, K = 1, and an x whose row
     stride is larger than its width."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     torch.manual_seed(rows)
     in_f, out_f = shape
     w = torch.randn(out_f, in_f)
@@ -289,11 +280,11 @@ def test_own_gemm_matches_f_linear(cpu_ops_or_skip, rows, shape):
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
-def test_own_gemm_rows_do_not_depend_on_the_batch(cpu_ops_or_skip):
+def test_own_gemm_rows_do_not_depend_on_the_batch(cpu_ops):
     """Each output row is bit-identical whether it is computed alone or inside 7-, 64- or
     301-row calls (one k order per row in every tile and thread split), over a width with a
     partial last panel: batch composition never changes a sequence's logits."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     torch.manual_seed(0)
     w = torch.randn(200, 576)
     packed = ops.gemm_pack_weight(w)
@@ -304,11 +295,11 @@ def test_own_gemm_rows_do_not_depend_on_the_batch(cpu_ops_or_skip):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 6, 7, 64])
-def test_own_gemm_epilogues(cpu_ops_or_skip, rows):
+def test_own_gemm_epilogues(cpu_ops, rows):
     """The accumulate epilogue (out += x W^T in place, also into a strided out and a width that
     is not a multiple of 16) and the SwiGLU epilogue (silu(gate) * up from the interleaved
     panels) equal their ATen compositions."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     torch.manual_seed(rows)
     for in_f, out_f in ((1536, 576), (24, 40)):
         w = torch.randn(out_f, in_f) * 0.1
@@ -328,8 +319,8 @@ def test_own_gemm_epilogues(cpu_ops_or_skip, rows):
         PackedSwiGLU(torch.randn(20, 4), ops)
 
 
-def test_own_gemm_rejects_bad_input(cpu_ops_or_skip):
-    ops = cpu_ops_or_skip
+def test_own_gemm_rejects_bad_input(cpu_ops):
+    ops = cpu_ops
     packed = ops.gemm_pack_weight(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match="float32"):
         ops.gemm_linear(torch.randn(2, 8, dtype=torch.float64), packed, 20)
@@ -351,10 +342,10 @@ def test_own_gemm_rejects_bad_input(cpu_ops_or_skip):
         ops.gemm_pack_swiglu_weight(torch.randn(24, 8))
 
 
-def test_packed_linear_kernel_choice(cpu_ops_or_skip, monkeypatch):
+def test_packed_linear_kernel_choice(cpu_ops, monkeypatch):
     """The own GEMM runs when the extension is an AVX2 build; PAGEDLLM_DISABLE_CPU_GEMM=1, bf16
     or no extension give oneDNN; both give F.linear's values, also for a 3-D input."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     w, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     own = PackedLinear(w, ops)
     assert own.kernel == ("pagedllm" if ops.simd_level() == "avx2" else "onednn")
@@ -370,11 +361,11 @@ def test_packed_linear_kernel_choice(cpu_ops_or_skip, monkeypatch):
         torch.testing.assert_close(out, base + F.linear(x2, w), atol=1e-4, rtol=1e-4)
 
 
-def test_worker_with_cpu_backend_uses_own_gemm(tiny_loaded, cpu_ops_or_skip):
+def test_worker_with_cpu_backend_uses_own_gemm(tiny_loaded, cpu_ops):
     from pagedllm.worker.worker import Worker
 
     worker = Worker(tiny_loaded.config, tiny_loaded.state_dict, torch.float32, 8, 4, 64, "cpu")
-    own = cpu_ops_or_skip.simd_level() == "avx2"
+    own = cpu_ops.simd_level() == "avx2"
     assert worker.model.layers[0].self_attn.qkv_proj.kernel == ("pagedllm" if own else "onednn")
     assert worker.model.lm_head_packed is not None
     assert worker.model.lm_head_packed.kernel == ("pagedllm" if own else "onednn")

@@ -21,13 +21,8 @@ SHAPES = [(64, 96), (33, 17), (1536, 576), (5, 1), (40, 130)]  # (out N, in K): 
 
 
 @pytest.fixture(scope="module")
-def ops():
-    from pagedllm.attention.cpu import cpu_ops_error, load_cpu_ops
-
-    loaded = load_cpu_ops()
-    if loaded is None:
-        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
-    return loaded
+def ops(cpu_ops):
+    return cpu_ops
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -29,15 +29,6 @@ _LOADER_ENV = (
 )
 
 
-@pytest.fixture(scope="module")
-def cpu_ops():
-    from pagedllm.ops import cpu_ops_error, load_cpu_ops
-
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
-    return ops
-
 
 def test_ops_registered_with_the_dispatcher(cpu_ops) -> None:
     for name in OPS:
@@ -46,11 +37,11 @@ def test_ops_registered_with_the_dispatcher(cpu_ops) -> None:
     assert [a.name for a in schema.arguments] == ["out", "x", "weight", "eps"]
     out_arg = schema.arguments[0]
     assert out_arg.alias_info is not None and out_arg.alias_info.is_write
-    decode = torch.ops.pagedllm.paged_attention_decode.default._schema
-    assert [(a.name, a.default_value) for a in decode.arguments[-2:]] == [
-        ("partition_size", 512),
-        ("window", 0),
-    ]
+    for op in (torch.ops.pagedllm.paged_attention_decode, torch.ops.pagedllm.paged_attention_prefill):
+        assert [(a.name, a.default_value) for a in op.default._schema.arguments[-2:]] == [
+            ("partition_size", 512),
+            ("window", 0),
+        ]
     # Called straight through the dispatcher, no wrapper.
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.0]])
     arg, lse = torch.ops.pagedllm.argmax_logsumexp(logits)
@@ -287,7 +278,7 @@ _VARIANT_CHECK = """
     want = torch.einsum("hl,lhd->hd", p, vr[L - W :])
     torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
     qs = torch.tensor([0, 1])
-    ops.paged_attention_prefill(out, q, kc, vc, table, torch.tensor([L]), qs, 0, 1, scale, W)
+    ops.paged_attention_prefill(out, q, kc, vc, table, torch.tensor([L]), qs, 0, 1, scale, 16, W)
     torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
     x, w = torch.randn(5, 96), torch.randn(96)
     y = torch.empty_like(x)

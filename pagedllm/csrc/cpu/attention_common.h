@@ -1,11 +1,30 @@
 // Internals the decode (paged_attention.cpp) and prefill (prefill_attention.cpp) kernels share:
-// tile sizes, the cache geometry and the argument checks.
+// tile sizes, the cache geometry, the argument checks, and the pieces of the one order of
+// arithmetic both follow for a query.
+//
+// Why one order: the same query must get the same output bits from either kernel. A token that
+// was decoded is prefilled again after recompute preemption, scored with the others in a
+// speculative verify pass, and is a decode again when run alone; any last-bit difference there
+// turns into a different greedy token sooner or later, and much sooner under int8 / GGUF
+// activation quantization, which rounds a last-bit change into a whole quantization step. So
+// for a query at position p with visible keys [f, p]:
+//   - keys are split at every multiple of partition_size (partitions; 0: none) and, inside a
+//     partition, at every multiple of kTile (tiles), counted from position 0, not from f;
+//   - a tile's scores are vec::dot_block pairs, its softmax step is the online update below
+//     (max, rescale, exp_sub_sum), and V is accumulated over the tile's keys in position order
+//     (masked keys of a prefill tile add exact zeros);
+//   - the partitions' (max, sum, acc) states are merged by merge_partition in position order.
+// How the work is split over threads does not enter: decode may run a sequence's partitions on
+// different threads, prefill runs them in one work item; both merge the same states.
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "kv_quant.h"
+#include "vec.h"
 
 namespace pagedllm {
 namespace attn {
@@ -18,6 +37,51 @@ using kvq::block_scale;
 using kvq::CacheView;
 using kvq::dispatch_types;
 using kvq::kQuantized;
+
+// The end of the tile that starts at key t0 (keys up to `end`): the next multiple of kTile or of
+// partition_size (if > 0), whichever comes first.
+inline int64_t tile_end(int64_t t0, int64_t end, int64_t partition_size) {
+  int64_t e = std::min(end, (t0 / kTile + 1) * kTile);
+  if (partition_size > 0) e = std::min(e, (t0 / partition_size + 1) * partition_size);
+  return e;
+}
+
+// Folds one partition's unnormalised softmax state (max m, sum l, acc[D]) into a running merge
+// (M, L, A[D]); partitions come in position order, an empty one (m = -inf) is skipped, and the
+// first is copied (so one partition alone is its own result, bit for bit). Flash-decoding's
+// merge, sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M), done as a running rescale.
+inline void merge_partition(float m, float l, const float* acc, float& M, float& L, float* A,
+                            int D) {
+  if (m == kNegInf) return;
+  if (M == kNegInf) {
+    M = m;
+    L = l;
+    std::copy(acc, acc + D, A);
+  } else if (m > M) {
+    const float c = std::exp(M - m);
+    L = vec::madd(L, c, l);
+    for (int d = 0; d < D; ++d) A[d] = vec::madd(A[d], c, acc[d]);
+    M = m;
+  } else {
+    const float w = std::exp(m - M);
+    L = vec::madd(l, w, L);
+    for (int d = 0; d < D; ++d) A[d] = vec::madd(acc[d], w, A[d]);
+  }
+}
+
+// One online-softmax step of a query row over a tile (Milakov & Gimelshein 2018): s[0, n) are
+// the row's visible scores; turns them into e^(s - m'), folds their sum into l and rescales acc
+// [D] when the running max m grows. The caller then adds the tile's p * V into acc.
+inline void softmax_step(float* s, int n, float& m, float& l, float* acc, int D) {
+  const float nm = std::max(m, vec::max_row(s, n));
+  if (nm > m) {
+    const float c = m == kNegInf ? 0.f : std::exp(m - nm);
+    l *= c;
+    if (c != 0.f) vec::scale_row(acc, c, D);
+    m = nm;
+  }
+  l += vec::exp_sub_sum(s, n, nm);
+}
 
 // The geometry of a [KVH, NB, rows, D] cache of element type C (rows = block_size + 1 when C is
 // quantized: the scale row).

@@ -94,7 +94,8 @@ void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
                            st.num_decodes, st.scale, st.partition_size, window);
   if (st.num_decodes < st.num_seqs)
     paged_attention_prefill(attn, q, key_cache, value_cache, *st.block_tables, *st.seq_lens,
-                            *st.starts, st.num_decodes, st.num_seqs, st.scale, window);
+                            *st.starts, st.num_decodes, st.num_seqs, st.scale, st.partition_size,
+                            window);
   at::Tensor o = run_linear(attn.view({T, H * D}), lin[1]);
   // hidden += o; o = rms_norm(hidden) (one pass).
   fused_add_rms_norm(o, hidden, post_norm, st.eps);

@@ -86,25 +86,28 @@ inline void accumulate_pv(float* acc, const float* sc, const T* const* vrow, int
   for (; d < D; ++d)
     for (int g = 0; g < G; ++g) {
       float a = acc[g * D + d];
-      for (int i = 0; i < n; ++i) a += sc[g * kTile + i] * vec::to_float(vrow[i][d]);
+      for (int i = 0; i < n; ++i) a = vec::madd(sc[g * kTile + i], vec::to_float(vrow[i][d]), a);
       acc[g * D + d] = a;
     }
 }
 
-// Online softmax over context positions [start, end) of one sequence, for the G query heads of
-// one kv head. q: G x D (pre-scaled fp32). Leaves unnormalised results in m[G], l[G], acc[G x D].
+// Online softmax over context positions [start, end) of one sequence (one partition: no multiple
+// of partition_size strictly inside), for the G query heads of one kv head, in the tiles of
+// attention_common.h. q: G x D (pre-scaled fp32). Leaves unnormalised results in m[G], l[G],
+// acc[G x D].
 template <int G, typename T>
 void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t* table,
-                  const CacheView& cv, int64_t start, int64_t end, float* m, float* l, float* acc,
-                  float* sc) {
+                  const CacheView& cv, int64_t start, int64_t end, int64_t partition_size,
+                  float* m, float* l, float* acc, float* sc) {
   const int D = cv.D, BS = cv.block_size;
   for (int g = 0; g < G; ++g) {
     m[g] = kNegInf;
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t0 = start; t0 < end; t0 += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, end - t0));
+  for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
+    t1 = tile_end(t0, end, partition_size);
+    const int n = static_cast<int>(t1 - t0);
     int64_t blk = t0 / BS;
     int off = static_cast<int>(t0 % BS);
     float o[G];
@@ -112,7 +115,7 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
       const int64_t row = (table[blk] * cv.rows + off) * D;
       const T* k = kbase + row;
       vec::prefetch_row(vbase + row, D);  // V of this tile is read right after the scores
-      vec::dot_rows<G>(q, k, D, o);
+      vec::dot_block<G, 1>(q, D, &k, D, o);
       if constexpr (kQuantized<T>) {
         const float ks = block_scale(kbase, table[blk], cv);
         for (int g = 0; g < G; ++g) o[g] *= ks;
@@ -123,26 +126,16 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
         ++blk;
       }
     }
-    for (int g = 0; g < G; ++g) {
-      float* s = sc + g * kTile;
-      const float nm = std::max(m[g], vec::max_row(s, n));
-      if (nm > m[g]) {
-        const float c = m[g] == kNegInf ? 0.f : std::exp(m[g] - nm);
-        l[g] *= c;
-        if (c != 0.f) vec::scale_row(acc + g * D, c, D);
-        m[g] = nm;
-      }
-      l[g] += vec::exp_sub_sum(s, n, nm);
-    }
+    for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
     blk = t0 / BS;
     off = static_cast<int>(t0 % BS);
     // The tile's V rows, with each row's block scale folded into its probabilities; while they
     // are gathered, prefetch the K rows of the next tile.
     const T* vrow[kTile];
-    const int64_t next_end = std::min<int64_t>(end, t0 + n + kTile);
-    int64_t nblk = (t0 + n) / BS;
-    int noff = static_cast<int>((t0 + n) % BS);
-    int64_t npos = t0 + n;
+    const int64_t next_end = t1 < end ? tile_end(t1, end, partition_size) : end;
+    int64_t nblk = t1 / BS;
+    int noff = static_cast<int>(t1 % BS);
+    int64_t npos = t1;
     for (int i = 0; i < n; ++i) {
       vrow[i] = vbase + (table[blk] * cv.rows + off) * D;
       if (npos < next_end) {
@@ -170,19 +163,20 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
 template <typename T>
 void decode_range_any(int G, const float* q, const T* kbase, const T* vbase,
                       const int64_t* table, const CacheView& cv, int64_t start, int64_t end,
-                      float* m, float* l, float* acc, float* sc) {
+                      int64_t partition_size, float* m, float* l, float* acc, float* sc) {
   for (int g = 0; g < G; ++g)
-    decode_range<1, T>(q + g * cv.D, kbase, vbase, table, cv, start, end, m + g, l + g,
-                       acc + g * cv.D, sc);
+    decode_range<1, T>(q + g * cv.D, kbase, vbase, table, cv, start, end, partition_size, m + g,
+                       l + g, acc + g * cv.D, sc);
 }
 
 template <typename T>
 void decode_dispatch(int G, const float* q, const T* kbase, const T* vbase, const int64_t* table,
-                     const CacheView& cv, int64_t start, int64_t end, float* m, float* l,
-                     float* acc, float* sc) {
-#define PAGEDLLM_CASE(NG) \
-  case NG:                \
-    return decode_range<NG, T>(q, kbase, vbase, table, cv, start, end, m, l, acc, sc);
+                     const CacheView& cv, int64_t start, int64_t end, int64_t partition_size,
+                     float* m, float* l, float* acc, float* sc) {
+#define PAGEDLLM_CASE(NG)                                                                       \
+  case NG:                                                                                      \
+    return decode_range<NG, T>(q, kbase, vbase, table, cv, start, end, partition_size, m, l, acc, \
+                               sc);
   switch (G) {
     PAGEDLLM_CASE(1)
     PAGEDLLM_CASE(2)
@@ -193,11 +187,26 @@ void decode_dispatch(int G, const float* q, const T* kbase, const T* vbase, cons
     PAGEDLLM_CASE(7)
     PAGEDLLM_CASE(8)
     default:
-      return decode_range_any<T>(G, q, kbase, vbase, table, cv, start, end, m, l, acc, sc);
+      return decode_range_any<T>(G, q, kbase, vbase, table, cv, start, end, partition_size, m, l,
+                                 acc, sc);
   }
 #undef PAGEDLLM_CASE
 }
 
+
+// A sequence's visible keys [first, len) cut at the multiples of partition_size (0: not cut):
+// partition k is [start(k), end(k)).
+struct Partitions {
+  int64_t first, len, size;
+  int64_t count() const {
+    if (len <= first) return 0;
+    return size > 0 ? (len - 1) / size - first / size + 1 : 1;
+  }
+  int64_t start(int64_t k) const { return k == 0 ? first : (first / size + k) * size; }
+  int64_t end(int64_t k) const {
+    return size > 0 ? std::min(len, (first / size + k + 1) * size) : len;
+  }
+};
 
 template <typename T, typename C>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -208,83 +217,101 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int H = a.H, D = a.D, KVH = a.KVH, G = a.G;
   const int64_t* sl = a.seq_lens;
   const int nthreads = at::get_num_threads();
-
-  // First key position a sequence's query sees (its window start; 0 without a window).
-  auto first_key = [&](int64_t s) {
-    return window > 0 ? std::max<int64_t>(0, sl[s] - window) : int64_t{0};
+  auto partitions = [&](int64_t s) {
+    const int64_t len = sl[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    return Partitions{first, len, partition_size};
   };
-  int64_t max_len = 0;  // longest span of keys read, which sets the partition count
-  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, sl[s] - first_key(s));
-  // Split the context only when (sequence, kv head) pairs alone cannot keep the threads busy.
-  int64_t parts = 1;
-  if (partition_size > 0 && num_seqs * KVH < 4 * nthreads && max_len > partition_size)
-    parts = (max_len + partition_size - 1) / partition_size;
-  const int64_t psize = parts == 1 ? std::max<int64_t>(max_len, 1) : partition_size;
-  const int64_t items = num_seqs * KVH * parts;
 
-  // Partial results when split: [items, G] max and sum, [items, G, D] accumulators.
-  std::vector<float> pm, pl, pacc;
-  if (parts > 1) {
-    pm.resize(items * G);
-    pl.resize(items * G);
-    pacc.resize(items * G * D);
+  // Work items: (sequence, kv head) with all its partitions merged in the item, or -- when
+  // those pairs alone cannot keep the threads busy -- one item per partition, whose partial
+  // (max, sum, acc) go to a slot and are merged afterwards (flash-decoding). Either way the
+  // same partition states are merged in the same order (attention_common.h).
+  bool split = false;
+  if (num_seqs * KVH < 4 * nthreads)
+    for (int64_t s = 0; s < num_seqs && !split; ++s) split = partitions(s).count() > 1;
+  struct Item {
+    int64_t seq, part, slot;  // part: the one partition of a split item, else -1
+    int kh;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_slot(num_seqs, -1);
+  int64_t slots = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t parts = partitions(s).count();
+    const bool cut = split && parts > 1;
+    if (cut) first_slot[s] = slots;
+    for (int kh = 0; kh < KVH; ++kh) {
+      if (!cut) {
+        items.push_back({s, -1, -1, kh});
+        continue;
+      }
+      for (int64_t p = 0; p < parts; ++p) items.push_back({s, p, slots++, kh});
+    }
   }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  // Partial results of split items: [slots, G] max and sum, [slots, G, D] accumulators.
+  std::vector<float> pm(slots * G), pl(slots * G), pacc(slots * G * D);
 
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> qf(G * D), m(G), l(G), acc(G * D), sc(static_cast<size_t>(G) * kTile);
+    std::vector<float> M(G), L(G), A(G * D);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t part = it % parts;
-      const int kh = static_cast<int>((it / parts) % KVH);
-      const int64_t s = it / (parts * KVH);
-      const int64_t len = sl[s];
-      const int64_t start = first_key(s) + part * psize, end = std::min(len, start + psize);
-      float* mo = parts > 1 ? pm.data() + it * G : m.data();
-      float* lo = parts > 1 ? pl.data() + it * G : l.data();
-      float* ao = parts > 1 ? pacc.data() + it * G * D : acc.data();
-      if (start >= end) {  // empty partition of a shorter sequence
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int64_t s = w.seq;
+      const int kh = w.kh;
+      const Partitions parts = partitions(s);
+      if (parts.count() == 0) {  // a zero-length sequence: output zeros
         for (int g = 0; g < G; ++g) {
-          mo[g] = kNegInf;
-          lo[g] = 0.f;
+          T* dst = a.out_row(s, kh * G + g);
+          for (int d = 0; d < D; ++d) vec::from_float(0.f, dst + d);
         }
-        if (parts == 1)  // a zero-length sequence: output zeros
-          for (int g = 0; g < G; ++g) {
-            T* dst = a.out_row(s, kh * G + g);
-            for (int d = 0; d < D; ++d) vec::from_float(0.f, dst + d);
-          }
         continue;
       }
       for (int g = 0; g < G; ++g)
         vec::load_row_scaled(a.query_row(s, kh * G + g), static_cast<float>(scale), D,
                              qf.data() + g * D);
-      decode_dispatch<C>(G, qf.data(), a.keys(kh), a.values(kh), a.table(s), a.cv, start, end,
-                         mo, lo, ao, sc.data());
-      if (parts == 1)
-        for (int g = 0; g < G; ++g)
-          vec::store_row(ao + g * D, 1.f / lo[g], D, a.out_row(s, kh * G + g));
+      auto run = [&](int64_t p, float* mo, float* lo, float* ao) {
+        decode_dispatch<C>(G, qf.data(), a.keys(kh), a.values(kh), a.table(s), a.cv,
+                           parts.start(p), parts.end(p), partition_size, mo, lo, ao, sc.data());
+      };
+      if (w.slot >= 0) {
+        run(w.part, pm.data() + w.slot * G, pl.data() + w.slot * G,
+            pacc.data() + w.slot * G * D);
+        continue;
+      }
+      run(0, m.data(), l.data(), acc.data());
+      float *lo = l.data(), *ao = acc.data();
+      if (parts.count() > 1) {
+        std::fill(M.begin(), M.end(), kNegInf);
+        for (int64_t p = 0;;) {
+          for (int g = 0; g < G; ++g)
+            merge_partition(m[g], l[g], acc.data() + g * D, M[g], L[g], A.data() + g * D, D);
+          if (++p == parts.count()) break;
+          run(p, m.data(), l.data(), acc.data());
+        }
+        lo = L.data();
+        ao = A.data();
+      }
+      for (int g = 0; g < G; ++g)
+        vec::store_row(ao + g * D, 1.f / lo[g], D, a.out_row(s, kh * G + g));
     }
-    if (parts > 1) {
-      // Merge partitions: out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M).
+    if (slots > 0) {
 #pragma omp for schedule(static)
       for (int64_t sh = 0; sh < num_seqs * H; ++sh) {
         const int64_t s = sh / H;
+        if (first_slot[s] < 0) continue;
+        const int64_t parts = partitions(s).count();
         const int h = static_cast<int>(sh % H);
         const int kh = h / G, g = h % G;
-        const int64_t base = (s * KVH + kh) * parts;
-        float M = kNegInf;
-        for (int64_t p = 0; p < parts; ++p) M = std::max(M, pm[(base + p) * G + g]);
-        float L = 0.f;
-        std::fill(acc.begin(), acc.begin() + D, 0.f);
+        float Ms = kNegInf, Ls = 0.f;
         for (int64_t p = 0; p < parts; ++p) {
-          const float mp = pm[(base + p) * G + g];
-          if (mp == kNegInf) continue;
-          const float w = std::exp(mp - M);
-          L += pl[(base + p) * G + g] * w;
-          const float* part_acc = pacc.data() + ((base + p) * G + g) * D;
-          for (int d = 0; d < D; ++d) acc[d] += part_acc[d] * w;
+          const int64_t slot = first_slot[s] + kh * parts + p;
+          merge_partition(pm[slot * G + g], pl[slot * G + g], pacc.data() + (slot * G + g) * D,
+                          Ms, Ls, A.data(), D);
         }
-        vec::store_row(acc.data(), L > 0.f ? 1.f / L : 0.f, D, a.out_row(s, h));
+        vec::store_row(A.data(), 1.f / Ls, D, a.out_row(s, h));
       }
     }
   }

@@ -27,57 +27,49 @@ namespace {
 using namespace attn;
 
 // Scratch of one thread's prefill items: rows R = nq * G query rows padded to a multiple of
-// kRowBlock, the current key tile transposed (kT[d][i]), and the tile's V row pointers.
+// kRowBlock, their online-softmax state (m, l, acc), the merge of their finished partitions
+// (M, L, A), the current tile's scores and its K / V row pointers and V scales.
 constexpr int kRowBlock = 4;
+constexpr int kKeyBlock = 4;  // keys per dot_block: 2 rows x 4 keys = 8 accumulators
 struct PrefillScratch {
-  std::vector<float> q, m, l, acc, sc, kT;
+  std::vector<float> q, m, l, acc, M, L, A, sc;
   std::vector<float> vscale;
   void reserve(int rows, int D) {
     q.assign(static_cast<size_t>(rows) * D, 0.f);
     m.resize(rows);
     l.resize(rows);
     acc.resize(static_cast<size_t>(rows) * D);
+    M.resize(rows);
+    L.resize(rows);
+    A.resize(static_cast<size_t>(rows) * D);
     sc.resize(static_cast<size_t>(rows) * kTile);
-    kT.resize(static_cast<size_t>(D) * kTile);
     vscale.resize(kTile);
   }
 };
 
-// S[r][i] = q[r] . k_i for rows [0, rows) (a multiple of kRowBlock) and keys [0, n_pad) of the
-// transposed tile: each q element is broadcast against a vector of keys, kRowBlock rows x two
-// vectors of keys held in registers (a small GEMM, no horizontal sums).
-inline void tile_scores(const float* q, int rows, const float* kT, int n_pad, int D, float* sc) {
-#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
-  constexpr int W = vec::W;
-  for (int r = 0; r < rows; r += kRowBlock)
-    for (int i = 0; i < n_pad; i += 2 * W) {
-      vec::V a0[kRowBlock], a1[kRowBlock];
-      for (int b = 0; b < kRowBlock; ++b) a0[b] = a1[b] = vec::zero();
-      for (int d = 0; d < D; ++d) {
-        const vec::V k0 = vec::load(kT + d * kTile + i), k1 = vec::load(kT + d * kTile + i + W);
-        for (int b = 0; b < kRowBlock; ++b) {
-          const vec::V qb = vec::set1(q[(r + b) * D + d]);
-          a0[b] = vec::fmadd(qb, k0, a0[b]);
-          a1[b] = vec::fmadd(qb, k1, a1[b]);
-        }
-      }
-      for (int b = 0; b < kRowBlock; ++b) {
-        vec::store(sc + (r + b) * kTile + i, a0[b]);
-        vec::store(sc + (r + b) * kTile + i + W, a1[b]);
-      }
+// S[r][i] = q[r] . k_i for rows [0, rows) (a multiple of 2) and the tile's n keys, by
+// vec::dot_block in blocks of 2 rows x kKeyBlock keys: the decode kernel's arithmetic per pair.
+template <typename T>
+inline void tile_scores(const float* q, int rows, const T* const* krow, int n, int D, float* sc) {
+  float o[2 * kKeyBlock];
+  for (int r = 0; r < rows; r += 2) {
+    int i = 0;
+    for (; i + kKeyBlock <= n; i += kKeyBlock) {
+      vec::dot_block<2, kKeyBlock>(q + r * D, D, krow + i, D, o);
+      for (int b = 0; b < 2; ++b)
+        for (int j = 0; j < kKeyBlock; ++j) sc[(r + b) * kTile + i + j] = o[b * kKeyBlock + j];
     }
-#else
-  for (int r = 0; r < rows; ++r)
-    for (int i = 0; i < n_pad; ++i) {
-      float a = 0.f;
-      for (int d = 0; d < D; ++d) a += q[r * D + d] * kT[d * kTile + i];
-      sc[r * kTile + i] = a;
+    for (; i < n; ++i) {
+      vec::dot_block<2, 1>(q + r * D, D, krow + i, D, o);
+      sc[r * kTile + i] = o[0];
+      sc[(r + 1) * kTile + i] = o[1];
     }
-#endif
+  }
 }
 
 // acc[r] += sum_i p[r][i] * v_i for rows [0, rows) (a multiple of kRowBlock) over the tile's n
-// V rows: kRowBlock rows x a chunk of the head dimension stay in registers across all rows.
+// V rows, in key order: kRowBlock rows x a chunk of the head dimension stay in registers across
+// all rows.
 template <typename T>
 inline void tile_pv(const float* sc, int rows, const T* const* vrow, int n, int D, float* acc) {
   int d = 0;
@@ -118,49 +110,62 @@ inline void tile_pv(const float* sc, int rows, const T* const* vrow, int n, int 
   for (; d < D; ++d)
     for (int r = 0; r < rows; ++r) {
       float a = acc[r * D + d];
-      for (int i = 0; i < n; ++i) a += sc[r * kTile + i] * vec::to_float(vrow[i][d]);
+      for (int i = 0; i < n; ++i) a = vec::madd(sc[r * kTile + i], vec::to_float(vrow[i][d]), a);
       acc[r * D + d] = a;
     }
 }
 
+// Folds every row's current partition state into its merge and starts the next partition.
+inline void close_partition(PrefillScratch& ws, int rows, int D) {
+  for (int r = 0; r < rows; ++r) {
+    merge_partition(ws.m[r], ws.l[r], ws.acc.data() + r * D, ws.M[r], ws.L[r],
+                    ws.A.data() + r * D, D);
+    ws.m[r] = kNegInf;
+    ws.l[r] = 0.f;
+  }
+  std::fill(ws.acc.begin(), ws.acc.begin() + static_cast<size_t>(rows) * D, 0.f);
+}
+
 // One prefill work item: query tokens j = 0 .. nq - 1 of a sequence (positions pos0 + j), the G
 // query heads of one kv head; row r = j * G + g of q (pre-scaled fp32, rows padded with zeros to
-// a multiple of kRowBlock). Per key tile: the tile's keys are transposed into kT, the scores of
-// all rows come from one small GEMM (tile_scores), the causal / window mask and the online
-// softmax run per row, and the probabilities multiply V in another (tile_pv); masked entries are
-// exact zeros there. window > 0: query j sees keys pos0 + j - window + 1 .. pos0 + j only.
+// a multiple of kRowBlock). Keys are walked in the tiles and partitions of attention_common.h;
+// per tile the scores of all rows come from tile_scores, the causal / window mask and the
+// online softmax run per row on its visible keys, and the probabilities multiply V in tile_pv
+// (masked entries are exact zeros there). window > 0: query j sees keys pos0 + j - window + 1
+// .. pos0 + j only. Leaves each row's unnormalised result in ws.acc / ws.l.
 template <typename T>
 void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t window,
-                  const T* kbase, const T* vbase, const int64_t* table, const CacheView& cv) {
+                  int64_t partition_size, const T* kbase, const T* vbase, const int64_t* table,
+                  const CacheView& cv) {
   const int D = cv.D, BS = cv.block_size;
   const int R = nq * G;
   const int rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   float *m = ws.m.data(), *l = ws.l.data(), *acc = ws.acc.data(), *sc = ws.sc.data();
-  float* kT = ws.kT.data();
   for (int r = 0; r < rows; ++r) {
     m[r] = kNegInf;
     l[r] = 0.f;
+    ws.M[r] = kNegInf;
+    ws.L[r] = 0.f;
   }
   std::fill(acc, acc + static_cast<size_t>(rows) * D, 0.f);
   const int64_t end = pos0 + nq;  // keys up to the last query position
   // Keys from the first query's window start; earlier blocks are never touched.
   const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
-  constexpr int kKeyStep = 2 * vec::W;
-#else
-  constexpr int kKeyStep = 1;
-#endif
+  bool split = false;  // a partition was closed: the result is the merge
+  const T* krow[kTile];
   const T* vrow[kTile];
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, end - t0));
-    const int n_pad = (n + kKeyStep - 1) / kKeyStep * kKeyStep;
+  for (int64_t t0 = begin, t1; t0 < end; t0 = t1) {
+    t1 = tile_end(t0, end, partition_size);
+    const int n = static_cast<int>(t1 - t0);
+    if (t0 > begin && partition_size > 0 && t0 % partition_size == 0) {
+      close_partition(ws, rows, D);
+      split = true;
+    }
     int64_t blk = t0 / BS;
     int off = static_cast<int>(t0 % BS);
     for (int i = 0; i < n; ++i) {
       const int64_t row = (table[blk] * cv.rows + off) * D;
-      const T* k = kbase + row;
-      const float ks = block_scale(kbase, table[blk], cv);
-      for (int d = 0; d < D; ++d) kT[d * kTile + i] = vec::to_float(k[d]) * ks;
+      krow[i] = kbase + row;
       vrow[i] = vbase + row;
       ws.vscale[i] = block_scale(vbase, table[blk], cv);
       if (++off == BS) {
@@ -168,9 +173,19 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
         ++blk;
       }
     }
-    for (int i = n; i < n_pad; ++i)
-      for (int d = 0; d < D; ++d) kT[d * kTile + i] = 0.f;
-    tile_scores(ws.q.data(), rows, kT, n_pad, D, sc);
+    tile_scores(ws.q.data(), rows, krow, n, D, sc);
+    if constexpr (kQuantized<T>) {
+      blk = t0 / BS;
+      off = static_cast<int>(t0 % BS);
+      for (int i = 0; i < n; ++i) {
+        const float ks = block_scale(kbase, table[blk], cv);
+        for (int r = 0; r < R; ++r) sc[r * kTile + i] *= ks;
+        if (++off == BS) {
+          off = 0;
+          ++blk;
+        }
+      }
+    }
     for (int r = 0; r < R; ++r) {
       float* s = sc + r * kTile;
       const int64_t j = r / G;
@@ -183,21 +198,19 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
         std::fill(s, s + n, 0.f);
         continue;
       }
-      const float nm = std::max(m[r], vec::max_row(s + lo, hi - lo));
-      if (nm > m[r]) {
-        const float c = m[r] == kNegInf ? 0.f : std::exp(m[r] - nm);
-        l[r] *= c;
-        if (c != 0.f) vec::scale_row(acc + r * D, c, D);
-        m[r] = nm;
-      }
+      softmax_step(s + lo, hi - lo, m[r], l[r], acc + r * D, D);
       std::fill(s, s + lo, 0.f);
       std::fill(s + hi, s + n, 0.f);
-      l[r] += vec::exp_sub_sum(s + lo, hi - lo, nm);
       if constexpr (kQuantized<T>)
         for (int i = lo; i < hi; ++i) s[i] *= ws.vscale[i];
     }
     for (int r = R; r < rows; ++r) std::fill(sc + r * kTile, sc + r * kTile + n, 0.f);
     tile_pv<T>(sc, rows, vrow, n, D, acc);
+  }
+  if (split) {  // the last partition too, then the merge is the result
+    close_partition(ws, rows, D);
+    std::copy(ws.L.begin(), ws.L.begin() + rows, ws.l.begin());
+    std::copy(ws.A.begin(), ws.A.begin() + static_cast<size_t>(rows) * D, ws.acc.begin());
   }
 }
 
@@ -205,7 +218,8 @@ template <typename T, typename C>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  int64_t seq_begin, int64_t seq_end, double scale, int64_t window) {
+                  int64_t seq_begin, int64_t seq_end, double scale, int64_t partition_size,
+                  int64_t window) {
   const AttentionOperands<T, C> a(out, query, key_cache, value_cache, block_tables, seq_lens);
   const int D = a.D, KVH = a.KVH, G = a.G;
   const int64_t* sl = a.seq_lens;
@@ -249,7 +263,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         for (int g = 0; g < G; ++g)
           vec::load_row_scaled(a.query_row(w.tok0 + j, w.kh * G + g), static_cast<float>(scale),
                                D, ws.q.data() + (j * G + g) * D);
-      prefill_tile<C>(ws, G, w.nq, pos0, window, a.keys(w.kh), a.values(w.kh), a.table(s), a.cv);
+      prefill_tile<C>(ws, G, w.nq, pos0, window, partition_size, a.keys(w.kh), a.values(w.kh),
+                      a.table(s), a.cv);
       for (int j = 0; j < w.nq; ++j)
         for (int g = 0; g < G; ++g) {
           const int r = j * G + g;
@@ -269,7 +284,8 @@ void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t seq_begin,
-                             int64_t seq_end, double scale, int64_t window) {
+                             int64_t seq_end, double scale, int64_t partition_size,
+                             int64_t window) {
   check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int64");
@@ -277,7 +293,7 @@ void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
   dispatch_types(query, key_cache, "paged_attention_prefill", [&](auto t, auto c) {
     prefill_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, seq_begin, seq_end, scale,
-                                           window);
+                                           partition_size, window);
   });
 }
 

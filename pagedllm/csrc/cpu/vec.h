@@ -162,25 +162,64 @@ constexpr int W = 0;  // scalar fallback
 
 // ---- row helpers used by the kernels ------------------------------------------------------
 
-// out[g] = dot(q[g * D : (g + 1) * D], k[0 : D]) for g < G; each k chunk is loaded once.
-template <int G, typename T>
-inline void dot_rows(const float* q, const T* k, int D, float* out) {
+// a * b + c, fused (one rounding) wherever the build has FMA: written out so that the scalar
+// tails of the attention kernels round the same way in every translation unit, whatever the
+// compiler would contract.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+// out[j] = hsum(a[j]) for j < N, bit for bit: with AVX2 eight at a time (two transposing steps of
+// hadd that add the lanes in hsum's order: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7))).
+template <int N>
+inline void hsum_n(const V* a, float* out) {
+  int j = 0;
+#if PAGEDLLM_VEC_AVX2
+  for (; j + 8 <= N; j += 8) {
+    __m256 u[4];
+    for (int i = 0; i < 4; ++i)
+      u[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[j + i], a[j + i + 4], 0x20),
+                           _mm256_permute2f128_ps(a[j + i], a[j + i + 4], 0x31));
+    _mm256_storeu_ps(out + j, _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]),
+                                             _mm256_hadd_ps(u[2], u[3])));
+  }
+#endif
+  for (; j < N; ++j) out[j] = hsum(a[j]);
+}
+#endif
+
+// out[b * KB + j] = dot(q[b * qs : b * qs + D], k[j][0 : D]) for b < RB, j < KB: each q and k chunk
+// is loaded once for the whole block. Every (b, j) pair is computed by the same operations in
+// the same order whatever RB and KB are (W-wide FMA partial sums over the chunks, hsum, then the
+// scalar tail), so decode (RB = G query heads, KB = 1) and prefill (tiles of rows and keys) give
+// a query the same scores bit for bit.
+template <int RB, int KB, typename T>
+inline void dot_block(const float* q, int qs, const T* const* k, int D, float* out) {
   int d = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
-  V acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = zero();
+  V acc[RB * KB];
+  for (int i = 0; i < RB * KB; ++i) acc[i] = zero();
   for (; d + W <= D; d += W) {
-    V kv = load(k + d);
-    for (int g = 0; g < G; ++g) acc[g] = fmadd(load(q + g * D + d), kv, acc[g]);
+    V kv[KB];
+    for (int j = 0; j < KB; ++j) kv[j] = load(k[j] + d);
+    for (int b = 0; b < RB; ++b) {
+      const V qv = load(q + b * qs + d);
+      for (int j = 0; j < KB; ++j) acc[b * KB + j] = fmadd(qv, kv[j], acc[b * KB + j]);
+    }
   }
-  for (int g = 0; g < G; ++g) out[g] = hsum(acc[g]);
+  hsum_n<RB * KB>(acc, out);
 #else
-  for (int g = 0; g < G; ++g) out[g] = 0.f;
+  for (int i = 0; i < RB * KB; ++i) out[i] = 0.f;
 #endif
-  for (; d < D; ++d) {
-    float kd = to_float(k[d]);
-    for (int g = 0; g < G; ++g) out[g] += q[g * D + d] * kd;
-  }
+  for (; d < D; ++d)
+    for (int b = 0; b < RB; ++b)
+      for (int j = 0; j < KB; ++j)
+        out[b * KB + j] = madd(q[b * qs + d], to_float(k[j][d]), out[b * KB + j]);
 }
 
 inline void scale_row(float* a, float c, int n) {
