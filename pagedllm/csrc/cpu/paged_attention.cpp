@@ -5,14 +5,17 @@
 // Token p of a sequence lives in block block_table[p / block_size] at offset p % block_size, so a
 // block row of one kv head is D contiguous values and a block is block_size * D contiguous values.
 //
-// Decode: one work item per (sequence, kv head, context partition). The G query heads of a kv
-// head group are handled together so every K/V row is loaded once for all of them. Within an
-// item the context is walked in tiles with an online softmax (running max / sum, rescaling the
-// accumulator when the max grows). Long contexts with few (sequence, kv head) pairs are split into
-// partitions whose partial (max, sum, acc) are merged afterwards (flash-decoding).
+// Decode: one work item per (sequence, kv head), or per (sequence, kv head, context partition)
+// when the pairs alone cannot keep the threads busy. The G query heads of a kv head group are
+// handled together so every K/V row is loaded once for all of them. The context is cut into
+// partitions at the multiples of partition_size and walked in tiles with an online softmax
+// (running max / sum, rescaling the accumulator when the max grows); the partitions' partial
+// (max, sum, acc) are merged in position order, inside the item or afterwards when split
+// (flash-decoding). The tiles, partitions and merge are those of attention_common.h, shared with
+// the prefill kernel.
 //
 // Prefill: prefill_attention.cpp (one work item per sequence, kv head and tile of query tokens;
-// the same online softmax, with a causal mask per query token).
+// the same arithmetic per query, with a causal mask per query token).
 //
 // Sliding window (window > 0; Mistral, Gemma local layers): the query at position p sees keys
 // p - window + 1 .. p only. Decode walks just those positions; a prefill tile walks keys from its

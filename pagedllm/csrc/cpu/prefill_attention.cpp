@@ -2,14 +2,16 @@
 // section 4.1; the decode kernel and the cache layout are described in paged_attention.cpp).
 //
 // One work item per (sequence, kv head, tile of up to kQueryTile query tokens): its G query heads
-// x query tokens form R rows. Keys are walked in tiles with an online softmax: each tile of keys
-// is transposed once so that the scores of all R rows are one small register-blocked GEMM, the
-// causal (and sliding-window) mask and the softmax statistics are applied per row, and the
-// probabilities multiply V in a second register-blocked product. Query token j of a sequence
-// with q new tokens and context c sits at position c - q + j; with a window, a tile walks keys
-// from its first query's window start, so blocks wholly outside every query's window are never
-// read. Quantized caches: the K scale is folded into the transposed keys, the V scale into the
-// probabilities. Threads: OpenMP over work items, longest first.
+// x query tokens form R rows. Keys are walked in the tiles and partitions of attention_common.h
+// with an online softmax: the scores of all R rows come from register blocks of 2 rows x 4 keys
+// (vec::dot_block, the decode kernel's arithmetic per pair), the causal (and sliding-window)
+// mask and the softmax statistics are applied per row, and the probabilities multiply V in a
+// register-blocked product; at a partition boundary each row's state is merged as the decode
+// kernel merges its partitions. So every query's output equals its decode output bit for bit.
+// Query token j of a sequence with q new tokens and context c sits at position c - q + j; with a
+// window, a tile walks keys from its first query's window start, so blocks wholly outside every
+// query's window are never read. Quantized caches: the K scale multiplies each score, the V
+// scale each probability (as in decode). Threads: OpenMP over work items, longest first.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>

@@ -1,0 +1,73 @@
+"""A token's logprobs do not depend on the path that computed them: decoded alone, in a batch,
+prefilled again after recompute preemption, swapped out and in, prefilled in chunks, or
+verified with speculative drafts, every reported logprob is the same float, for float32 and
+for int8 W8A8 weights (whose activation quantization turns any last-bit difference of the
+attention into a different rounding step). This rests on the prefill and decode attention
+kernels sharing one order of arithmetic (tests/attention/test_decode_prefill_identity.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagedllm.sampling_params import SamplingParams
+
+# A 32-token shared prefix with repeated n-grams (the n-gram proposer has something to propose)
+# and an 8-token suffix per request.
+PREFIX = [10, 11, 12, 13] * 8
+PROMPTS = [PREFIX + list(range(100 + 8 * i, 108 + 8 * i)) for i in range(4)]
+PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+PATHS: dict[str, dict[str, Any]] = {
+    "batched": {},
+    "recompute": {"num_gpu_blocks_override": 8, "preemption_mode": "recompute"},
+    "swap": {"num_gpu_blocks_override": 8, "preemption_mode": "swap"},
+    "chunked_prefill": {"enable_chunked_prefill": True, "max_num_batched_tokens": 24},
+    "ngram_spec": {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "learn_step_cost": False,
+        }
+    },
+}
+
+
+def _tokens_and_logprobs(outputs: list[Any]) -> list[list[tuple[int, dict[int, float]]]]:
+    return [
+        [
+            (tok, {t: lp.logprob for t, lp in step.items()})
+            for tok, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
+        ]
+        for o in outputs
+    ]
+
+
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def weights(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_loaded, weights):
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(loaded=tiny_loaded, block_size=16, max_model_len=96, kv_cache_memory=1 << 22,
+              quantization=None if weights == "float32" else weights, enable_prefix_caching=False)  # fmt: skip
+    return [_tokens_and_logprobs(llm.generate([p], PARAMS, use_tqdm=False))[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_logprobs_bitwise_equal_on_every_path(tiny_llm_factory, alone, weights, path):
+    llm = tiny_llm_factory(
+        block_size=16, max_model_len=96, enable_prefix_caching=False,
+        quantization=None if weights == "float32" else weights, **PATHS[path],
+    )  # fmt: skip
+    got = _tokens_and_logprobs(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert got == alone
+    sched = llm.engine.scheduler
+    if path in ("recompute", "swap"):
+        assert sched.preemptions_by_mode[path] > 0
+    if path == "ngram_spec":
+        assert llm.engine.stats.spec_accepted_tokens > 0
