@@ -15,7 +15,7 @@ from pagedllm.model.packed_linear import (
     packed_linear_available,
 )
 from pagedllm.platform import CpuFlags
-from tests.model.test_cpu_fast_path import _prefill_then_decode, cpu_ops_or_skip  # noqa: F401 (fixture)
+from tests.model.test_cpu_fast_path import _prefill_then_decode
 
 BF16 = torch.bfloat16
 needs_bf16_hardware = pytest.mark.skipif(
@@ -35,8 +35,8 @@ def _close_to_rounded(got: torch.Tensor, want_fp32: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("t, d", [(1, 576), (64, 576), (7, 13), (300, 1536)])
-def test_bf16_layer_ops_are_fp32_arithmetic_rounded_once(cpu_ops_or_skip, t, d):  # noqa: F811
-    ops = cpu_ops_or_skip
+def test_bf16_layer_ops_are_fp32_arithmetic_rounded_once(cpu_ops, t, d):
+    ops = cpu_ops
     torch.manual_seed(t * d)
     x, w, r = torch.randn(t, d).to(BF16), torch.randn(d).to(BF16), torch.randn(t, d).to(BF16)
 
@@ -58,10 +58,10 @@ def test_bf16_layer_ops_are_fp32_arithmetic_rounded_once(cpu_ops_or_skip, t, d):
     _close_to_rounded(act, F.silu(gu[:, :d].float()) * gu[:, d:].float())
 
 
-def test_bf16_rotary_kernel_on_a_strided_view(cpu_ops_or_skip):  # noqa: F811
+def test_bf16_rotary_kernel_on_a_strided_view(cpu_ops):
     """q and k heads rotated in place inside a fused [T, (H + 2 KVH) D] row (V untouched), with
     fp32 cos / sin tables."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     torch.manual_seed(3)
     t, heads, d = 5, 6, 64
     qkv = torch.randn(t, (heads + 2) * d).to(BF16)
@@ -77,10 +77,10 @@ def test_bf16_rotary_kernel_on_a_strided_view(cpu_ops_or_skip):  # noqa: F811
     assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])
 
 
-def test_bf16_store_rounds_ties_to_even_and_keeps_specials(cpu_ops_or_skip):  # noqa: F811
+def test_bf16_store_rounds_ties_to_even_and_keeps_specials(cpu_ops):
     """The vector fp32 -> bf16 store: inf, NaN and subnormals kept (rms_norm of a row of ones
     times the weight gives the weight's values back through the store), ties to even."""
-    ops = cpu_ops_or_skip
+    ops = cpu_ops
     specials = [float("nan"), float("inf"), -float("inf"), 1.0, 65504.0, -3.0e38, 1e-40, 0.0]
     w = torch.tensor(specials * 2).to(BF16)
     out = torch.empty(1, 16, dtype=BF16)
@@ -134,7 +134,7 @@ def test_bf16_packed_linear_matches_f_linear(rows):
 
 
 @needs_bf16_hardware
-def test_bf16_fast_path_model_is_as_close_to_fp32_as_plain_bf16(tiny_loaded, cpu_ops_or_skip):  # noqa: F811
+def test_bf16_fast_path_model_is_as_close_to_fp32_as_plain_bf16(tiny_loaded, cpu_ops):
     """Packed bf16 linears + the bf16 C++ layer ops + C++ attention, against the plain ATen bf16
     model, both measured against the fp32 model: the fast path's logit error is at most 1.5x the
     plain one's (it rounds less often, so it is usually smaller), over an 8-token prefill and a
@@ -149,8 +149,8 @@ def test_bf16_fast_path_model_is_as_close_to_fp32_as_plain_bf16(tiny_loaded, cpu
     ref = LlamaForCausalLM(cfg, torch.float32, get_attention_backend("torch_native"), 64)
     for m in (fast, plain, ref):
         m.load_weights(tiny_loaded.state_dict)
-    assert fast.pack_linears(cpu_ops_or_skip) > 0
-    fast.use_cpu_layer_ops(cpu_ops_or_skip)
+    assert fast.pack_linears(cpu_ops) > 0
+    fast.use_cpu_layer_ops(cpu_ops)
     assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
     assert fast.layers[0].input_layernorm.cpu_ops is not None
     caches = [CacheEngine(cfg, 8, 4, dt).kv_caches for dt in (BF16, BF16, torch.float32)]

@@ -272,7 +272,7 @@ def test_bundled_gguf_recompute_and_speculation_change_nothing(ops, smollm) -> N
 
     prompts = ["The capital of France is", "List five fruits: apple, banana, cherry, apple,",
                "def fibonacci(n):", "Write a short story about a robot who"]  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
 
     def run(llm: LLM, batch: list[str]) -> list[list[float]]:
         outs = llm.generate(batch, params, use_tqdm=False)
@@ -282,10 +282,10 @@ def test_bundled_gguf_recompute_and_speculation_change_nothing(ops, smollm) -> N
 
     base = {"loaded": smollm, "dtype": "float32", "quantization": "gguf", "block_size": 16,
             "max_model_len": 256, "enable_prefix_caching": False}  # fmt: skip
-    llm = LLM(**base)
-    alone = [run(llm, [p])[0] for p in prompts]
-    del llm
-    small = LLM(**base, num_gpu_blocks_override=12, preemption_mode="recompute")
+    # 8 blocks hold any one request (3 blocks) but not all four together.
+    small = LLM(**base, num_gpu_blocks_override=8, preemption_mode="recompute")
+    alone = [run(small, [p])[0] for p in prompts]
+    assert small.engine.scheduler.num_preemptions == 0
     assert run(small, prompts) == alone
     assert small.engine.scheduler.preemptions_by_mode["recompute"] > 0
     del small
