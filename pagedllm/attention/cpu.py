@@ -41,8 +41,9 @@ class CpuPagedAttention:
 
     Decodes (the first ``meta.num_decodes`` sequences) go to ``paged_attention_decode``, the
     multi-token sequences to ``paged_attention_prefill``; both read K/V in place through the block
-    tables. ``partition_size``: context length per partition when a long decode context is split
-    across threads (flash-decoding); 0 disables splitting.
+    tables, and give a query the same output bits. ``partition_size``: keys are cut into
+    partitions at its multiples (positions), merged flash-decoding style, so a long decode
+    context can be split across threads; both kernels must use the same value (0: no cut).
     """
 
     name = "cpu"
