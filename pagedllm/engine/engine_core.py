@@ -194,7 +194,9 @@ class EngineCore:
             n_prompt_part = max(0, min(seq.num_prompt_tokens - work.start_pos, len(work.token_ids)))
             self.stats.prompt_tokens += n_prompt_part
         for seq_id, logits in result.prompt_logits.items():
-            self.output_processor.add_prompt_logprobs(*self._seqs[seq_id], logits)
+            self.output_processor.add_prompt_logprobs(
+                *self._seqs[seq_id], logits, self.sampler.raw_logsumexp(logits)
+            )
         if result.hidden_states:
             self._process_pooling(sched, result.hidden_states, now)
         sample_ids, logits = result.sample_seq_ids, result.logits

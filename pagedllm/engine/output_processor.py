@@ -14,7 +14,8 @@ import torch
 
 from pagedllm.engine.detokenizer import find_stop_string
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from pagedllm.sampling.sampler import SamplerOutput, compute_prompt_logprobs
+from pagedllm.sampling.prompt_logprobs import compute_prompt_logprobs
+from pagedllm.sampling.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -110,7 +111,11 @@ class OutputProcessor:
         return stops[0] if stops else None
 
     def add_prompt_logprobs(
-        self, seq: Sequence, group: SequenceGroup, logits: torch.Tensor
+        self,
+        seq: Sequence,
+        group: SequenceGroup,
+        logits: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         """Append the logprobs of a prompt chunk to ``group.prompt_logprobs``.
 
@@ -119,6 +124,7 @@ class OutputProcessor:
             group: its request, asking for ``prompt_logprobs``.
             logits: ``[chunk tokens, vocab]`` float logits; row ``j`` of a chunk starting at
                 prompt position ``start`` predicts prompt token ``start + j + 1``.
+            lse: [chunk tokens] logsumexp of ``logits`` (``Sampler.raw_logsumexp``) or None.
         """
         plp = group.prompt_logprobs
         if plp is None or len(plp) >= seq.num_prompt_tokens:
@@ -130,8 +136,9 @@ class OutputProcessor:
             return
         k = group.sampling_params.prompt_logprobs or 0
         lps, ranks, tops = compute_prompt_logprobs(
-            logits[:n], torch.tensor(targets[:n], dtype=torch.long), k
-        )
+            logits[:n], torch.tensor(targets[:n], dtype=torch.long), k,
+            None if lse is None else lse[:n],
+        )  # fmt: skip
         for j in range(n):
             tid = targets[j]
             entry: PositionLogprobs = {tid: Logprob(lps[j], ranks[j], self.token_text(tid))}

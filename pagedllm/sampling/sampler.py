@@ -507,6 +507,14 @@ class Sampler:
 
         return x.softmax(dim=-1)
 
+    def raw_logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B] float32 logsumexp of [B, V] raw logits, computed as the sampled tokens' logprobs
+        compute it (the fused C++ pass on float32 CPU rows), so that a prompt token's logprob
+        (``compute_prompt_logprobs``) is the same float as that token's when sampled."""
+        raw = logits.float()
+        _, lse = self._argmax_and_lse(raw, raw)
+        return torch.logsumexp(raw, dim=-1) if lse is None else lse
+
     def _argmax_and_lse(
         self, raw: torch.Tensor, processed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -553,47 +561,3 @@ class Sampler:
             sampled_ranks=ranks,
             top_logprobs=top,
         )
-
-
-def compute_prompt_logprobs(
-    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
-) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
-    """Raw log-probabilities of the actual next tokens of a prompt.
-
-    Args:
-        logits: [P, V] float32/bf16 logits, row ``j`` predicting the token after prompt position
-            ``j`` (upcast to float32; not modified).
-        next_token_ids: [P] int64, the actual token at position ``j + 1``.
-        k: number of top entries per position (>= 0).
-
-    Returns:
-        ``(logprobs [P], ranks [P], top [P])``: natural-log probability of each next token under
-        ``log_softmax(logits)``, its 1-based rank (1 + count of strictly larger logits), and per
-        position the top-``k`` ``(token_id, logprob)`` pairs sorted by decreasing logprob.
-
-    Raises:
-        ValueError: shape mismatch or negative ``k``.
-    """
-    if logits.dim() != 2 or next_token_ids.shape != (logits.shape[0],):
-        raise ValueError(
-            f"logits must be [P, V] and next_token_ids [P], got {tuple(logits.shape)} and "
-            f"{tuple(next_token_ids.shape)}"
-        )
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    raw = logits.float()
-    P, V = raw.shape
-    if P == 0:
-        return [], [], []
-    ids = next_token_ids.to(device=raw.device, dtype=torch.int64)
-    lse = torch.logsumexp(raw, dim=-1)
-    chosen = raw.gather(1, ids[:, None]).squeeze(1)
-    lps = (chosen - lse).tolist()
-    ranks = (torch.count_nonzero(raw > chosen[:, None], dim=-1) + 1).tolist()
-    if k == 0:
-        return lps, ranks, [[] for _ in range(P)]
-    vals, idx = raw.topk(min(k, V), dim=-1)
-    vals_l = (vals - lse[:, None]).tolist()
-    idx_l = idx.tolist()
-    top = [list(zip(idx_l[j], vals_l[j], strict=True)) for j in range(P)]
-    return lps, ranks, top

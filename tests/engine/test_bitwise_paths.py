@@ -71,3 +71,23 @@ def test_logprobs_bitwise_equal_on_every_path(tiny_llm_factory, alone, weights, 
         assert sched.preemptions_by_mode[path] > 0
     if path == "ngram_spec":
         assert llm.engine.stats.spec_accepted_tokens > 0
+
+
+def test_prompt_logprobs_equal_the_sampled_logprobs(tiny_llm_factory):
+    """A prompt token's logprob (``prompt_logprobs``, echo) is the same float as that token's
+    logprob when it was sampled: the prompt built from a greedy output is scored again."""
+    llm = tiny_llm_factory(block_size=16, max_model_len=96, enable_prefix_caching=False)
+    out = llm.generate([PROMPTS[0]], PARAMS, use_tqdm=False)[0]
+    gen = out.outputs[0]
+    again = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0] + gen.token_ids}],
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+        use_tqdm=False,
+    )[0]
+    start = len(PROMPTS[0])
+    for j, (tok, step) in enumerate(zip(gen.token_ids, gen.logprobs, strict=True)):
+        scored = again.prompt_logprobs[start + j]
+        assert {t: lp.logprob for t, lp in scored.items()} == {
+            t: lp.logprob for t, lp in step.items()
+        }, j
+        assert scored[tok].rank == step[tok].rank

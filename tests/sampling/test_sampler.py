@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from pagedllm.sampling.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.sampling.sampler import (
     Sampler,
     SamplingBatch,
-    compute_prompt_logprobs,
     counter_uniform,
     counter_uniform_py,
     derive_seed,
