@@ -50,6 +50,7 @@ CASES = [
     (8, 8, 32, 4, 300, 37, 0, 100),  # G = 1; partitions that are not a multiple of the tile
     (16, 4, 72, 3, 130, 20, 0, 16),  # head_dim with a vector tail, tiny partitions
     (10, 2, 20, 16, 60, 23, 0, 0),  # G = 5, head_dim below one vector, no partitions
+    (16, 2, 64, 16, 140, 19, 0, 512),  # G = 8: decode's scores also take the batched hsum
     (16, 1, 64, 16, 50, 9, 0, 512),  # G = 16 (the decode kernel's generic path)
     (8, 2, 64, 16, 300, 40, 37, 64),  # sliding window, partitions inside the window
     (8, 2, 64, 32, 100, 150, 129, 512),  # window across a tile boundary
