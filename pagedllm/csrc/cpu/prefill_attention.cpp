@@ -30,12 +30,12 @@ using namespace attn;
 
 // Scratch of one thread's prefill items: rows R = nq * G query rows padded to a multiple of
 // kRowBlock, their online-softmax state (m, l, acc), the merge of their finished partitions
-// (M, L, A), the current tile's scores and its K / V row pointers and V scales.
+// (M, L, A), the current tile's scores and its K / V row pointers and block scales.
 constexpr int kRowBlock = 4;
 constexpr int kKeyBlock = 4;  // keys per dot_block: 2 rows x 4 keys = 8 accumulators
 struct PrefillScratch {
   std::vector<float> q, m, l, acc, M, L, A, sc;
-  std::vector<float> vscale;
+  std::vector<float> kscale, vscale;
   void reserve(int rows, int D) {
     q.assign(static_cast<size_t>(rows) * D, 0.f);
     m.resize(rows);
@@ -45,6 +45,7 @@ struct PrefillScratch {
     L.resize(rows);
     A.resize(static_cast<size_t>(rows) * D);
     sc.resize(static_cast<size_t>(rows) * kTile);
+    kscale.resize(kTile);
     vscale.resize(kTile);
   }
 };
@@ -169,6 +170,7 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
       const int64_t row = (table[blk] * cv.rows + off) * D;
       krow[i] = kbase + row;
       vrow[i] = vbase + row;
+      ws.kscale[i] = block_scale(kbase, table[blk], cv);
       ws.vscale[i] = block_scale(vbase, table[blk], cv);
       if (++off == BS) {
         off = 0;
@@ -176,18 +178,9 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
       }
     }
     tile_scores(ws.q.data(), rows, krow, n, D, sc);
-    if constexpr (kQuantized<T>) {
-      blk = t0 / BS;
-      off = static_cast<int>(t0 % BS);
-      for (int i = 0; i < n; ++i) {
-        const float ks = block_scale(kbase, table[blk], cv);
-        for (int r = 0; r < R; ++r) sc[r * kTile + i] *= ks;
-        if (++off == BS) {
-          off = 0;
-          ++blk;
-        }
-      }
-    }
+    if constexpr (kQuantized<T>)
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < n; ++i) sc[r * kTile + i] *= ws.kscale[i];
     for (int r = 0; r < R; ++r) {
       float* s = sc + r * kTile;
       const int64_t j = r / G;
