@@ -71,13 +71,21 @@ LLAMA_CHILD = textwrap.dedent(
 
 def llamacpp_cmake_args() -> str:
     """CMAKE_ARGS for this CPU: never -march=native (GGML_NATIVE=OFF), AVX2/FMA/F16C, AVX-512
-    where present, AMX off (a native AMX build crashed)."""
+    and its VBMI / VNNI / BF16 extensions where present (llama.cpp's best build here), AMX off
+    (a native AMX build crashed)."""
     from pagedllm.platform import cpu_flags
 
     flags = cpu_flags()
     args = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
-    if "avx512f" in flags.summary():
+    if flags.avx512f:
         args.append("-DGGML_AVX512=ON")
+        for flag, option in (
+            ("avx512vbmi", "GGML_AVX512_VBMI"),
+            ("avx512_vnni", "GGML_AVX512_VNNI"),
+            ("avx512_bf16", "GGML_AVX512_BF16"),
+        ):
+            if flags.has(flag):
+                args.append(f"-D{option}=ON")
     args.append("-DGGML_AMX_INT8=OFF")
     return " ".join(args)
 

@@ -112,10 +112,13 @@ def format_size(num_bytes: int) -> str:
     return str(num_bytes)
 
 
-def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+def parse_dtype(
+    dtype: str | torch.dtype, device: str = "cpu", quantization: str | None = None
+) -> torch.dtype:
     """Map "float32" / "bfloat16" / "float16" (the short forms "fp32", "bf16", "fp16", or a
     torch dtype) to a torch dtype; "auto" becomes what :func:`pagedllm.platform.auto_dtype_name`
-    picks for ``device`` and this CPU (bfloat16 on CUDA and on CPUs with AMX, else float32).
+    picks for ``device``, this CPU and ``quantization`` (bfloat16 on CUDA and on CPUs with
+    AMX-BF16 or AVX512-BF16 unless the weights are quantized, else float32).
 
     Raises:
         ValueError: naming ``dtype`` when it is not one of the supported types.
@@ -128,7 +131,7 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if key == "auto":
         from pagedllm.platform import auto_dtype_name
 
-        key = auto_dtype_name(device)
+        key = auto_dtype_name(device, quantization=quantization)
     if key not in _DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[key]
@@ -359,7 +362,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        self.torch_dtype = parse_dtype(self.dtype, str(self.device))
+        self.torch_dtype = parse_dtype(self.dtype, str(self.device), self.quantization)
         from pagedllm.spec_decode.config import parse_speculative_config  # ValueError: the field
 
         self.speculative = parse_speculative_config(self.speculative_config)

@@ -157,21 +157,28 @@ def cpu_kernel_variant(flags: CpuFlags | None = None) -> str:
 
 # Why: the rule behind dtype="auto" (figures in docs/dtype.md). bf16 pays only where the CPU has
 # bf16 matrix hardware that beats its fp32 FMAs: AMX tiles (measured: pagedllm 1098 vs 477 tok/s,
-# bf16 vs fp32, on an AMX Xeon). On AVX2 CPUs bf16 matmuls are emulated and 2-4x slower than
-# fp32 (measured on Zen 3); AVX512-BF16 without AMX is not measured yet, so it keeps fp32.
+# bf16 vs fp32, on an AMX Xeon) and AVX512-BF16 dot products (measured on AMD Zen 4: 1.6x fp32 at
+# batch 64, 1.2x at batch 1). On AVX2 CPUs bf16 matmuls are emulated and 2-4x slower than fp32
+# (measured on Zen 3).
 AUTO_DTYPE_ENV = "PAGEDLLM_AUTO_DTYPE"
 
 
-def auto_dtype_name(device: str = "cpu", flags: CpuFlags | None = None) -> str:
+def auto_dtype_name(
+    device: str = "cpu", flags: CpuFlags | None = None, quantization: str | None = None
+) -> str:
     """The dtype that ``dtype="auto"`` means on ``device`` (``"float32"`` or ``"bfloat16"``).
 
-    Rule: CUDA -> bfloat16; a CPU with AMX-BF16 tiles -> bfloat16; any other CPU -> float32.
+    Rule: CUDA -> bfloat16; a CPU with quantized weights (``quantization`` int8 or gguf) ->
+    float32, the activations their C++ kernels and the fused decoder layers take (bf16
+    activations ran them 1.3x (int8) to 4x (gguf) slower at batch 1 on Zen 4); a CPU with
+    AMX-BF16 tiles or AVX512-BF16 dot products -> bfloat16; any other CPU -> float32.
     The environment variable ``PAGEDLLM_AUTO_DTYPE`` (a dtype name) overrides the rule; the test
     suite sets it to float32 so that its exactness checks do not depend on the CPU kind.
 
     Args:
         device: ``"cpu"`` or ``"cuda[:N]"``.
         flags: the CPU's flags (default: this CPU's, :func:`cpu_flags`).
+        quantization: the engine's ``quantization`` (None: weights in the model dtype).
     """
     import os
 
@@ -180,5 +187,7 @@ def auto_dtype_name(device: str = "cpu", flags: CpuFlags | None = None) -> str:
         return override
     if device.startswith("cuda"):
         return "bfloat16"
+    if quantization is not None:
+        return "float32"
     flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if flags.amx_bf16 else "float32"
+    return "bfloat16" if flags.amx_bf16 or flags.avx512_bf16 else "float32"

@@ -1,5 +1,5 @@
-"""dtype="auto" (the default): bf16 where the hardware makes it pay (CUDA, AMX-BF16 CPUs), fp32
-elsewhere; the rule runs on injected CPU flags so every CPU kind is checked on any machine."""
+"""dtype="auto" (the default): bf16 where the hardware makes it pay (CUDA, AMX-BF16 or
+AVX512-BF16 CPUs), fp32 elsewhere; the rule runs on injected CPU flags so every CPU kind is checked on any machine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pagedllm.config import EngineConfig, parse_dtype
 from pagedllm.platform import AUTO_DTYPE_ENV, auto_dtype_name, cpu_flags, parse_cpuinfo
 
 ZEN3 = "flags\t: fpu sse2 avx fma f16c avx2 bmi2\n"
+SKYLAKE_AVX512 = "flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq\n"
 XEON_AVX512_BF16 = "flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n"
 XEON_AMX = XEON_AVX512_BF16.rstrip("\n") + " amx_tile amx_bf16 amx_int8\n"
 
@@ -21,7 +22,12 @@ def no_override(monkeypatch):
 
 @pytest.mark.parametrize(
     ("cpuinfo", "expected"),
-    [(ZEN3, "float32"), (XEON_AVX512_BF16, "float32"), (XEON_AMX, "bfloat16")],
+    [
+        (ZEN3, "float32"),
+        (SKYLAKE_AVX512, "float32"),
+        (XEON_AVX512_BF16, "bfloat16"),
+        (XEON_AMX, "bfloat16"),
+    ],
 )
 def test_auto_rule_per_cpu_kind(no_override, cpuinfo, expected):
     assert auto_dtype_name("cpu", parse_cpuinfo(cpuinfo)) == expected
@@ -32,8 +38,19 @@ def test_auto_is_bf16_on_cuda(no_override):
     assert auto_dtype_name("cuda:1", parse_cpuinfo(ZEN3)) == "bfloat16"
 
 
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+def test_auto_is_fp32_for_quantized_weights_on_bf16_cpus(no_override, quantization):
+    # The int8 / GGUF kernels and the fused layers take fp32 activations.
+    for cpuinfo in (XEON_AVX512_BF16, XEON_AMX):
+        assert auto_dtype_name("cpu", parse_cpuinfo(cpuinfo), quantization) == "float32"
+    assert auto_dtype_name("cpu", parse_cpuinfo(XEON_AMX)) == "bfloat16"
+    assert EngineConfig(quantization=quantization).torch_dtype == torch.float32
+    assert EngineConfig(quantization=quantization, dtype="bf16").torch_dtype == torch.bfloat16
+
+
 def test_default_config_resolves_auto_on_this_cpu(no_override):
-    expected = torch.bfloat16 if cpu_flags().amx_bf16 else torch.float32
+    flags = cpu_flags()
+    expected = torch.bfloat16 if flags.amx_bf16 or flags.avx512_bf16 else torch.float32
     cfg = EngineConfig()
     assert cfg.dtype == "auto"
     assert cfg.torch_dtype == expected

@@ -63,15 +63,19 @@ def onednn_linear_available(dtype: torch.dtype, device: torch.device | str = "cp
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
+# The kernel variants whose GEMM (csrc/cpu/gemm.cpp) has a vector micro-kernel.
+OWN_GEMM_SIMD_LEVELS = ("avx2", "avx512")
+
+
 def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
     """``cpu_ops`` (the C++ CPU kernels) when its own GEMM should run the linears: float32, the
-    ``avx2`` variant (``simd_level() == "avx2"``), not disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``;
-    else None."""
+    ``avx2`` or ``avx512`` variant (``simd_level()``), not disabled by
+    ``PAGEDLLM_DISABLE_CPU_GEMM=1``; else None."""
     if cpu_ops is None or dtype != torch.float32:
         return None
     if os.environ.get("PAGEDLLM_DISABLE_CPU_GEMM") == "1":
         return None
-    if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() != "avx2":
+    if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() not in OWN_GEMM_SIMD_LEVELS:
         return None
     return cpu_ops
 

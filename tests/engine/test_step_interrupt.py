@@ -9,8 +9,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from pagedllm.entrypoints.llm import LLM
+from pagedllm.model.packed_linear import cpu_gemm_ops
 from pagedllm.model.step_interrupt import StepInterrupt
 from pagedllm.ops import load_cpu_ops
 from pagedllm.sampling_params import SamplingParams
@@ -19,10 +21,10 @@ _OPS = load_cpu_ops()
 pytestmark = [
     pytest.mark.skipif(_OPS is None, reason="needs the C++ CPU kernels"),
     # Steps stop between the layers of the fused decoder op, which runs fp32 weights only on the
-    # own GEMM (avx2 variant); the avx512 variant's fp32 linears are oneDNN's (left unfused).
+    # own GEMM (avx2 and avx512 variants; the scalar one's fp32 linears are oneDNN's, unfused).
     pytest.mark.skipif(
-        _OPS is not None and _OPS.simd_level() != "avx2",
-        reason="fp32 layers fuse (and so stop) only on the avx2 kernel variant's own GEMM; "
+        _OPS is not None and cpu_gemm_ops(_OPS, torch.float32) is None,
+        reason="fp32 layers fuse (and so stop) only on the own GEMM (avx2 / avx512 variants); "
         f"this CPU runs {_OPS.simd_level() if _OPS else None!r}",
     ),
 ]

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from pagedllm.model.packed_linear import cpu_gemm_ops
 from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
@@ -120,8 +121,8 @@ def test_cpu_fast_path_is_used(arch_case):
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # MoE: every expert packed, SwiGLU fused (I % 8 == 0)
             assert mlp.experts.packed
-            # The SwiGLU epilogue is the own GEMM's (avx2 variant); oneDNN packs gate/up plain.
-            own = load_cpu_ops().simd_level() == "avx2"
+            # The SwiGLU epilogue is the own GEMM's; oneDNN packs gate/up plain.
+            own = cpu_gemm_ops(load_cpu_ops(), torch.float32) is not None
             gate_up_kind = PackedSwiGLU if own else PackedLinear
             assert all(type(m) is gate_up_kind for m in mlp.experts.packed_gate_up)
             assert all(isinstance(m, PackedLinear) for m in mlp.experts.packed_down)

@@ -131,7 +131,7 @@ def test_fast_path_model_matches_plain_model(tiny_loaded, cpu_ops):
     fast.pack_linears(cpu_ops)
     fast.use_cpu_layer_ops(cpu_ops)
     assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
-    own = cpu_ops.simd_level() == "avx2"
+    own = cpu_gemm_ops(cpu_ops, torch.float32) is not None
     assert fast.layers[0].mlp.down_proj.kernel == ("pagedllm" if own else "onednn")
     gate_up = fast.layers[0].mlp.gate_up_proj
     assert isinstance(gate_up, PackedSwiGLU if own else PackedLinear)
@@ -343,12 +343,12 @@ def test_own_gemm_rejects_bad_input(cpu_ops):
 
 
 def test_packed_linear_kernel_choice(cpu_ops, monkeypatch):
-    """The own GEMM runs when the extension is an AVX2 build; PAGEDLLM_DISABLE_CPU_GEMM=1, bf16
-    or no extension give oneDNN; both give F.linear's values, also for a 3-D input."""
+    """The own GEMM runs when the extension is an AVX2 or AVX-512 build; PAGEDLLM_DISABLE_CPU_GEMM=1,
+    bf16 or no extension give oneDNN; both give F.linear's values, also for a 3-D input."""
     ops = cpu_ops
     w, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     own = PackedLinear(w, ops)
-    assert own.kernel == ("pagedllm" if ops.simd_level() == "avx2" else "onednn")
+    assert own.kernel == ("pagedllm" if ops.simd_level() in ("avx2", "avx512") else "onednn")
     assert cpu_gemm_ops(ops, torch.bfloat16) is None and cpu_gemm_ops(None, torch.float32) is None
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_GEMM", "1")
     onednn = PackedLinear(w, ops)
@@ -365,7 +365,7 @@ def test_worker_with_cpu_backend_uses_own_gemm(tiny_loaded, cpu_ops):
     from pagedllm.worker.worker import Worker
 
     worker = Worker(tiny_loaded.config, tiny_loaded.state_dict, torch.float32, 8, 4, 64, "cpu")
-    own = cpu_ops.simd_level() == "avx2"
+    own = cpu_gemm_ops(cpu_ops, torch.float32) is not None
     assert worker.model.layers[0].self_attn.qkv_proj.kernel == ("pagedllm" if own else "onednn")
     assert worker.model.lm_head_packed is not None
     assert worker.model.lm_head_packed.kernel == ("pagedllm" if own else "onednn")

@@ -18,6 +18,7 @@ from gguf.quants import quantize
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.model.loader import LoadedModel
+from pagedllm.model.packed_linear import cpu_gemm_ops
 from pagedllm.model.quant.gguf_native import GGUFLinear, repack
 from pagedllm.sampling_params import SamplingParams
 
@@ -110,9 +111,10 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> None:  # noqa: ANN001
     spec = VARIANTS[variant]
-    if not (spec.get("gguf") or spec.get("quantization")) and ops.simd_level() != "avx2":
+    own_gemm = cpu_gemm_ops(ops, torch.float32) is not None
+    if not (spec.get("gguf") or spec.get("quantization")) and not own_gemm:
         pytest.skip(
-            "fp32 layers fuse only on pagedllm's own GEMM, which runs in the avx2 kernel variant; "
+            "fp32 layers fuse only on pagedllm's own GEMM (avx2 and avx512 kernel variants); "
             f"this CPU runs {ops.simd_level()!r} (oneDNN linears, left unfused)"
         )
     loaded = with_biases(tiny_loaded) if spec.get("bias") else tiny_loaded
@@ -151,7 +153,7 @@ def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> No
 def test_engine_fuses_by_default_and_env_turns_it_off(ops, tiny_loaded, monkeypatch) -> None:  # noqa: ANN001
     cfg = EngineConfig(dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
     model = LLMEngine(cfg, loaded=tiny_loaded).executor.worker.model
-    if ops.simd_level() != "avx2":  # fp32 on oneDNN's linears (AVX-512 CPUs): not the op's kind
+    if cpu_gemm_ops(ops, torch.float32) is None:  # fp32 on oneDNN's linears: not the op's kind
         assert model.fused_stack is None
         return
     assert model.fused_stack is not None

@@ -3,9 +3,10 @@
 // A register-blocked GEMM in the layout popularised by BLIS / GotoBLAS (Goto & van de Geijn,
 // "Anatomy of High-Performance Matrix Multiplication", ACM TOMS 2008, section 6): the weight is
 // packed once at load time into panels of 16 output columns stored k-major ([K][16], 64 bytes per
-// k), the rows of x are packed per call into tiles of 6 rows stored k-major ([K][6]), and a 6 x 16
-// micro-kernel keeps its 12 accumulators (6 rows x 2 AVX2 registers) in registers for the whole
-// K loop: per k it loads 2 weight vectors, broadcasts 6 x values and issues 12 FMAs.
+// k), the rows of x are packed per call into tiles of MR rows stored k-major ([K][MR]), and an
+// MR x 16 micro-kernel keeps its accumulators in registers for the whole K loop. AVX2: 6 rows x 2
+// registers; per k it loads 2 weight vectors, broadcasts 6 x values and issues 12 FMAs. AVX-512:
+// 12 rows x 1 register; per k 1 weight vector, 12 broadcasts, 12 FMAs.
 //
 // Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On this 2-core AVX2 EPYC,
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
@@ -26,7 +27,10 @@
 
 #include "vec.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define PAGEDLLM_GEMM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_GEMM_AVX2 1
 #endif
@@ -35,7 +39,14 @@ namespace pagedllm {
 namespace {
 
 constexpr int NR = kGemmPanel;
-constexpr int MR = 6;        // rows per micro-kernel tile
+// Rows per micro-kernel tile: the accumulators are MR x 16 floats, 12 AVX2 registers for 6 rows;
+// an AVX-512 register holds a whole panel row, so 12 rows keep 12 FMA chains in flight (two
+// 512-bit FMA ports x 4-6 cycles of latency need at least 8).
+#if defined(PAGEDLLM_GEMM_AVX512)
+constexpr int MR = 12;
+#else
+constexpr int MR = 6;
+#endif
 constexpr int kPrefetch = 24;  // k steps ahead (24 x 64 bytes) for the first tile of a panel
 
 enum Epilogue { kStore, kAccumulate, kSwiGlu };
@@ -54,10 +65,53 @@ inline void finish_row(const float* lo, const float* hi, float* c) {
   }
 }
 
+#if defined(PAGEDLLM_GEMM_AVX512)
+// silu(g) * u over 16 lanes, in vec::silu_mul_row's arithmetic.
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = vec::exp(_mm512_mul_ps(g, _mm512_set1_ps(-1.0f)));  // e^-g
+  return _mm512_mul_ps(_mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, e))), u);
+}
+#endif
+
 // c[0:rows, 0:NR] (row stride ldc) = a_tile[K][MR] . panel[K][NR]; rows <= ROWS <= MR.
 template <int ROWS, bool PREFETCH, int E>
 inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
-#if defined(PAGEDLLM_GEMM_AVX2)
+#if defined(PAGEDLLM_GEMM_AVX512)
+  // One register per row; each lane adds its column's products in k order, as the AVX2 kernel's
+  // lanes do, so both variants' sums have the same bits.
+  __m512 acc[ROWS];
+#pragma GCC unroll 12
+  for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(b + (k + kPrefetch) * NR), _MM_HINT_T0);
+    const __m512 bv = _mm512_load_ps(b + k * NR);
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[k * MR + i]), bv, acc[i]);
+  }
+  if (E == kStore) {
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; ++i) _mm512_storeu_ps(c + i * ldc, acc[i]);
+  } else if (E == kAccumulate) {
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; ++i)
+      _mm512_storeu_ps(c + i * ldc, _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i]));
+  } else {
+    // A row's register holds 8 gate then 8 up columns: two rows make one full-width silu(g) * u.
+    int i = 0;
+    for (; i + 1 < ROWS; i += 2) {
+      const __m512 y = silu_mul(_mm512_shuffle_f32x4(acc[i], acc[i + 1], 0x44),
+                                _mm512_shuffle_f32x4(acc[i], acc[i + 1], 0xEE));
+      _mm256_storeu_ps(c + i * ldc, _mm512_castps512_ps256(y));
+      _mm256_storeu_ps(c + (i + 1) * ldc, _mm512_extractf32x8_ps(y, 1));
+    }
+    if (i < ROWS) {
+      const __m512 y = silu_mul(acc[i], _mm512_shuffle_f32x4(acc[i], acc[i], 0xEE));
+      _mm256_storeu_ps(c + i * ldc, _mm512_castps512_ps256(y));
+    }
+  }
+#elif defined(PAGEDLLM_GEMM_AVX2)
   __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 8
   for (int i = 0; i < ROWS; ++i) {
@@ -104,15 +158,15 @@ inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, in
 #endif
 }
 
-template <bool PREFETCH, int E>
+// micro_kernel<rows> for 1 <= rows <= ROWS (= MR at the top call).
+template <bool PREFETCH, int E, int ROWS = MR>
 void tile(int rows, const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
-  switch (rows) {
-    case 6: micro_kernel<6, PREFETCH, E>(a, b, K, c, ldc); break;
-    case 5: micro_kernel<5, PREFETCH, E>(a, b, K, c, ldc); break;
-    case 4: micro_kernel<4, PREFETCH, E>(a, b, K, c, ldc); break;
-    case 3: micro_kernel<3, PREFETCH, E>(a, b, K, c, ldc); break;
-    case 2: micro_kernel<2, PREFETCH, E>(a, b, K, c, ldc); break;
-    default: micro_kernel<1, PREFETCH, E>(a, b, K, c, ldc); break;
+  if constexpr (ROWS == 1) {
+    micro_kernel<1, PREFETCH, E>(a, b, K, c, ldc);
+  } else if (rows == ROWS) {
+    micro_kernel<ROWS, PREFETCH, E>(a, b, K, c, ldc);
+  } else {
+    tile<PREFETCH, E, ROWS - 1>(rows, a, b, K, c, ldc);
   }
 }
 
@@ -137,7 +191,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
   if (M == 0 || N == 0) return;
 
-  // x -> tiles [ceil(M / 6)][K][6], the rows past M zero.
+  // x -> tiles [ceil(M / MR)][K][MR], the rows past M zero.
   const int64_t tiles = (M + MR - 1) / MR;
   at::Tensor xa = x.new_empty({tiles, K, MR});
   const float* xs = x.data_ptr<float>();
@@ -160,7 +214,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
 
   const float* b = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(32) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
+    alignas(64) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
     for (int64_t p = p0; p < p1; ++p) {
       const float* bp = b + p * K * NR;
       const int64_t cols = std::min<int64_t>(out_per_panel, N - p * out_per_panel);
