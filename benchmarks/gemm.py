@@ -9,9 +9,9 @@ of oneDNN to the own GEMM. The FMA peak of this 2-core AVX2 EPYC is ~200 GFLOP/s
 
     .venv/bin/python benchmarks/gemm.py --rows 1 4 16 64 256 2048
 
-``--dtype bfloat16`` (CPUs with AVX512-BF16 or AMX-BF16) times oneDNN's packed bf16 matmul, what
-the engine runs there, against ``F.linear`` on the same bf16 weights ("aten"), and prints the
-ratio aten / oneDNN.
+``--dtype bfloat16`` (CPUs with AVX512-BF16 or AMX-BF16) times oneDNN's packed bf16 matmul
+against ``F.linear`` on the same bf16 weights ("aten"), and the own bf16 GEMM where it runs (the
+avx512 kernel variant on a CPU with AVX512-BF16; then the ratio is oneDNN / own).
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def main() -> None:
         if not bf16_packing_available():
             raise SystemExit("bf16 weights are packed only on CPUs with amx_bf16 or avx512_bf16")
         kernels, base, tol = {"onednn": onednn, "aten": plain}, "onednn", 0.05
+        ops = cpu_gemm_ops(load_cpu_ops(), torch.bfloat16)
+        if ops is not None:  # the own bf16 GEMM (avx512 variant on an AVX512-BF16 CPU) first
+            own = {n: [PackedLinear(w, ops) for w in ws] for n, ws in weights.items()}
+            kernels, base = {"pagedllm": own, **kernels}, "pagedllm"
     else:
         ops = cpu_gemm_ops(load_cpu_ops(), torch.float32)
         if ops is None:

@@ -258,8 +258,9 @@ class DecoderForCausalLM(nn.Module):
 
     def use_fused_layers(self, ops: CpuOps | None) -> int:
         """Run the decoder layers as one C++ op per step (``layers.fused_layer``) when every
-        layer allows it: Llama-shaped layers whose projections are GGUF blocks or packed fp32
-        on the own GEMM, RoPE on the C++ kernel, no tensor parallelism. Call after the linears
+        layer allows it: Llama-shaped layers whose projections are GGUF blocks, int8 records or
+        fp32 / bf16 panels of the own GEMM, RoPE on the C++ kernel, no tensor parallelism (a
+        bf16 model's residual stream is fp32 inside the op). Call after the linears
         are packed or quantized and after ``use_cpu_layer_ops``. ``ops`` None (or
         ``PAGEDLLM_DISABLE_FUSED_LAYER=1``) turns it off. Returns the number of layers fused
         (all of this stage's, or 0)."""
@@ -277,7 +278,7 @@ class DecoderForCausalLM(nn.Module):
             ops is None
             or not fused_layers_enabled()
             or self.group is not None
-            or self.dtype != torch.float32
+            or self.dtype not in (torch.float32, torch.bfloat16)
             or rotary.cpu_ops is None
         ):
             return 0
@@ -348,8 +349,11 @@ class DecoderForCausalLM(nn.Module):
             h = self.embed(input_ids, positions)
         rotary = {name: cast(RotaryEmbedding, r) for name, r in self.rotary.items()}
         ctx = StepContext({}, meta, self.backend, rotary, positions)
-        if self.fused_stack is not None and self.fused_stack(h, kv, ctx, self.step_interrupt):
-            return h  # every layer ran in the C++ op, on h in place
+        if self.fused_stack is not None:
+            # The op keeps the residual stream in fp32 (a bf16 model's linears read bf16 panels).
+            h32 = h.float()
+            if self.fused_stack(h32, kv, ctx, self.step_interrupt):
+                return h32.to(h.dtype)  # every layer ran in the C++ op, on h32 in place
         # The per-layer path's rotary functions, built only when it runs.
         ctx.rotations = {name: r.for_step(positions, h.dtype, meta) for name, r in rotary.items()}
         start, stop = self.stage_layers.start, self.stage_layers.stop

@@ -68,14 +68,17 @@ OWN_GEMM_SIMD_LEVELS = ("avx2", "avx512")
 
 
 def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
-    """``cpu_ops`` (the C++ CPU kernels) when its own GEMM should run the linears: float32, the
-    ``avx2`` or ``avx512`` variant (``simd_level()``), not disabled by
-    ``PAGEDLLM_DISABLE_CPU_GEMM=1``; else None."""
-    if cpu_ops is None or dtype != torch.float32:
+    """``cpu_ops`` (the C++ CPU kernels) when its own GEMM should run the linears of ``dtype``
+    weights: float32 on the ``avx2`` or ``avx512`` variant (``simd_level()``), bfloat16 where
+    ``cpu_ops.gemm_bf16_supported()`` (the avx512 variant on a CPU with AVX512-BF16); not
+    when disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``; else None."""
+    if cpu_ops is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     if os.environ.get("PAGEDLLM_DISABLE_CPU_GEMM") == "1":
         return None
     if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() not in OWN_GEMM_SIMD_LEVELS:
+        return None
+    if dtype == torch.bfloat16 and not cpu_ops.gemm_bf16_supported():
         return None
     return cpu_ops
 
@@ -96,14 +99,17 @@ class PackedLinear(nn.Module):
     """y = x W^T (+ b) from a weight prepacked once.
 
     Args:
-        weight: [out_features, in_features] float32 (or bfloat16, oneDNN only) CPU tensor
-            (copied into the packed layout; the caller may drop it afterwards).
-        cpu_ops: the C++ CPU kernels (:class:`pagedllm.ops.CpuOps`); when ``cpu_gemm_ops`` accepts it the weight is packed into
-            16-column panels for its GEMM, otherwise into oneDNN's layout.
+        weight: [out_features, in_features] float32 or bfloat16 CPU tensor (copied into the
+            packed layout; the caller may drop it afterwards).
+        cpu_ops: the C++ CPU kernels (:class:`pagedllm.ops.CpuOps`); when ``cpu_gemm_ops``
+            accepts it for the weight's dtype the weight is packed into 16-column panels for
+            its GEMM (bf16: (k, k + 1) pairs; x is rounded to bf16 and the products summed in
+            fp32), otherwise into oneDNN's layout.
         bias: [out_features] of the weight's dtype, or None; added after the GEMM (oneDNN adds
             it itself).
 
-    Forward: x [T, in_features] of the weight's dtype -> [T, out_features], same dtype.
+    Forward: x [T, in_features] of the weight's dtype -> [T, out_features], same dtype (the
+    own GEMM also takes float32 x with bf16 panels, and then returns float32).
     """
 
     def __init__(
@@ -132,20 +138,25 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm_ops is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if x.dim() != 2 or x.stride(-1) != 1:
-            lead = x.shape[:-1]
-            flat = x.reshape(-1, self.in_features).contiguous()
-            y = self.gemm_ops.gemm_linear(flat, self.packed, self.out_features)
-            y = y.view(*lead, self.out_features)
-        else:
-            y = self.gemm_ops.gemm_linear(x, self.packed, self.out_features)
-        return y if self.bias is None else y.add_(self.bias)
+        # The kernels take float32 rows (bf16 panels round them to bf16 themselves).
+        flat = x.reshape(-1, self.in_features).float()
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = self.gemm_ops.gemm_linear(flat, self.packed, self.out_features)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def forward_add_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out += x W^T in place and return ``out`` ([T, out_features] of the weight's dtype,
         unit inner stride, not aliasing x): the own GEMM adds in its epilogue (no [T,
         out_features] temporary, no separate add), oneDNN adds afterwards."""
-        if self.gemm_ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+        if (
+            self.gemm_ops is not None
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and x.dtype == out.dtype == torch.float32
+        ):
             self.gemm_ops.gemm_linear_add_(out, x, self.packed)
             return out if self.bias is None else out.add_(self.bias)
         return out.add_(self(x))
@@ -163,10 +174,10 @@ class PackedSwiGLU(nn.Module):
     columns, and the kernel's epilogue stores only the activation.
 
     Args:
-        weight: [2I, in_features] float32, gate rows then up rows; I a multiple of 8.
-        gemm_ops: the C++ CPU kernels, accepted by :func:`cpu_gemm_ops`.
+        weight: [2I, in_features] float32 or bfloat16, gate rows then up rows; I a multiple of 8.
+        gemm_ops: the C++ CPU kernels, accepted by :func:`cpu_gemm_ops` for the weight's dtype.
 
-    Forward: x [T, in_features] float32 -> [T, I] float32.
+    Forward: x [T, in_features] -> [T, I] of x's dtype (computed from float32 rows).
 
     Raises:
         ValueError: naming ``weight`` when I is not a multiple of 8.
@@ -185,7 +196,7 @@ class PackedSwiGLU(nn.Module):
             self.packed = gemm_ops.gemm_pack_swiglu_weight(weight.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm_ops.gemm_swiglu(x.contiguous(), self.packed)
+        return self.gemm_ops.gemm_swiglu(x.float().contiguous(), self.packed).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, inter={self.inter}, pagedllm SwiGLU epilogue"
@@ -196,9 +207,7 @@ def pack_swiglu_layers(model: nn.Module, cpu_ops: CpuOps | None) -> int:
     module that has one and whose ``act`` is "silu" (the default when it has no ``act``) by a
     :class:`PackedSwiGLU` when the own GEMM runs (``cpu_gemm_ops``). Returns the count (0 when it
     does not run)."""
-    gemm = cpu_gemm_ops(cpu_ops, torch.float32)
-    if gemm is None:  # PAGEDLLM_DISABLE_PACKED_LINEAR is the caller's gate, as for the others
-        return 0
+    # PAGEDLLM_DISABLE_PACKED_LINEAR is the caller's gate, as for the others.
     count = 0
     for m in model.modules():
         proj = getattr(m, "gate_up_proj", None)
@@ -206,11 +215,12 @@ def pack_swiglu_layers(model: nn.Module, cpu_ops: CpuOps | None) -> int:
             getattr(m, "act", "silu") == "silu"
             and type(proj) is nn.Linear
             and proj.bias is None
-            and proj.weight.dtype == torch.float32
             and proj.out_features % 16 == 0
         ):
-            m.gate_up_proj = PackedSwiGLU(proj.weight, gemm)
-            count += 1
+            gemm = cpu_gemm_ops(cpu_ops, proj.weight.dtype)
+            if gemm is not None:
+                m.gate_up_proj = PackedSwiGLU(proj.weight, gemm)
+                count += 1
     return count
 
 

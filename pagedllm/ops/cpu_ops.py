@@ -40,6 +40,7 @@ class CpuOps:
         self._gemm_linear = lib.gemm_linear.default
         self._gemm_linear_add_ = lib.gemm_linear_add_.default
         self._gemm_swiglu = lib.gemm_swiglu.default
+        self._gemm_bf16 = bool(lib.gemm_bf16_supported.default())
         self._argmax_logsumexp = lib.argmax_logsumexp.default
         self._gguf_q4_linear = lib.gguf_q4_linear.default
         self._gguf_q8_linear = lib.gguf_q8_linear.default
@@ -155,8 +156,15 @@ class CpuOps:
 
     # ---- fp32 GEMM over packed weight panels --------------------------------------------------
 
+    def gemm_bf16_supported(self) -> bool:
+        """Whether the GEMMs take bf16 panels here: the avx512 variant on a CPU with
+        ``avx512_bf16`` (x is then rounded to bf16 per call; products summed in fp32)."""
+        return self._gemm_bf16
+
     def gemm_pack_weight(self, weight: Tensor) -> Tensor:
-        """``[N, K]`` weight -> ``[ceil(N / 16), K, 16]`` panels for :meth:`gemm_linear`."""
+        """``[N, K]`` float32 weight -> ``[ceil(N / 16), K, 16]`` float32 panels for
+        :meth:`gemm_linear`; bfloat16 weight -> ``[ceil(N / 16), ceil(K / 2), 32]`` bfloat16
+        panels of (k, k + 1) pairs (:meth:`gemm_bf16_supported`)."""
         return self._gemm_pack_weight(weight)
 
     def gemm_pack_swiglu_weight(self, weight: Tensor) -> Tensor:

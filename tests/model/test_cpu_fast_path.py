@@ -343,13 +343,16 @@ def test_own_gemm_rejects_bad_input(cpu_ops):
 
 
 def test_packed_linear_kernel_choice(cpu_ops, monkeypatch):
-    """The own GEMM runs when the extension is an AVX2 or AVX-512 build; PAGEDLLM_DISABLE_CPU_GEMM=1,
-    bf16 or no extension give oneDNN; both give F.linear's values, also for a 3-D input."""
+    """The own GEMM runs fp32 when the extension is an AVX2 or AVX-512 build, bf16 only on the
+    AVX-512 build with AVX512-BF16; PAGEDLLM_DISABLE_CPU_GEMM=1 or no extension give oneDNN;
+    both give F.linear's values, also for a 3-D input."""
     ops = cpu_ops
     w, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     own = PackedLinear(w, ops)
     assert own.kernel == ("pagedllm" if ops.simd_level() in ("avx2", "avx512") else "onednn")
-    assert cpu_gemm_ops(ops, torch.bfloat16) is None and cpu_gemm_ops(None, torch.float32) is None
+    bf16_own = ops.simd_level() == "avx512" and ops.gemm_bf16_supported()
+    assert (cpu_gemm_ops(ops, torch.bfloat16) is ops) == bf16_own
+    assert cpu_gemm_ops(None, torch.float32) is None
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_GEMM", "1")
     onednn = PackedLinear(w, ops)
     assert onednn.kernel == "onednn"

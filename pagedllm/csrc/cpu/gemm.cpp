@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec.h"
 
@@ -48,6 +49,15 @@ constexpr int MR = 12;
 constexpr int MR = 6;
 #endif
 constexpr int kPrefetch = 24;  // k steps ahead (24 x 64 bytes) for the first tile of a panel
+constexpr int64_t kTileBlockBytes = 384 << 10;  // packed x per pass of the panels (see run)
+
+// Software prefetch of a bf16 micro-kernel: count lines per k step (0: none), into L1 or L2.
+struct Prefetch {
+  const uint32_t* at = nullptr;
+  int count = 0;
+  int64_t stride = 0;
+  bool l2 = false;
+};
 
 enum Epilogue { kStore, kAccumulate, kSwiGlu };
 
@@ -75,21 +85,10 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
 #endif
 
 // c[0:rows, 0:NR] (row stride ldc) = a_tile[K][MR] . panel[K][NR]; rows <= ROWS <= MR.
-template <int ROWS, bool PREFETCH, int E>
-inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
 #if defined(PAGEDLLM_GEMM_AVX512)
-  // One register per row; each lane adds its column's products in k order, as the AVX2 kernel's
-  // lanes do, so both variants' sums have the same bits.
-  __m512 acc[ROWS];
-#pragma GCC unroll 12
-  for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(b + (k + kPrefetch) * NR), _MM_HINT_T0);
-    const __m512 bv = _mm512_load_ps(b + k * NR);
-#pragma GCC unroll 12
-    for (int i = 0; i < ROWS; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[k * MR + i]), bv, acc[i]);
-  }
+// A finished AVX-512 tile (one register per row, 16 columns) into c with epilogue E.
+template <int ROWS, int E>
+inline void store_tile(const __m512* acc, float* c, int64_t ldc) {
   if (E == kStore) {
 #pragma GCC unroll 12
     for (int i = 0; i < ROWS; ++i) _mm512_storeu_ps(c + i * ldc, acc[i]);
@@ -111,6 +110,59 @@ inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, in
       _mm256_storeu_ps(c + i * ldc, _mm512_castps512_ps256(y));
     }
   }
+}
+
+// bf16 panels: a_tile [K2][MR] and the panel [K2][16] hold (k, k + 1) bf16 pairs in 32 bits;
+// vdpbf16ps adds both products of a pair to the fp32 accumulator. NP panels at once (b, then
+// b + panel_stride; outputs c, then c + c_step): each broadcast of x feeds NP instructions.
+// Per k step it prefetches pf.count lines, pf.at + j * pf.stride + k * NR (see run_bf16).
+template <int ROWS, int E, int NP>
+__attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, const uint32_t* b,
+                                                           int64_t K2, int64_t panel_stride,
+                                                           float* c, int64_t c_step, int64_t ldc,
+                                                           Prefetch pf) {
+  __m512 acc[NP][ROWS];
+#pragma GCC unroll 24
+  for (int n = 0; n < NP * ROWS; ++n) acc[n / ROWS][n % ROWS] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    for (int j = 0; j < pf.count; ++j) {
+      const char* line = reinterpret_cast<const char*>(pf.at + j * pf.stride + k * NR);
+      if (pf.l2)
+        _mm_prefetch(line, _MM_HINT_T1);
+      else
+        _mm_prefetch(line, _MM_HINT_T0);
+    }
+    __m512bh bv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_load_si512(b + j * panel_stride + k * NR);
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(a[k * MR + i]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], av, bv[j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) store_tile<ROWS, E>(acc[j], c + j * c_step, ldc);
+}
+#endif
+
+template <int ROWS, bool PREFETCH, int E>
+inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
+#if defined(PAGEDLLM_GEMM_AVX512)
+  // One register per row; each lane adds its column's products in k order, as the AVX2 kernel's
+  // lanes do, so both variants' sums have the same bits.
+  __m512 acc[ROWS];
+#pragma GCC unroll 12
+  for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(b + (k + kPrefetch) * NR), _MM_HINT_T0);
+    const __m512 bv = _mm512_load_ps(b + k * NR);
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[k * MR + i]), bv, acc[i]);
+  }
+  store_tile<ROWS, E>(acc, c, ldc);
 #elif defined(PAGEDLLM_GEMM_AVX2)
   __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 8
@@ -170,17 +222,103 @@ void tile(int rows, const float* a, const float* b, int64_t K, float* c, int64_t
   }
 }
 
+// micro_kernel_bf16<rows> for 1 <= rows <= ROWS over NP panels; only called where
+// gemm_bf16_supported().
+template <int E, int NP, int ROWS = MR>
+void tile_bf16(int rows, const uint32_t* a, const uint32_t* b, int64_t K2, int64_t panel_stride,
+               float* c, int64_t c_step, int64_t ldc, Prefetch pf) {
+#if defined(PAGEDLLM_GEMM_AVX512)
+  if constexpr (ROWS == 1) {
+    micro_kernel_bf16<1, E, NP>(a, b, K2, panel_stride, c, c_step, ldc, pf);
+  } else if (rows == ROWS) {
+    micro_kernel_bf16<ROWS, E, NP>(a, b, K2, panel_stride, c, c_step, ldc, pf);
+  } else {
+    tile_bf16<E, NP, ROWS - 1>(rows, a, b, K2, panel_stride, c, c_step, ldc, pf);
+  }
+#else
+  TORCH_CHECK(false, "bf16 GEMM panels need the avx512 kernel variant");
+#endif
+}
+
+// x [K] fp32 -> [ceil(K / 2)] (k, k + 1) bf16 pairs (little-endian: the bf16 row itself, an
+// odd K padded with 0), rounded to nearest even as c10::BFloat16.
+inline void round_row_bf16(const float* x, int64_t K, uint32_t* pairs) {
+  auto* out = reinterpret_cast<vec::bf16*>(pairs);
+  int64_t k = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  for (; k + vec::W <= K; k += vec::W) vec::store(out + k, vec::load(x + k));
+#endif
+  for (; k < K; ++k) vec::from_float(x[k], out + k);
+  if (K % 2) pairs[K / 2] &= 0xFFFFu;
+}
+
 void check_x(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1,
               "x must be a [M, K] float32 CPU tensor with unit inner stride");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
-                  packed.size(2) == kGemmPanel && packed.is_contiguous(),
+  const bool pairs = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((packed.scalar_type() == at::kFloat || pairs) && packed.dim() == 3 &&
+                  packed.size(2) == (pairs ? 2 : 1) * kGemmPanel && packed.is_contiguous(),
               "packed must come from gemm_pack_weight or gemm_pack_swiglu_weight");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
-              "packed must be 32-byte aligned (the kernel uses aligned loads)");
-  TORCH_CHECK(packed.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
-              packed.size(1));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % (4 * NR) == 0,
+              "packed must be 64-byte aligned (the kernels use aligned loads)");
+  const int64_t k_units = pairs ? (x.size(1) + 1) / 2 : x.size(1);
+  TORCH_CHECK(packed.size(1) == k_units, "x has ", x.size(1), " columns, the weight ",
+              pairs ? 2 * packed.size(1) : packed.size(1));
+  TORCH_CHECK(!pairs || gemm_bf16_supported(),
+              "bf16 GEMM panels need the avx512 kernel variant on a CPU with avx512_bf16");
+}
+
+// The columns [0, cols) of a finished edge tile [rows][NR] into dst (E: kStore or kAccumulate).
+template <int E>
+void add_edge(const float* edge, int rows, int64_t cols, float* dst, int64_t ldc) {
+  for (int i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      dst[i * ldc + j] = (E == kAccumulate ? dst[i * ldc + j] : 0.f) + edge[i * NR + j];
+}
+
+// One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels:
+// groups of 4 full panels x 6-row halves of a tile (24 accumulators), then 2 or 1. A group's
+// first call prefetches its own panels ahead; its next four calls each prefetch one panel of
+// the next group, so the weights stream in while this group computes from cache.
+template <int E>
+void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64_t Ku, int64_t p0,
+              int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
+  constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
+  const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
+  alignas(64) float edge[MR * NR];
+  for (int64_t p = p0; p < p1;) {
+    const int64_t left = full_end - p;  // full panels from p in this thread's range
+    const int np = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const int64_t next_np = std::min<int64_t>(4, p1 - (p + np));
+    const uint32_t* bp = b + p * ps;
+    int call = 0;  // calls made on this group in this block
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
+      const uint32_t* at = xd + t * Ku * MR;
+      float* dst = c + t * MR * ldc + p * out_per_panel;
+      const Prefetch own{bp + kPrefetch * NR, np, ps};
+      if (np == 4) {
+        for (int h = 0; h < rows; h += 6, ++call) {
+          const Prefetch pf = call == 0         ? own
+                              : call <= next_np ? Prefetch{bp + (3 + call) * ps, 1, 0, true}
+                                                : Prefetch{};
+          tile_bf16<E, 4, 6>(std::min(6, rows - h), at + h, bp, Ku, ps, dst + h * ldc,
+                             out_per_panel, ldc, pf);
+        }
+      } else if (left >= 1) {
+        const Prefetch pf = t == t_begin ? own : Prefetch{};
+        if (np == 2)
+          tile_bf16<E, 2>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
+        else
+          tile_bf16<E, 1>(rows, at, bp, Ku, ps, dst, 0, ldc, pf);
+      } else {  // the last, partial panel (E is kStore or kAccumulate here)
+        tile_bf16<kStore, 1>(rows, at, bp, Ku, ps, edge, 0, NR, Prefetch{});
+        add_edge<E>(edge, rows, N - p * out_per_panel, dst, ldc);
+      }
+    }
+    p += np;
+  }
 }
 
 // The shared driver: c [M, ldc] gets columns [0, N) (N <= panels * out_per_panel) with
@@ -190,63 +328,106 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
   if (M == 0 || N == 0) return;
+  // bf16 panels count k in pairs (32 bits, as one fp32 k): the tiles and panels have Ku units.
+  const bool pairs = packed.scalar_type() == at::kBFloat16;
+  const int64_t Ku = packed.size(1);
 
-  // x -> tiles [ceil(M / MR)][K][MR], the rows past M zero.
+  // x -> tiles [ceil(M / MR)][Ku][MR], the rows past M zero; bf16 pairs rounded from fp32.
   const int64_t tiles = (M + MR - 1) / MR;
-  at::Tensor xa = x.new_empty({tiles, K, MR});
+  at::Tensor xa = x.new_empty({tiles, Ku, MR});
   const float* xs = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   float* xd = xa.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint32_t> row_pairs(pairs ? Ku : 0);  // one row of x as bf16 pairs
     for (int64_t t = t0; t < t1; ++t) {
-      float* d = xd + t * K * MR;
+      float* d = xd + t * Ku * MR;
+      auto* du = reinterpret_cast<uint32_t*>(d);
       const int64_t rows = std::min<int64_t>(MR, M - t * MR);
       for (int64_t i = 0; i < MR; ++i) {
-        if (i < rows) {
-          const float* src = xs + (t * MR + i) * ldx;
+        const float* src = xs + (t * MR + i) * ldx;
+        if (i >= rows) {
+          for (int64_t k = 0; k < Ku; ++k) d[k * MR + i] = 0.f;
+        } else if (!pairs) {
           for (int64_t k = 0; k < K; ++k) d[k * MR + i] = src[k];
         } else {
-          for (int64_t k = 0; k < K; ++k) d[k * MR + i] = 0.f;
+          round_row_bf16(src, K, row_pairs.data());
+          for (int64_t k = 0; k < Ku; ++k) du[k * MR + i] = row_pairs[k];
         }
       }
     }
   });
 
-  const float* b = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* bp = b + p * K * NR;
-      const int64_t cols = std::min<int64_t>(out_per_panel, N - p * out_per_panel);
-      const bool full = cols == out_per_panel;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
-        const float* at = xd + t * K * MR;
-        float* dst = c + t * MR * ldc + p * out_per_panel;
-        if (full) {
-          if (t == 0)
-            tile<true, E>(rows, at, bp, K, dst, ldc);
-          else
-            tile<false, E>(rows, at, bp, K, dst, ldc);
-          continue;
-        }
-        tile<false, kStore>(rows, at, bp, K, edge, NR);  // E is kStore or kAccumulate here
-        for (int i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < cols; ++j)
-            dst[i * ldc + j] = (E == kAccumulate ? dst[i * ldc + j] : 0.f) + edge[i * NR + j];
+  const float* b = static_cast<const float*>(packed.data_ptr());
+  // Rows in blocks of about kTileBlockBytes of packed x: every panel passes over a block while
+  // it is still in L2 (one pass over all the rows per panel re-read x from memory at prefill
+  // sizes), and the weights are read once per block.
+  const int64_t block = std::max<int64_t>(1, kTileBlockBytes / (Ku * MR * 4));
+  for (int64_t t_begin = 0; t_begin < tiles; t_begin += block) {
+    const int64_t t_end = std::min(tiles, t_begin + block);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      if (pairs) {
+        run_bf16<E>(reinterpret_cast<const uint32_t*>(xd), reinterpret_cast<const uint32_t*>(b),
+                    M, N, Ku, p0, p1, t_begin, t_end, c, ldc);
+        return;
       }
-    }
-  });
+      alignas(64) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* bp = b + p * K * NR;
+        const int64_t cols = std::min<int64_t>(out_per_panel, N - p * out_per_panel);
+        for (int64_t t = t_begin; t < t_end; ++t) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
+          const float* at = xd + t * K * MR;
+          float* dst = c + t * MR * ldc + p * out_per_panel;
+          if (cols == out_per_panel) {
+            if (t == t_begin)
+              tile<true, E>(rows, at, bp, K, dst, ldc);
+            else
+              tile<false, E>(rows, at, bp, K, dst, ldc);
+            continue;
+          }
+          tile<false, kStore>(rows, at, bp, K, edge, NR);  // E is kStore or kAccumulate here
+          add_edge<E>(edge, rows, cols, dst, ldc);
+        }
+      }
+    });
+  }
 }
 
 }  // namespace
 
+bool gemm_bf16_supported() {
+#if defined(PAGEDLLM_GEMM_AVX512)
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 at::Tensor gemm_pack_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-              "weight must be a 2-D float32 CPU tensor [N, K]");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "weight must be a 2-D float32 or bfloat16 CPU tensor [N, K]");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t panels = (N + NR - 1) / NR;
+  if (w.scalar_type() == at::kBFloat16) {
+    // [panels, ceil(K / 2), 16 columns x (k, k + 1)], zero-padded.
+    const int64_t K2 = (K + 1) / 2;
+    at::Tensor out = w.new_zeros({panels, K2, 2 * NR});
+    const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
+          const uint16_t* row = src + (p * NR + j) * K;
+          uint16_t* col = dst + p * K2 * 2 * NR + 2 * j;
+          for (int64_t k = 0; k < K; ++k) col[(k / 2) * 2 * NR + (k % 2)] = row[k];
+        }
+    });
+    return out;
+  }
   at::Tensor out = w.new_zeros({panels, K, NR});  // 64-byte aligned by the allocator
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();

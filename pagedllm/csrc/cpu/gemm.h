@@ -5,8 +5,12 @@
 namespace pagedllm {
 // Columns per packed weight panel (two AVX2 registers).
 constexpr int kGemmPanel = 16;
-// W [N, K] float32 -> panels [ceil(N / 16), K, 16] float32 (zero-padded last panel).
+// W [N, K] float32 -> panels [ceil(N / 16), K, 16] float32 (zero-padded last panel);
+// W bfloat16 -> panels [ceil(N / 16), ceil(K / 2), 32] bfloat16 of (k, k + 1) pairs per column,
+// which the GEMMs below take on CPUs with AVX512-BF16 (x rounded to bf16, fp32 sums).
 at::Tensor gemm_pack_weight(const at::Tensor& weight);
+// Whether bf16 panels run here: the avx512 variant on a CPU with avx512_bf16.
+bool gemm_bf16_supported();
 // Fused gate/up W [2I, K] float32 (gate rows first, I % 8 == 0) -> panels [I / 8, K, 16]: panel
 // p holds gate rows 8p..8p+7 in its first 8 columns and up rows 8p..8p+7 in its last 8.
 at::Tensor gemm_pack_swiglu_weight(const at::Tensor& weight);

@@ -2,7 +2,8 @@
 //
 // Each schema names its arguments and marks those written in place (Tensor(a!)), so the ops are
 // ordinary dispatcher ops (torch.ops.pagedllm.rms_norm, ...). The tensor ops get a CPU kernel;
-// simd_level has no tensor argument and is registered for every backend. Typed Python wrappers:
+// simd_level, gemm_bf16_supported and int8_gemm_isa have no tensor argument and are registered
+// for every backend. Typed Python wrappers:
 // pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
 // pagedllm/ops/loader.py), and a process loads exactly one of them.
 #include <ATen/core/Tensor.h>
@@ -41,6 +42,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gemm_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("gemm_linear_add_(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("gemm_swiglu(Tensor x, Tensor packed) -> Tensor");
+  m.def("gemm_bf16_supported() -> bool", &pagedllm::gemm_bf16_supported);
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
   m.def("gguf_q4_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("gguf_q8_linear(Tensor x, Tensor w, int n) -> Tensor");

@@ -117,7 +117,8 @@ class FusedDecoderLayer:
             return None
         if not isinstance(input_norm, RMSNorm) or not isinstance(post_norm, RMSNorm):
             return None
-        if torch.float32 != input_norm.weight.dtype or torch.float32 != post_norm.weight.dtype:
+        norm_dtypes = {input_norm.weight.dtype, post_norm.weight.dtype}
+        if not norm_dtypes <= {torch.float32, torch.bfloat16}:
             return None
         if attn.q_norm is not None or attn.logits_soft_cap is not None:
             return None
@@ -140,7 +141,8 @@ class FusedDecoderLayer:
             float(attn.scale),
         )
         parts = [lin for lin in linears if lin is not None]
-        return cls((input_norm.weight, post_norm.weight), parts, shape, attn.sliding_window or 0)
+        norms = (input_norm.weight.float(), post_norm.weight.float())  # the op's norms are fp32
+        return cls(norms, parts, shape, attn.sliding_window or 0)
 
 
 class FusedDecoderStack:
