@@ -1,25 +1,26 @@
 """Linear layers with weights prepacked once at load time, on the CPU (fp32, and bf16 where the
 CPU has bf16 hardware).
 
-Two kernels, chosen per process:
+Kernels, chosen per process:
 
-- **pagedllm's own GEMM** (``pagedllm/csrc/cpu/gemm.cpp``, a 6 x 16 AVX2 micro-kernel over weight
-  panels packed k-major): used when the C++ CPU kernels run their ``avx2`` variant
-  (:mod:`pagedllm.ops`). Measured on this 2-core
-  AMD EPYC (AVX2, FMA peak ~200 GFLOP/s), the 121 linear layers of a SmolLM2-135M step
-  (``benchmarks/gemm.py``): 1.12x oneDNN's speed at 64 rows (133 vs 119 GFLOP/s), 1.13x at 256,
-  1.23x at 2048, 1.49x at 4.
+- **pagedllm's own GEMM** (``pagedllm/csrc/cpu/gemm.cpp``) on fp32 weights, when the C++ CPU
+  kernels run their ``avx2`` variant (a 6 x 16 AVX2 micro-kernel over weight panels packed
+  k-major) or their ``avx512`` variant (12 x 16, one zmm register per row). AMD EPYC Zen 3
+  (AVX2), the 121 linear layers of a SmolLM2-135M step (``benchmarks/gemm.py``): 1.12x oneDNN's
+  speed at 64 rows (133 vs 119 GFLOP/s), 1.13x at 256, 1.23x at 2048, 1.49x at 4. AMD EPYC
+  Zen 4 (AVX-512): 1.21x at 1 row, 1.08-1.23x at 4-64, 0.95-1.0x at 256-2048.
+- **the own GEMM on bf16 weights** (``avx512`` variant on a CPU with AVX512-BF16,
+  ``CpuOps.gemm_bf16_supported``): panels of (k, k + 1) bf16 pairs read by vdpbf16ps, x rounded
+  to bf16 per call, products summed in fp32. Zen 4: 1.2x oneDNN's bf16 at 1 row, 1.1x at 4-16,
+  0.97x at 64, 0.83x at 256, 0.7x at 2048 (prefill); it lets a bf16 model's layers run in the
+  fused C++ decoder op (``layers.fused_layer``).
 - **oneDNN's packed matmul** otherwise (bundled in PyTorch as MKL-DNN; ``mkldnn::
-  _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses): on
-  AVX-512 machines, where the AVX2 micro-kernel would use half the vector width, and whenever the
-  extension is missing. MKL's plain sgemm (``F.linear``) re-reads the row-major weight on every
-  call and was 10-40% slower than either at 64 rows.
-- **bf16 through oneDNN's packed matmul** on CPUs with AVX512-BF16 or AMX-BF16
-  (:func:`bf16_packing_available`): oneDNN then runs its AMX tile (or AVX512-BF16) kernels on
-  the packed layout, with fp32 accumulation. Measured on a 2-core Xeon with AMX (SmolLM2-135M's
-  121 linears, one weight per layer, ``benchmarks/gemm.py --dtype bfloat16``): 1.19x
-  ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256. Without bf16
-  hardware the weights stay on ``F.linear``.
+  _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses):
+  the ``scalar`` variant, bf16 on AMX CPUs (oneDNN's AMX tiles, :func:`bf16_tiles`; Xeon, 121 linears: 1.19x
+  ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256) and on AVX512-BF16
+  CPUs when the own GEMM is off, and whenever the extension is missing. MKL's plain sgemm
+  (``F.linear``) re-reads the row-major weight on every call and was 10-40% slower than either
+  at 64 rows. Without bf16 hardware bf16 weights stay on ``F.linear``.
 
 The original parameters are dropped after packing, so memory does not grow (the LM head, tied to
 the embedding, gets its own packed copy). ``PAGEDLLM_DISABLE_CPU_GEMM=1`` skips the own GEMM
@@ -50,6 +51,15 @@ def bf16_packing_available() -> bool:
     return flags.amx_bf16 or flags.avx512_bf16
 
 
+def bf16_tiles() -> bool:
+    """Whether this CPU has AMX-BF16 tiles: there oneDNN's AMX kernels run bf16 weights (several
+    times the vdpbf16ps rate of the own GEMM at prefill sizes; the two were not compared on an AMX
+    machine at decode sizes)."""
+    from pagedllm.platform import cpu_flags
+
+    return cpu_flags().amx_bf16
+
+
 def onednn_linear_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether oneDNN packed linears can run: CPU, float32 (or bfloat16 on a CPU with bf16
     hardware, :func:`bf16_packing_available`), PyTorch built with MKL-DNN and the ops present."""
@@ -70,15 +80,16 @@ OWN_GEMM_SIMD_LEVELS = ("avx2", "avx512")
 def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
     """``cpu_ops`` (the C++ CPU kernels) when its own GEMM should run the linears of ``dtype``
     weights: float32 on the ``avx2`` or ``avx512`` variant (``simd_level()``), bfloat16 where
-    ``cpu_ops.gemm_bf16_supported()`` (the avx512 variant on a CPU with AVX512-BF16); not
-    when disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``; else None."""
+    ``cpu_ops.gemm_bf16_supported()`` (the avx512 variant on a CPU with AVX512-BF16) and the CPU
+    has no AMX-BF16 (oneDNN's AMX tiles keep those); not when disabled by
+    ``PAGEDLLM_DISABLE_CPU_GEMM=1``; else None."""
     if cpu_ops is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     if os.environ.get("PAGEDLLM_DISABLE_CPU_GEMM") == "1":
         return None
     if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() not in OWN_GEMM_SIMD_LEVELS:
         return None
-    if dtype == torch.bfloat16 and not cpu_ops.gemm_bf16_supported():
+    if dtype == torch.bfloat16 and (not cpu_ops.gemm_bf16_supported() or bf16_tiles()):
         return None
     return cpu_ops
 

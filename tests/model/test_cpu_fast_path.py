@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm.model.packed_linear import (
     PackedLinear,
     PackedSwiGLU,
+    bf16_tiles,
     cpu_gemm_ops,
     onednn_linear_available,
     pack_linear_layers,
@@ -350,7 +351,7 @@ def test_packed_linear_kernel_choice(cpu_ops, monkeypatch):
     w, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     own = PackedLinear(w, ops)
     assert own.kernel == ("pagedllm" if ops.simd_level() in ("avx2", "avx512") else "onednn")
-    bf16_own = ops.simd_level() == "avx512" and ops.gemm_bf16_supported()
+    bf16_own = ops.simd_level() == "avx512" and ops.gemm_bf16_supported() and not bf16_tiles()
     assert (cpu_gemm_ops(ops, torch.bfloat16) is ops) == bf16_own
     assert cpu_gemm_ops(None, torch.float32) is None
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_GEMM", "1")

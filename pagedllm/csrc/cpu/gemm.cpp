@@ -8,9 +8,16 @@
 // registers; per k it loads 2 weight vectors, broadcasts 6 x values and issues 12 FMAs. AVX-512:
 // 12 rows x 1 register; per k 1 weight vector, 12 broadcasts, 12 FMAs.
 //
-// Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On this 2-core AVX2 EPYC,
+// bf16 weights (avx512 variant, CPUs with AVX512-BF16): panels of (k, k + 1) bf16 pairs, [K/2][16]
+// x 32 bits; x rows are rounded to bf16 pairs per call and vdpbf16ps adds both products of a pair
+// to fp32 accumulators; 6 rows x 4 panels per call (24 accumulators), so each broadcast of x
+// feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute.
+//
+// Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On a 2-core AVX2 EPYC (Zen 3),
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
-// FMA peak is ~200); see benchmarks/gemm.py. Threads split the weight panels, so each panel is
+// FMA peak is ~200); on Zen 4 (AVX-512) this kernel is 1.08-1.23x oneDNN at 1-64 rows in fp32 and
+// 0.97-1.2x in bf16 (0.7-0.85x at prefill sizes, 256-2048 rows); see benchmarks/gemm.py. Running
+// the linears here also lets all layers of a step run in one C++ op (fused_layer.cpp). Threads split the weight panels, so each panel is
 // streamed from memory once per call (by the first row tile, which also prefetches ahead) and
 // then reused from L1/L2 by the other row tiles; x is small and stays in cache.
 //

@@ -1,0 +1,133 @@
+"""The own GEMM on bf16 panels (``csrc/cpu/gemm.cpp``, vdpbf16ps: the avx512 kernel variant on a
+CPU with AVX512-BF16): x rounded to bf16 (ties to even), products of bf16 pairs summed in fp32.
+
+The reference is fp32 arithmetic on the bf16-rounded operands, so the only difference is the
+order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 2 and 1 full panels,
+a partial last panel), 6-row halves and partial tiles, odd K (a zero-padded pair) and the three
+epilogues (store, accumulate into out, SwiGLU), at 1 and 2 threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU, bf16_tiles, cpu_gemm_ops
+from pagedllm.platform import cpu_flags
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def bf16_ops(cpu_ops):
+    if cpu_ops.simd_level() != "avx512" or not cpu_ops.gemm_bf16_supported():
+        missing = "avx512_bf16" if not cpu_flags().avx512_bf16 else "the avx512 kernel variant"
+        pytest.skip(f"bf16 GEMM panels need the avx512 variant on an avx512_bf16 CPU: no {missing}")
+    return cpu_ops
+
+
+def _want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.to(BF16).double() @ w.double().T
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    # fp32 sums of k exact products in another order: |error| <= ~k * eps * sum |terms|.
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-6 * k, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 16, 2), (1, 40, 24), (5, 64, 33), (6, 100, 64), (7, 129, 1), (13, 256, 96),
+     (25, 200, 576), (64, 144, 31), (97, 512, 130)],
+)  # fmt: skip
+def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
+    ops = bf16_ops
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(m * 1000 + n + k)
+        w = torch.randn(n, k, generator=g).to(BF16)
+        x = torch.randn(m, k, generator=g)
+        packed = ops.gemm_pack_weight(w)
+        assert packed.dtype == BF16 and packed.shape == ((n + 15) // 16, (k + 1) // 2, 32)
+        want = _want(x, w)
+        _close(ops.gemm_linear(x, packed, n), want, k)
+        out = torch.randn(m, n, generator=g)
+        base = out.double()
+        ops.gemm_linear_add_(out, x, packed)
+        _close(out, base + want, k)
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize(("m", "inter", "k"), [(1, 8, 16), (7, 64, 45), (30, 136, 64)])
+def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
+    g = torch.Generator().manual_seed(inter)
+    w = torch.randn(2 * inter, k, generator=g).to(BF16)
+    x = torch.randn(m, k, generator=g)
+    got = bf16_ops.gemm_swiglu(x, bf16_ops.gemm_pack_swiglu_weight(w))
+    gu = _want(x, w).float()
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(got, want, atol=1e-4 * k, rtol=1e-4)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
+    """Rows are independent: a row's output is the same float alone, in a 6-row half, a full
+    tile or a 100-row batch (what lets decode, prefill and speculation agree bit for bit)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(136, 200, generator=g).to(BF16)
+    x = torch.randn(100, 200, generator=g)
+    packed = bf16_ops.gemm_pack_weight(w)
+    whole = bf16_ops.gemm_linear(x, packed, 136)
+    for rows in ([0], [5], [11], list(range(0, 6)), list(range(12, 24)), list(range(90, 100))):
+        part = bf16_ops.gemm_linear(x[rows].contiguous(), packed, 136)
+        assert torch.equal(part, whole[rows]), rows
+
+
+def test_x_is_rounded_to_nearest_even(bf16_ops):
+    """x values halfway between two bf16 numbers round to the even one, as torch's .to(bf16)."""
+    w = torch.zeros(16, 2, dtype=BF16)
+    w[0, 0] = 1.0
+    halfway = torch.tensor([[1.0 + 2**-8, 0.0], [1.0 + 3 * 2**-8, 0.0]])  # ties: 1.0, 1 + 2**-6
+    got = bf16_ops.gemm_linear(halfway, bf16_ops.gemm_pack_weight(w), 16)[:, 0]
+    assert got.tolist() == halfway[:, 0].to(BF16).float().tolist() == [1.0, 1.0 + 2**-6]
+
+
+def test_bad_shapes_are_errors(bf16_ops):
+    packed = bf16_ops.gemm_pack_weight(torch.randn(32, 10).to(BF16))
+    with pytest.raises(RuntimeError, match="columns"):
+        bf16_ops.gemm_linear(torch.randn(2, 12), packed, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        bf16_ops.gemm_linear(torch.randn(2, 10).to(BF16), packed, 32)
+
+
+def test_bf16_packed_modules_take_bf16_and_fp32_rows(bf16_ops):
+    """PackedLinear / PackedSwiGLU on bf16 weights run the own GEMM and return x's dtype."""
+    if bf16_tiles():
+        pytest.skip("on CPUs with amx_bf16 bf16 weights go to oneDNN's AMX tiles")
+    assert cpu_gemm_ops(bf16_ops, BF16) is bf16_ops
+    g = torch.Generator().manual_seed(9)
+    w, b = torch.randn(48, 40, generator=g).to(BF16), torch.randn(48, generator=g).to(BF16)
+    layer = PackedLinear(w, bf16_ops, b)
+    assert layer.kernel == "pagedllm"
+    x = torch.randn(3, 5, 40, generator=g)
+    want = _want(x.reshape(15, 40), w).float() + b.float()
+    got32 = layer(x)
+    assert got32.dtype == torch.float32 and got32.shape == (3, 5, 48)
+    torch.testing.assert_close(got32.reshape(15, 48), want, atol=1e-4, rtol=1e-5)
+    got16 = layer(x.to(BF16))
+    assert got16.dtype == BF16
+    torch.testing.assert_close(
+        got16.float(),
+        _want(x.to(BF16), w).float().reshape(3, 5, 48) + b.float(),
+        atol=0.05,
+        rtol=2**-7,
+    )
+    out = torch.randn(15, 48, generator=g).to(BF16)
+    base = out.float()
+    assert layer.forward_add_(out, x.reshape(15, 40).to(BF16)) is out
+    torch.testing.assert_close(out.float(), base + want, atol=0.1, rtol=2**-6)
+    swiglu = PackedSwiGLU(torch.randn(32, 40, generator=g).to(BF16), bf16_ops)
+    assert swiglu(x.reshape(15, 40).to(BF16)).dtype == BF16
