@@ -1,6 +1,7 @@
 """Where speculative decoding stops paying on this CPU: the cost of verifying ``k`` drafts.
 
-Loads the bundled model (SmolLM2-135M-Instruct, fp32), prefills ``max(--batches)`` ShareGPT
+Loads the bundled model (SmolLM2-135M-Instruct, at the engine's dtype="auto": fp32, or bf16 on
+CPUs with bf16 hardware), prefills ``max(--batches)`` ShareGPT
 prompts of ``--prompt-len`` tokens, then, for each batch size B, times the model step
 (``executor.execute_model``, the forward pass with its LM head rows) of the first B sequences
 with 1 token per sequence (plain decode) and with ``k + 1`` tokens per sequence (a verification
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, choices=["int8", "gguf"],
-                    help="lossy weights (EngineConfig.quantization); default: fp32 weights")
+                    help="lossy weights (EngineConfig.quantization); default: dtype auto")
     ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/spec_cutoff[_QUANT].json)")
     args = ap.parse_args()
 
@@ -119,7 +120,7 @@ def main() -> None:
             t2 = time.perf_counter()
             return (t1 - t0) * 1e3, (t2 - t0) * 1e3
 
-        weights = args.quantization or "fp32"
+        weights = args.quantization or str(cfg.torch_dtype).replace("torch.", "")
         print(f"bundled SmolLM2-135M, weights {weights}, context {args.prompt_len}, {args.threads} threads, "
               f"medians of {args.repeats}; r = T(k+1 tokens) / T(1 token)")
         print(f"{'B':>3} {'k':>2} {'T1 ms':>8} {'Tk+1 ms':>8} {'r fwd':>6} {'r step':>6} "
@@ -153,7 +154,7 @@ def main() -> None:
         for g in list(engine.scheduler.running):
             engine.abort_request(g.request_id)
     results["meta"] = {"context": args.prompt_len, "threads": args.threads,
-                       "repeats": args.repeats, "weights": args.quantization or "fp32", "date": time.strftime("%Y-%m-%d %H:%M")}
+                       "repeats": args.repeats, "weights": args.quantization or str(cfg.torch_dtype).replace("torch.", ""), "date": time.strftime("%Y-%m-%d %H:%M")}
     suffix = f"_{args.quantization}" if args.quantization else ""
     merge_json(args.out or f"benchmarks/results/spec_cutoff{suffix}.json", results)
 
