@@ -178,7 +178,8 @@ class EngineConfig:
 
     ``dtype`` defaults to ``"auto"``: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16,
     else float32, and float32 for int8 / GGUF weights (on CPUs without bf16 matrix hardware bf16
-    matmuls are several times slower; the rule and the figures behind it are in docs/dtype.md). ``torch_dtype`` holds the resolved torch dtype.
+    matmuls are several times slower; the rule and the figures behind it are in docs/dtype.md).
+    ``torch_dtype`` holds the resolved torch dtype.
     ``torch_kv_cache_dtype`` holds the KV storage dtype (``kv_cache_dtype``; int8 /
     float8_e4m3fn blocks carry their scales, see ``pagedllm.attention.kv_quant``).
     ``kv_cache_memory`` and ``swap_space`` take bytes or a size string (``"2GiB"``, see

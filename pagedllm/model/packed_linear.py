@@ -16,9 +16,9 @@ Kernels, chosen per process:
   fused C++ decoder op (``layers.fused_layer``).
 - **oneDNN's packed matmul** otherwise (bundled in PyTorch as MKL-DNN; ``mkldnn::
   _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses):
-  the ``scalar`` variant, bf16 on AMX CPUs (oneDNN's AMX tiles, :func:`bf16_tiles`; Xeon, 121 linears: 1.19x
-  ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256) and on AVX512-BF16
-  CPUs when the own GEMM is off, and whenever the extension is missing. MKL's plain sgemm
+  the ``scalar`` variant, bf16 on AMX CPUs (oneDNN's AMX tiles, :func:`bf16_tiles`; Xeon, 121
+  linears: 1.19x ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256)
+  and on AVX512-BF16 CPUs when the own GEMM is off, and whenever the extension is missing. MKL's plain sgemm
   (``F.linear``) re-reads the row-major weight on every call and was 10-40% slower than either
   at 64 rows. Without bf16 hardware bf16 weights stay on ``F.linear``.
 

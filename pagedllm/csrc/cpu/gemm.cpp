@@ -17,9 +17,11 @@
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
 // FMA peak is ~200); on Zen 4 (AVX-512) this kernel is 1.08-1.23x oneDNN at 1-64 rows in fp32 and
 // 0.97-1.2x in bf16 (0.7-0.85x at prefill sizes, 256-2048 rows); see benchmarks/gemm.py. Running
-// the linears here also lets all layers of a step run in one C++ op (fused_layer.cpp). Threads split the weight panels, so each panel is
-// streamed from memory once per call (by the first row tile, which also prefetches ahead) and
-// then reused from L1/L2 by the other row tiles; x is small and stays in cache.
+// the linears here also lets all layers of a step run in one C++ op (fused_layer.cpp).
+//
+// Threads split the weight panels, so each panel is streamed from memory once per block of rows
+// (by the block's first row tile, which also prefetches ahead) and then reused from L1/L2 by the
+// block's other row tiles; a block's packed x stays in L2.
 //
 // Two epilogues save a pass over the output: accumulate (out += x W^T: the residual add after the
 // down projection) and SwiGLU (the gate/up weight packed so that a panel's two halves are 8 gate
@@ -52,8 +54,10 @@ constexpr int NR = kGemmPanel;
 // 512-bit FMA ports x 4-6 cycles of latency need at least 8).
 #if defined(PAGEDLLM_GEMM_AVX512)
 constexpr int MR = 12;
+constexpr int kPanelAlign = 64;  // bytes: the kernels' aligned zmm loads
 #else
 constexpr int MR = 6;
+constexpr int kPanelAlign = 32;
 #endif
 constexpr int kPrefetch = 24;  // k steps ahead (24 x 64 bytes) for the first tile of a panel
 constexpr int64_t kTileBlockBytes = 384 << 10;  // packed x per pass of the panels (see run)
@@ -91,7 +95,6 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
 }
 #endif
 
-// c[0:rows, 0:NR] (row stride ldc) = a_tile[K][MR] . panel[K][NR]; rows <= ROWS <= MR.
 #if defined(PAGEDLLM_GEMM_AVX512)
 // A finished AVX-512 tile (one register per row, 16 columns) into c with epilogue E.
 template <int ROWS, int E>
@@ -154,6 +157,7 @@ __attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, 
 }
 #endif
 
+// c[0:rows, 0:NR] (row stride ldc) = a_tile[K][MR] . panel[K][NR]; rows <= ROWS <= MR.
 template <int ROWS, bool PREFETCH, int E>
 inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
 #if defined(PAGEDLLM_GEMM_AVX512)
@@ -267,8 +271,8 @@ void check_x(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK((packed.scalar_type() == at::kFloat || pairs) && packed.dim() == 3 &&
                   packed.size(2) == (pairs ? 2 : 1) * kGemmPanel && packed.is_contiguous(),
               "packed must come from gemm_pack_weight or gemm_pack_swiglu_weight");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % (4 * NR) == 0,
-              "packed must be 64-byte aligned (the kernels use aligned loads)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % kPanelAlign == 0,
+              "packed must be ", kPanelAlign, "-byte aligned (the kernels use aligned loads)");
   const int64_t k_units = pairs ? (x.size(1) + 1) / 2 : x.size(1);
   TORCH_CHECK(packed.size(1) == k_units, "x has ", x.size(1), " columns, the weight ",
               pairs ? 2 * packed.size(1) : packed.size(1));
@@ -352,10 +356,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
       auto* du = reinterpret_cast<uint32_t*>(d);
       const int64_t rows = std::min<int64_t>(MR, M - t * MR);
       for (int64_t i = 0; i < MR; ++i) {
-        const float* src = xs + (t * MR + i) * ldx;
         if (i >= rows) {
           for (int64_t k = 0; k < Ku; ++k) d[k * MR + i] = 0.f;
-        } else if (!pairs) {
+          continue;
+        }
+        const float* src = xs + (t * MR + i) * ldx;
+        if (!pairs) {
           for (int64_t k = 0; k < K; ++k) d[k * MR + i] = src[k];
         } else {
           round_row_bf16(src, K, row_pairs.data());
