@@ -1,8 +1,9 @@
 """A token's logprobs do not depend on the path that computed them: decoded alone, in a batch,
 prefilled again after recompute preemption, swapped out and in, prefilled in chunks, or
-verified with speculative drafts, every reported logprob is the same float, for float32 and
-for int8 W8A8 weights (whose activation quantization turns any last-bit difference of the
-attention into a different rounding step). This rests on the prefill and decode attention
+verified with speculative drafts, every reported logprob is the same float, for float32, for
+int8 W8A8 weights (whose activation quantization turns any last-bit difference of the
+attention into a different rounding step) and for bf16 on the own GEMM's bf16 panels (the fused
+layers; CPUs with AVX512-BF16). This rests on the prefill and decode attention
 kernels sharing one order of arithmetic (tests/attention/test_decode_prefill_identity.py)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -44,9 +46,22 @@ def _tokens_and_logprobs(outputs: list[Any]) -> list[list[tuple[int, dict[int, f
     ]
 
 
-@pytest.fixture(scope="module", params=["float32", "int8"])
+@pytest.fixture(scope="module", params=["float32", "int8", "bfloat16"])
 def weights(request):
+    if request.param == "bfloat16":
+        from pagedllm.model.packed_linear import cpu_gemm_ops
+        from pagedllm.ops import load_cpu_ops
+
+        if cpu_gemm_ops(load_cpu_ops(), torch.bfloat16) is None:
+            pytest.skip("bf16 rows are path-independent on the own GEMM's bf16 panels only "
+                        "(avx512 kernel variant, a CPU with avx512_bf16 and no amx_bf16)")
     return request.param
+
+
+def _weights_kwargs(weights: str) -> dict[str, Any]:
+    if weights == "bfloat16":
+        return {"dtype": "bfloat16"}
+    return {"quantization": None if weights == "float32" else weights}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +69,7 @@ def alone(tiny_loaded, weights):
     from pagedllm.entrypoints.llm import LLM
 
     llm = LLM(loaded=tiny_loaded, block_size=16, max_model_len=96, kv_cache_memory=1 << 22,
-              quantization=None if weights == "float32" else weights, enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, **_weights_kwargs(weights))  # fmt: skip
     return [_tokens_and_logprobs(llm.generate([p], PARAMS, use_tqdm=False))[0] for p in PROMPTS]
 
 
@@ -62,7 +77,7 @@ def alone(tiny_loaded, weights):
 def test_logprobs_bitwise_equal_on_every_path(tiny_llm_factory, alone, weights, path):
     llm = tiny_llm_factory(
         block_size=16, max_model_len=96, enable_prefix_caching=False,
-        quantization=None if weights == "float32" else weights, **PATHS[path],
+        **_weights_kwargs(weights), **PATHS[path],
     )  # fmt: skip
     got = _tokens_and_logprobs(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     assert got == alone
