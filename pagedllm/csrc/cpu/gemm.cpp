@@ -87,15 +87,6 @@ inline void finish_row(const float* lo, const float* hi, float* c) {
 }
 
 #if defined(PAGEDLLM_GEMM_AVX512)
-// silu(g) * u over 16 lanes, in vec::silu_mul_row's arithmetic.
-inline __m512 silu_mul(__m512 g, __m512 u) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 e = vec::exp(_mm512_mul_ps(g, _mm512_set1_ps(-1.0f)));  // e^-g
-  return _mm512_mul_ps(_mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, e))), u);
-}
-#endif
-
-#if defined(PAGEDLLM_GEMM_AVX512)
 // A finished AVX-512 tile (one register per row, 16 columns) into c with epilogue E.
 template <int ROWS, int E>
 inline void store_tile(const __m512* acc, float* c, int64_t ldc) {
@@ -110,13 +101,13 @@ inline void store_tile(const __m512* acc, float* c, int64_t ldc) {
     // A row's register holds 8 gate then 8 up columns: two rows make one full-width silu(g) * u.
     int i = 0;
     for (; i + 1 < ROWS; i += 2) {
-      const __m512 y = silu_mul(_mm512_shuffle_f32x4(acc[i], acc[i + 1], 0x44),
-                                _mm512_shuffle_f32x4(acc[i], acc[i + 1], 0xEE));
+      const __m512 y = vec::silu_mul(_mm512_shuffle_f32x4(acc[i], acc[i + 1], 0x44),
+                                     _mm512_shuffle_f32x4(acc[i], acc[i + 1], 0xEE));
       _mm256_storeu_ps(c + i * ldc, _mm512_castps512_ps256(y));
       _mm256_storeu_ps(c + (i + 1) * ldc, _mm512_extractf32x8_ps(y, 1));
     }
     if (i < ROWS) {
-      const __m512 y = silu_mul(acc[i], _mm512_shuffle_f32x4(acc[i], acc[i], 0xEE));
+      const __m512 y = vec::silu_mul(acc[i], _mm512_shuffle_f32x4(acc[i], acc[i], 0xEE));
       _mm256_storeu_ps(c + i * ldc, _mm512_castps512_ps256(y));
     }
   }

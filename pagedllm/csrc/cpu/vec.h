@@ -283,22 +283,26 @@ inline void store_row(const float* src, float scale, int n, T* dst) {
   for (int i = 0; i < n; ++i) from_float(src[i] * scale, dst + i);
 }
 
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+// silu(g) * u = g / (1 + e^-g) * u per lane (the SwiGLU activation).
+inline V silu_mul(V g, V u) {
+  const V one = set1(1.0f);
+  const V e = exp(mul(g, set1(-1.0f)));  // e^-g
+#if PAGEDLLM_VEC_AVX512
+  const V sig = _mm512_div_ps(one, add(one, e));
+#else
+  const V sig = _mm256_div_ps(one, add(one, e));
+#endif
+  return mul(mul(g, sig), u);
+}
+#endif
+
 // o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] (the SwiGLU activation), in fp32.
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int n) {
   int i = 0;
 #if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
-  const V one = set1(1.0f), neg = set1(-1.0f);
-  for (; i + W <= n; i += W) {
-    V gv = load(g + i);
-    V e = exp(mul(gv, neg));  // e^-g
-#if PAGEDLLM_VEC_AVX512
-    V sig = _mm512_div_ps(one, add(one, e));
-#else
-    V sig = _mm256_div_ps(one, add(one, e));
-#endif
-    store(o + i, mul(mul(gv, sig), load(u + i)));
-  }
+  for (; i + W <= n; i += W) store(o + i, silu_mul(load(g + i), load(u + i)));
 #endif
   for (; i < n; ++i) {
     const float gi = to_float(g[i]);
