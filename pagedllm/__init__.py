@@ -19,7 +19,10 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 # 10% faster; pagedllm.worker.huge_pages). A value set by the user wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-
+# The step's temporaries of a few MiB (logits, prefill activations) stay mapped between steps
+# instead of being faulted in and zeroed again each step: importing pagedllm.malloc_tuning
+# sets glibc's thresholds.
+from pagedllm import malloc_tuning  # noqa: F401
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -13,6 +13,7 @@ import itertools
 import logging
 import weakref
 
+from pagedllm import malloc_tuning
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_manager import (
     ContextLengthExceededError,
@@ -161,11 +162,13 @@ class LLMEngine:
             num_blocks * self.block_bytes / 2**20,
         )
         logger.info(
-            "dtype %s (requested %s) on %s; CPU flags: %s",
+            "dtype %s (requested %s) on %s; CPU flags: %s; malloc keeps freed memory "
+            "(pagedllm.malloc_tuning): %s",
             str(dtype).replace("torch.", ""),
             config.dtype,
             config.device,
             cpu_flags().summary(),
+            "yes" if malloc_tuning.malloc_tuned else "no",
         )
         if tp > 1:
             logger.info(
