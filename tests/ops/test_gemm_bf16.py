@@ -134,3 +134,21 @@ def test_bf16_packed_modules_take_bf16_and_fp32_rows(bf16_ops):
     torch.testing.assert_close(out.float(), base + want, atol=0.1, rtol=2**-6)
     swiglu = PackedSwiGLU(torch.randn(32, 40, generator=g).to(BF16), bf16_ops)
     assert swiglu(x.reshape(15, 40).to(BF16)).dtype == BF16
+
+
+def test_bf16_lm_head_logits_are_the_gemms_float32_sums(bf16_ops):
+    """A bf16 model's LM head on the own GEMM hands the sampler its float32 sums, not logits
+    rounded to bf16 and converted back."""
+    from pagedllm.model.layers.logits import lm_head_logits
+
+    if bf16_tiles():
+        pytest.skip("on CPUs with amx_bf16 bf16 weights go to oneDNN's AMX tiles")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 64, generator=g).to(BF16)
+    head = PackedLinear(w, bf16_ops)
+    h = torch.randn(5, 64, generator=g).to(BF16)  # the final norm's bf16 output
+    logits = lm_head_logits(h, w, head, None, 300)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, bf16_ops.gemm_linear(h.float(), head.packed, 300))
+    assert not torch.equal(logits, logits.to(BF16).float())  # not rounded to bf16
+    _close(logits, _want(h.float(), w), 64)

@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.layers.parallel import vocab_parallel_logits
+from pagedllm.model.packed_linear import PackedLinear
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -41,6 +42,10 @@ def lm_head_logits(
         [S, 0] tensor.
     """
     if group is None:
+        if isinstance(packed, PackedLinear) and packed.kernel == "pagedllm":
+            # The own GEMM takes float32 rows and returns its float32 sums: a bf16 model's
+            # logits are then not rounded to bf16, and [S, V] is not converted twice.
+            h = h.float()
         logits = packed(h) if packed is not None else F.linear(h, weight)
         return soft_cap(logits.float(), final_logit_softcapping)
     full = vocab_parallel_logits(h, weight, group, vocab_size)
