@@ -16,7 +16,8 @@
 // Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On a 2-core AVX2 EPYC (Zen 3),
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
 // FMA peak is ~200); on Zen 4 (AVX-512) this kernel is 1.08-1.23x oneDNN at 1-64 rows in fp32 and
-// 0.97-1.2x in bf16 (0.7-0.85x at prefill sizes, 256-2048 rows); see benchmarks/gemm.py. Running
+// 1.13-1.25x in bf16 (1.0x at 256 rows, 357-376 GFLOP/s of vdpbf16ps's 459 peak on 2 cores; fed
+// float32 rows, as the fused op feeds it); see benchmarks/gemm.py. Running
 // the linears here also lets all layers of a step run in one C++ op (fused_layer.cpp).
 //
 // Threads split the weight panels, so each panel is streamed from memory once per block of rows
