@@ -7,8 +7,8 @@ of a prefill chunk, dtype conversions. glibc serves such sizes with ``mmap`` and
 the kernel zeroes it: with PyTorch's huge-page allocations (``THP_MEM_ALLOC_ENABLE``, set by
 ``import pagedllm``) that was ~6% of a bf16 batch-64 workload in ``clear_page_erms`` on a 2-core
 Zen 4, and the workload ran at 496-502 output tok/s against 587-625 with the thresholds below
-(``benchmarks/vs_vllm.py`` workload a, docs/benchmarks.md). vLLM's CPU guide reaches the same
-end by preloading tcmalloc.
+(workload a of ``benchmarks/vs_vllm.py``, pagedllm alone; docs/benchmarks.md). vLLM's CPU guide
+reaches the same end by preloading tcmalloc.
 
 :func:`keep_freed_memory` raises glibc's mmap threshold to its maximum (32 MiB: larger buffers,
 such as the KV cache, still get their own mapping) and its trim threshold to the largest value
