@@ -21,16 +21,20 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2
 
 def make_batch(query_lens, ctx_lens, block_size, seed, shared_blocks=0, extra_blocks=3):
     """A random paged layout: shuffled physical blocks, the first ``shared_blocks`` logical blocks
-    of every sequence mapped to the same physical blocks (as after a fork / prefix hit)."""
+    of every sequence mapped to the same physical blocks (as after a fork / prefix hit) where the
+    sequence's cached context fills them. A block this step writes is never shared, as
+    copy-on-write guarantees in the engine: two sequences writing one slot in the same step
+    would race on a GPU, where the write kernel runs all tokens at once."""
     rng = random.Random(seed)
     need = sum(-(-c // block_size) for c in ctx_lens) + extra_blocks
     free = list(range(need))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(shared_blocks)]
     tables = []
-    for ctx in ctx_lens:
+    for q, ctx in zip(query_lens, ctx_lens):
         nb = -(-ctx // block_size)
-        t = shared[: min(nb, len(shared))]
+        full_cached = (ctx - q) // block_size  # blocks holding only context, not this step's rows
+        t = shared[: min(full_cached, len(shared))]
         t += [free.pop() for _ in range(nb - len(t))]
         tables.append(t)
     starts = [0]
@@ -41,6 +45,7 @@ def make_batch(query_lens, ctx_lens, block_size, seed, shared_blocks=0, extra_bl
         for q, ctx, t in zip(query_lens, ctx_lens, tables)
         for p in range(ctx - q, ctx)
     ]
+    assert len(set(slots)) == len(slots), "two new tokens share a slot"
     width = max(len(t) for t in tables)
     bt = torch.zeros(len(tables), width, dtype=torch.long)
     for i, t in enumerate(tables):
