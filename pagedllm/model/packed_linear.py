@@ -17,7 +17,9 @@ Kernels, chosen per process:
 - **oneDNN's packed matmul** otherwise (bundled in PyTorch as MKL-DNN; ``mkldnn::
   _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses):
   the ``scalar`` variant, bf16 on AMX CPUs (oneDNN's AMX tiles, :func:`bf16_tiles`; Xeon, 121
-  linears: 1.19x ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256)
+  linears: 1.19x ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256;
+  against the own bf16 GEMM on another AMX Xeon, 2 cores: 0.65x at 1 row, 1.3x at 16, 4.7x at 64,
+  5.8x at 256, docs/dtype.md)
   and on AVX512-BF16 CPUs when the own GEMM is off, and whenever the extension is missing. MKL's plain sgemm
   (``F.linear``) re-reads the row-major weight on every call and was 10-40% slower than either
   at 64 rows. Without bf16 hardware bf16 weights stay on ``F.linear``.
@@ -25,6 +27,9 @@ Kernels, chosen per process:
 The original parameters are dropped after packing, so memory does not grow (the LM head, tied to
 the embedding, gets its own packed copy). ``PAGEDLLM_DISABLE_CPU_GEMM=1`` skips the own GEMM
 (oneDNN then); ``PAGEDLLM_DISABLE_PACKED_LINEAR=1`` disables packing entirely (``F.linear``).
+``PAGEDLLM_BF16_GEMM`` picks the bf16 kernel: ``auto`` (default: oneDNN on AMX CPUs, the own
+GEMM elsewhere), ``own`` (the own GEMM, and so the fused decoder op, on AMX CPUs too) or
+``onednn``.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ def bf16_packing_available() -> bool:
 
 
 def bf16_tiles() -> bool:
-    """Whether this CPU has AMX-BF16 tiles: there oneDNN's AMX kernels run bf16 weights (several
-    times the vdpbf16ps rate of the own GEMM at prefill sizes; the two were not compared on an AMX
-    machine at decode sizes)."""
+    """Whether this CPU has AMX-BF16 tiles: there oneDNN's AMX kernels run bf16 weights (4.7x
+    the own GEMM's vdpbf16ps rate at 64 rows on an AMX Xeon; only a single row was faster on the
+    own GEMM, 1.55x; docs/dtype.md)."""
     from pagedllm.platform import cpu_flags
 
     return cpu_flags().amx_bf16
@@ -80,18 +85,45 @@ OWN_GEMM_SIMD_LEVELS = ("avx2", "avx512")
 def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
     """``cpu_ops`` (the C++ CPU kernels) when its own GEMM should run the linears of ``dtype``
     weights: float32 on the ``avx2`` or ``avx512`` variant (``simd_level()``), bfloat16 where
-    ``cpu_ops.gemm_bf16_supported()`` (the avx512 variant on a CPU with AVX512-BF16) and the CPU
-    has no AMX-BF16 (oneDNN's AMX tiles keep those); not when disabled by
-    ``PAGEDLLM_DISABLE_CPU_GEMM=1``; else None."""
+    ``cpu_ops.gemm_bf16_supported()`` (the avx512 variant on a CPU with AVX512-BF16) and
+    :func:`bf16_gemm_choice` is ``own``; not when disabled by ``PAGEDLLM_DISABLE_CPU_GEMM=1``;
+    else None.
+
+    Raises:
+        ValueError: ``PAGEDLLM_BF16_GEMM`` is not auto, own or onednn (bf16 weights only).
+    """
     if cpu_ops is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     if os.environ.get("PAGEDLLM_DISABLE_CPU_GEMM") == "1":
         return None
     if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() not in OWN_GEMM_SIMD_LEVELS:
         return None
-    if dtype == torch.bfloat16 and (not cpu_ops.gemm_bf16_supported() or bf16_tiles()):
+    if dtype == torch.bfloat16 and (
+        not cpu_ops.gemm_bf16_supported() or bf16_gemm_choice() != "own"
+    ):
         return None
     return cpu_ops
+
+
+BF16_GEMM_CHOICES = ("auto", "own", "onednn")
+
+
+def bf16_gemm_choice() -> str:
+    """Which kernel should run bf16 linears where both can: ``"own"`` or ``"onednn"``, from
+    ``$PAGEDLLM_BF16_GEMM`` (``auto``, the default, is oneDNN on CPUs with AMX-BF16 tiles,
+    :func:`bf16_tiles`, and the own GEMM elsewhere).
+
+    Raises:
+        ValueError: the variable holds something else (the message names it).
+    """
+    choice = os.environ.get("PAGEDLLM_BF16_GEMM", "auto").strip().lower() or "auto"
+    if choice not in BF16_GEMM_CHOICES:
+        raise ValueError(
+            f"PAGEDLLM_BF16_GEMM={choice!r}: expected one of {', '.join(BF16_GEMM_CHOICES)}"
+        )
+    if choice == "auto":
+        return "onednn" if bf16_tiles() else "own"
+    return choice
 
 
 def packed_linear_available(

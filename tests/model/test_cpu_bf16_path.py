@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model.layers.fused_layer import KIND_GEMM, KIND_ONEDNN, KIND_SWIGLU
 from pagedllm.model.packed_linear import (
     PackedLinear,
     bf16_packing_available,
@@ -135,13 +136,18 @@ def test_bf16_packed_linear_matches_f_linear(rows):
 
 
 @needs_bf16_hardware
-@pytest.mark.parametrize("fused", [False, True])
-def test_bf16_fast_path_model_is_as_close_to_fp32_as_plain_bf16(tiny_loaded, cpu_ops, fused):
+@pytest.mark.parametrize("fused", [None, "own", "onednn"])
+def test_bf16_fast_path_model_is_as_close_to_fp32_as_plain_bf16(
+    tiny_loaded, cpu_ops, fused, monkeypatch
+):
     """Packed bf16 linears + the bf16 C++ layer ops + C++ attention (``fused``: all layers in the
-    C++ decoder op on the own GEMM's bf16 panels, residual stream in fp32), against the plain ATen
-    bf16 model, both measured against the fp32 model: the fast path's logit error is at most 1.5x
-    the plain one's (it rounds less often, so it is usually smaller), over an 8-token prefill and
-    a decode on a shuffled block table."""
+    C++ decoder op, residual stream in fp32, on the own GEMM's bf16 panels or on oneDNN's packed
+    bf16 weights, chosen with PAGEDLLM_BF16_GEMM so that AMX CPUs run both), against the plain
+    ATen bf16 model, both measured against the fp32 model: the fast path's logit error is at most
+    1.5x the plain one's (it rounds less often, so it is usually smaller), over an 8-token prefill
+    and a decode on a shuffled block table."""
+    if fused:
+        monkeypatch.setenv("PAGEDLLM_BF16_GEMM", fused)
     from pagedllm.attention import get_attention_backend
     from pagedllm.model.llama import LlamaForCausalLM
     from pagedllm.worker.cache_engine import CacheEngine
@@ -155,9 +161,11 @@ def test_bf16_fast_path_model_is_as_close_to_fp32_as_plain_bf16(tiny_loaded, cpu
     assert fast.pack_linears(cpu_ops) > 0
     fast.use_cpu_layer_ops(cpu_ops)
     if fused:
-        if cpu_gemm_ops(cpu_ops, BF16) is None:
-            pytest.skip("bf16 layers fuse only on the own GEMM's bf16 panels (avx512 variant)")
+        if fused == "own" and cpu_gemm_ops(cpu_ops, BF16) is None:
+            pytest.skip("the own GEMM's bf16 panels need the avx512 variant and avx512_bf16")
         assert fast.use_fused_layers(cpu_ops) == cfg.num_hidden_layers
+        kinds = set(fast.fused_stack.layer_args[3])
+        assert kinds == ({KIND_ONEDNN} if fused == "onednn" else {KIND_GEMM, KIND_SWIGLU})
     assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
     assert fast.layers[0].input_layernorm.cpu_ops is not None
     caches = [CacheEngine(cfg, 8, 4, dt).kv_caches for dt in (BF16, BF16, torch.float32)]

@@ -351,8 +351,16 @@ def test_packed_linear_kernel_choice(cpu_ops, monkeypatch):
     w, x = torch.randn(40, 24), torch.randn(2, 3, 24)
     own = PackedLinear(w, ops)
     assert own.kernel == ("pagedllm" if ops.simd_level() in ("avx2", "avx512") else "onednn")
-    bf16_own = ops.simd_level() == "avx512" and ops.gemm_bf16_supported() and not bf16_tiles()
-    assert (cpu_gemm_ops(ops, torch.bfloat16) is ops) == bf16_own
+    bf16_capable = ops.simd_level() == "avx512" and ops.gemm_bf16_supported()
+    # PAGEDLLM_BF16_GEMM: auto is oneDNN on AMX-BF16 CPUs only; own / onednn force the choice.
+    for choice, own_expected in (("auto", not bf16_tiles()), ("own", True), ("onednn", False)):
+        monkeypatch.setenv("PAGEDLLM_BF16_GEMM", choice)
+        assert (cpu_gemm_ops(ops, torch.bfloat16) is ops) == (bf16_capable and own_expected)
+        assert cpu_gemm_ops(ops, torch.float32) is ops or ops.simd_level() == "scalar"
+    monkeypatch.setenv("PAGEDLLM_BF16_GEMM", "amx")
+    with pytest.raises(ValueError, match="PAGEDLLM_BF16_GEMM='amx'"):
+        cpu_gemm_ops(ops, torch.bfloat16)
+    monkeypatch.delenv("PAGEDLLM_BF16_GEMM")
     assert cpu_gemm_ops(None, torch.float32) is None
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_GEMM", "1")
     onednn = PackedLinear(w, ops)

@@ -1,9 +1,9 @@
 """The decoder layers as one C++ op (``model.layers.fused_layer``, ``csrc/cpu/fused_layer.cpp``):
 the same kernels as the layers' Python forward, so every logprob of a mixed prefill + decode
 batch is bit-identical with and without it, on each weight kind the op runs (fp32 panels with
-the SwiGLU epilogue, GGUF 4- and 8-bit blocks in several parts with biases, int8 W8A8 records
-with and without biases), with partial RoPE, a sliding window and a quantized KV cache; and the
-layers it cannot run stay unfused."""
+the SwiGLU epilogue, oneDNN's packed fp32 weights, GGUF 4- and 8-bit blocks in several parts with
+biases, int8 W8A8 records with and without biases), with partial RoPE, a sliding window and a
+quantized KV cache; and the layers it cannot run stay unfused."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from gguf.quants import quantize
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.model.layers.fused_layer import KIND_ONEDNN
 from pagedllm.model.loader import LoadedModel
-from pagedllm.model.packed_linear import cpu_gemm_ops
+from pagedllm.model.packed_linear import cpu_gemm_ops, onednn_linear_available
 from pagedllm.model.quant.gguf_native import GGUFLinear, repack
 from pagedllm.sampling_params import SamplingParams
 
@@ -96,6 +97,7 @@ def generate(engine: LLMEngine, tag: str) -> dict[str, tuple[list[int], list[lis
 
 VARIANTS = {
     "fp32": {},
+    "fp32_onednn": {"env": {"PAGEDLLM_DISABLE_CPU_GEMM": "1"}},
     "fp32_bias_partial_rope_window": {
         "bias": True,
         "partial_rotary_factor": 0.5,
@@ -111,12 +113,10 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> None:  # noqa: ANN001
     spec = VARIANTS[variant]
-    own_gemm = cpu_gemm_ops(ops, torch.float32) is not None
-    if not (spec.get("gguf") or spec.get("quantization")) and not own_gemm:
-        pytest.skip(
-            "fp32 layers fuse only on pagedllm's own GEMM (avx2 and avx512 kernel variants); "
-            f"this CPU runs {ops.simd_level()!r} (oneDNN linears, left unfused)"
-        )
+    for name, value in spec.get("env", {}).items():
+        monkeypatch.setenv(name, value)
+    if not onednn_linear_available(torch.float32) and cpu_gemm_ops(ops, torch.float32) is None:
+        pytest.skip("fp32 linears are packed by neither the own GEMM nor oneDNN here")
     loaded = with_biases(tiny_loaded) if spec.get("bias") else tiny_loaded
     over = {k: spec[k] for k in ("partial_rotary_factor", "sliding_window") if k in spec}
     if over:
@@ -139,6 +139,8 @@ def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> No
     op = ops.decoder_layers_
     monkeypatch.setattr(ops, "decoder_layers_", lambda *a: (calls.append(1), op(*a))[1])
     assert model.use_fused_layers(ops) == layers
+    if "env" in spec:  # the own GEMM is off: every projection is a oneDNN packed weight
+        assert set(model.fused_stack.layer_args[3]) == {KIND_ONEDNN}
     fused = generate(engine, "f")
     assert len(calls) >= 10  # one call per step, every step of the run
     assert model.use_fused_layers(None) == 0
@@ -153,10 +155,7 @@ def test_fused_equals_unfused(ops, tiny_loaded, variant: str, monkeypatch) -> No
 def test_engine_fuses_by_default_and_env_turns_it_off(ops, tiny_loaded, monkeypatch) -> None:  # noqa: ANN001
     cfg = EngineConfig(dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
     model = LLMEngine(cfg, loaded=tiny_loaded).executor.worker.model
-    if cpu_gemm_ops(ops, torch.float32) is None:  # fp32 on oneDNN's linears: not the op's kind
-        assert model.fused_stack is None
-        return
-    assert model.fused_stack is not None
+    assert model.fused_stack is not None  # own GEMM panels or oneDNN packed weights
     assert model.fused_stack.num_layers == tiny_loaded.config.num_hidden_layers
     monkeypatch.setenv("PAGEDLLM_DISABLE_FUSED_LAYER", "1")
     assert model.use_fused_layers(ops) == 0

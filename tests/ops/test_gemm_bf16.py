@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU, bf16_tiles, cpu_gemm_ops
+from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU, cpu_gemm_ops
 from pagedllm.platform import cpu_flags
 
 BF16 = torch.bfloat16
@@ -106,10 +106,10 @@ def test_bad_shapes_are_errors(bf16_ops):
         bf16_ops.gemm_linear(torch.randn(2, 10).to(BF16), packed, 32)
 
 
-def test_bf16_packed_modules_take_bf16_and_fp32_rows(bf16_ops):
-    """PackedLinear / PackedSwiGLU on bf16 weights run the own GEMM and return x's dtype."""
-    if bf16_tiles():
-        pytest.skip("on CPUs with amx_bf16 bf16 weights go to oneDNN's AMX tiles")
+def test_bf16_packed_modules_take_bf16_and_fp32_rows(bf16_ops, monkeypatch):
+    """PackedLinear / PackedSwiGLU on bf16 weights run the own GEMM and return x's dtype (on AMX
+    CPUs too when PAGEDLLM_BF16_GEMM=own asks for it)."""
+    monkeypatch.setenv("PAGEDLLM_BF16_GEMM", "own")
     assert cpu_gemm_ops(bf16_ops, BF16) is bf16_ops
     g = torch.Generator().manual_seed(9)
     w, b = torch.randn(48, 40, generator=g).to(BF16), torch.randn(48, generator=g).to(BF16)
@@ -136,13 +136,12 @@ def test_bf16_packed_modules_take_bf16_and_fp32_rows(bf16_ops):
     assert swiglu(x.reshape(15, 40).to(BF16)).dtype == BF16
 
 
-def test_bf16_lm_head_logits_are_the_gemms_float32_sums(bf16_ops):
+def test_bf16_lm_head_logits_are_the_gemms_float32_sums(bf16_ops, monkeypatch):
     """A bf16 model's LM head on the own GEMM hands the sampler its float32 sums, not logits
     rounded to bf16 and converted back."""
     from pagedllm.model.layers.logits import lm_head_logits
 
-    if bf16_tiles():
-        pytest.skip("on CPUs with amx_bf16 bf16 weights go to oneDNN's AMX tiles")
+    monkeypatch.setenv("PAGEDLLM_BF16_GEMM", "own")
     g = torch.Generator().manual_seed(11)
     w = torch.randn(300, 64, generator=g).to(BF16)
     head = PackedLinear(w, bf16_ops)

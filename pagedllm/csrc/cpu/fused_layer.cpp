@@ -4,6 +4,7 @@
 // C++, with the same arithmetic as the unfused path (so outputs are bit-identical to it).
 #include "fused_layer.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 
 #include <vector>
@@ -26,8 +27,31 @@ struct Linear {
   const at::Tensor* bias;
 };
 
+// x W^T through oneDNN's packed matmul (what PackedLinear runs when the own GEMM does not: bf16
+// weights on AMX CPUs, where it uses the AMX tiles). x [T, K] float32 is rounded to the weight's
+// dtype; the product [T, N] comes back as float32. Called boxed through the dispatcher, so the
+// op's C++ signature (which changes between PyTorch versions) does not matter here.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(bf16 ? x.to(at::kBFloat16) : x);
+  stack.emplace_back(w);
+  stack.emplace_back();  // no bias: run_linear adds it in float32
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  at::Tensor y = stack[0].toTensor();
+  return bf16 ? y.to(at::kFloat) : y;
+}
+
 at::Tensor run_part(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n) {
   switch (kind) {
+    case kLinearOneDNN:
+      return onednn_linear(x, w);
     case kLinearQ4:
       return gguf_q4_linear(x, w, n);
     case kLinearQ8:
@@ -149,7 +173,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                   rows.size() == weights.size(),
               "decoder_layers_: weights, kinds and rows must have one entry per part");
   for (size_t i = 0; i < kinds.size(); ++i)
-    TORCH_CHECK(kinds[i] >= kLinearQ4 && kinds[i] <= kLinearInt8,
+    TORCH_CHECK(kinds[i] >= kLinearQ4 && kinds[i] <= kLinearOneDNN,
                 "decoder_layers_: unknown linear kind ", kinds[i]);
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat,
               "decoder_layers_: hidden must be a contiguous [T, d] float32 tensor");

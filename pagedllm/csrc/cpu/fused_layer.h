@@ -16,6 +16,7 @@ enum LinearKind : int64_t {
   kLinearGemm = 2,    // gemm_pack_weight's fp32 panels
   kLinearSwiGLU = 3,  // gemm_pack_swiglu_weight's panels: the gate/up part yields the activation
   kLinearInt8 = 4,    // an Int8Linear record (int8_linear_record)
+  kLinearOneDNN = 5,  // mkldnn::_reorder_linear_weight's packed fp32 / bf16 weight (AMX tiles)
 };
 
 // hidden [T, d] float32 (the residual stream, updated in place) through L layers in order.

@@ -86,3 +86,9 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("int8_linear_record", &pagedllm::int8_linear_record);
   m.impl("decoder_layers_", &pagedllm::decoder_layers_);
 }
+
+// oneDNN's packed weights (kind 5) are MKLDNN tensors: with one among the arguments the
+// dispatcher asks for the MkldnnCPU kernel of the op.
+TORCH_LIBRARY_IMPL(pagedllm, MkldnnCPU, m) {
+  m.impl("decoder_layers_", &pagedllm::decoder_layers_);
+}

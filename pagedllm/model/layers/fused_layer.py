@@ -9,8 +9,8 @@ bit-identical to the unfused path's.
 
 It applies when every layer has the Llama shape (pre-norm, RMSNorm, fused QKV without q/k norms,
 RoPE, no soft cap, SwiGLU MLP, no tensor parallelism) and every projection is a kernel the op
-knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM, ``PackedSwiGLU``, ``Int8Linear``
-on the C++ int8 GEMM); otherwise, and for any step the C++ attention cannot run (other backend,
+knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM or on oneDNN, ``PackedSwiGLU``,
+``Int8Linear`` on the C++ int8 GEMM); otherwise, and for any step the C++ attention cannot run (other backend,
 KV dtype), the layers' Python forward runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1`` turns it off.
 """
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from pagedllm.ops import CpuOps
 
 # The op's linear kinds (csrc/cpu/fused_layer.h LinearKind).
-KIND_Q4, KIND_Q8, KIND_GEMM, KIND_SWIGLU, KIND_INT8 = 0, 1, 2, 3, 4
+KIND_Q4, KIND_Q8, KIND_GEMM, KIND_SWIGLU, KIND_INT8, KIND_ONEDNN = 0, 1, 2, 3, 4, 5
 # KV cache storages the C++ attention reads and writes (CpuPagedAttention's).
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
@@ -58,17 +58,20 @@ class _LinearParts:
 
 def linear_parts(module: nn.Module, gate_up: bool = False) -> _LinearParts | None:
     """The op's description of a projection, or None when it is not a kernel the op runs:
-    ``GGUFLinear`` (one part per merged block kind), ``PackedLinear`` on the own GEMM,
-    ``Int8Linear`` on the C++ int8 GEMM, and for ``gate_up`` a ``PackedSwiGLU``."""
+    ``GGUFLinear`` (one part per merged block kind), ``PackedLinear`` (own GEMM panels, or
+    oneDNN's packed weight: bf16 on AMX CPUs, where the op runs oneDNN's AMX matmul and keeps the
+    rest of the layer in C++), ``Int8Linear`` on the C++ int8 GEMM, and for ``gate_up`` a
+    ``PackedSwiGLU``."""
     if isinstance(module, GGUFLinear):
         kinds = [KIND_Q4 if p.kind == "q4" else KIND_Q8 for p in module.parts]
         bias = _NO_BIAS if module.bias is None else module.bias
         return _LinearParts(
             [p.data for p in module.parts], kinds, [p.rows for p in module.parts], bias
         )
-    if isinstance(module, PackedLinear) and module.gemm_ops is not None:
+    if isinstance(module, PackedLinear):
         bias = _NO_BIAS if module.bias is None else module.bias.float().contiguous()
-        return _LinearParts([module.packed], [KIND_GEMM], [module.out_features], bias)
+        kind = KIND_ONEDNN if module.gemm_ops is None else KIND_GEMM
+        return _LinearParts([module.packed], [kind], [module.out_features], bias)
     if gate_up and isinstance(module, PackedSwiGLU):
         return _LinearParts([module.packed], [KIND_SWIGLU], [module.inter], _NO_BIAS)
     if type(module) is Int8Linear and module.record is not None:  # not the row-parallel one
