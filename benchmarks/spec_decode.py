@@ -1,5 +1,6 @@
 """Speculative decoding benchmark (issue 25): time per output token with and without n-gram /
-suffix / draft-model speculation on the bundled SmolLM2-135M-Instruct (fp32, greedy).
+suffix / draft-model speculation on the bundled SmolLM2-135M-Instruct (greedy; fp32 unless
+``--dtype`` says otherwise, e.g. ``auto``: bf16 on CPUs with bf16 hardware).
 
 Workloads:
 - repetitive (``benchmarks/spec_workload.py``: fix typos, extract, to JSON, bullets built from
@@ -64,6 +65,11 @@ def run_batch(llm: LLM, prompts: list[Any], max_tokens: list[int], batch: int) -
     }
 
 
+def loaded_dtype(loaded: Any) -> str:
+    """The dtype of the loaded weights, e.g. ``bfloat16``."""
+    return str(next(iter(loaded.state_dict.values())).dtype).replace("torch.", "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=8, help="repetitive requests per batch size")
@@ -78,6 +84,7 @@ def main() -> None:
         "size with an empty cross-request cache instead of the answers of the one before)",
     )
     ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
+    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or auto")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--old-policy", action="store_true",
                     help="also run each n-gram / suffix method with the earlier per-sequence k "
@@ -91,12 +98,15 @@ def main() -> None:
                          "bundled SmolLM2 as its own draft (100%% greedy acceptance expected)")
     args = ap.parse_args()
 
-    loaded = load_model(None, torch.float32)
+    from pagedllm.config import EngineConfig
+
+    loaded = load_model(None, EngineConfig(dtype=args.dtype).torch_dtype)
     tok = loaded.tokenizer
     tasks = build_repetitive_tasks(args.n, seed=0)
     prompts = build_repetitive_prompts(args.n, seed=0, tokenizer=tok)
     max_tokens = [min(args.max_tokens, len(tok(t.reference).input_ids)) for t in tasks]
-    print(f"CPU threads: {torch.get_num_threads()}; {args.n} repetitive prompts, "
+    print(f"CPU threads: {torch.get_num_threads()}; dtype {loaded_dtype(loaded)}; {args.n} "
+          "repetitive prompts, "
           f"prompt tokens mean {statistics.mean(len(tok(p).input_ids) for p in prompts):.0f}, "
           f"max_tokens mean {statistics.mean(max_tokens):.0f}")
     results: dict[str, Any] = {}
@@ -117,7 +127,7 @@ def main() -> None:
         llm = None
         for b in args.batches:
             if llm is None or args.fresh_engine:
-                llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29,
+                llm = LLM(loaded=loaded, dtype=args.dtype, max_model_len=2048, kv_cache_memory=1 << 29,
                           speculative_config=spec)
                 if name.endswith("-halving"):
                     llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
@@ -141,7 +151,8 @@ def main() -> None:
         sg = sharegpt_prompts(tok, 64, 128)
         for method in ("off", "ngram"):
             spec = None if method == "off" else json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
-            llm = LLM(loaded=loaded, max_model_len=2048, kv_cache_memory=1 << 29, speculative_config=spec)
+            llm = LLM(loaded=loaded, dtype=args.dtype, max_model_len=2048, kv_cache_memory=1 << 29,
+                      speculative_config=spec)
             r = run_batch(llm, [{"prompt_token_ids": p} for p in sg], [32] * 64, 64)
             results[f"sharegpt/{method}"] = r
             print(f"sharegpt batch 64 {method:6s}: TPOT {r['tpot_ms']:.2f} ms, wall {r['wall_s']:.1f} s, "
