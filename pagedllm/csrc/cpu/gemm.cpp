@@ -63,12 +63,16 @@ constexpr int kPanelAlign = 32;
 constexpr int kPrefetch = 24;  // k steps ahead (24 x 64 bytes) for the first tile of a panel
 constexpr int64_t kTileBlockBytes = 384 << 10;  // packed x per pass of the panels (see run)
 
-// Software prefetch of a bf16 micro-kernel: count lines per k step (0: none), into L1 or L2.
+// Software prefetch of a bf16 micro-kernel: count lines per k step (0: none), into L1 or L2, and
+// a second stream of count2 lines into L2 (the next group's panels when a group gets one call).
 struct Prefetch {
   const uint32_t* at = nullptr;
   int count = 0;
   int64_t stride = 0;
   bool l2 = false;
+  const uint32_t* at2 = nullptr;
+  int count2 = 0;
+  int64_t stride2 = 0;
 };
 
 enum Epilogue { kStore, kAccumulate, kSwiGlu };
@@ -134,6 +138,8 @@ __attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, 
       else
         _mm_prefetch(line, _MM_HINT_T0);
     }
+    for (int j = 0; j < pf.count2; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(pf.at2 + j * pf.stride2 + k * NR), _MM_HINT_T1);
     __m512bh bv[NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_load_si512(b + j * panel_stride + k * NR);
@@ -282,30 +288,44 @@ void add_edge(const float* edge, int rows, int64_t cols, float* dst, int64_t ldc
 
 // One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels:
 // groups of 4 full panels x 6-row halves of a tile (24 accumulators), then 2 or 1. A group's
-// first call prefetches its own panels ahead; its next four calls each prefetch one panel of
-// the next group, so the weights stream in while this group computes from cache.
+// first call prefetches its own panels ahead; its later calls share the next group's panels
+// (one each from four calls on; with fewer, each takes several, and a lone call, as at 1-6 rows,
+// takes them all as a second stream), so the weights stream into L2 while this group computes.
 template <int E>
 void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64_t Ku, int64_t p0,
               int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
   constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
   const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
+  int64_t calls = 0;  // micro-kernel calls per 4-panel group in this block (6-row halves)
+  for (int64_t t = t_begin; t < t_end; ++t) calls += (std::min<int64_t>(MR, M - t * MR) + 5) / 6;
   alignas(64) float edge[MR * NR];
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
     const int np = left >= 4 ? 4 : left >= 2 ? 2 : 1;
     const int64_t next_np = std::min<int64_t>(4, p1 - (p + np));
     const uint32_t* bp = b + p * ps;
+    const uint32_t* next = bp + np * ps;
+    const int64_t later = std::min(calls - 1, next_np);  // calls sharing the next group's panels
     int call = 0;  // calls made on this group in this block
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
       const uint32_t* at = xd + t * Ku * MR;
       float* dst = c + t * MR * ldc + p * out_per_panel;
-      const Prefetch own{bp + kPrefetch * NR, np, ps};
+      Prefetch own{bp + kPrefetch * NR, np, ps};
+      if (later == 0 && next_np > 0) {  // a lone call: the next group's panels too
+        own.at2 = next;
+        own.count2 = static_cast<int>(next_np);
+        own.stride2 = ps;
+      }
       if (np == 4) {
         for (int h = 0; h < rows; h += 6, ++call) {
-          const Prefetch pf = call == 0         ? own
-                              : call <= next_np ? Prefetch{bp + (3 + call) * ps, 1, 0, true}
-                                                : Prefetch{};
+          // Call c >= 1 prefetches the next group's panels c - 1, c - 1 + later, ...
+          const Prefetch pf =
+              call == 0 ? own
+              : call <= later
+                  ? Prefetch{next + (call - 1) * ps,
+                             static_cast<int>((next_np - call + later) / later), later * ps, true}
+                  : Prefetch{};
           tile_bf16<E, 4, 6>(std::min(6, rows - h), at + h, bp, Ku, ps, dst + h * ldc,
                              out_per_panel, ldc, pf);
         }
