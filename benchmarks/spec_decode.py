@@ -1,6 +1,7 @@
 """Speculative decoding benchmark (issue 25): time per output token with and without n-gram /
-suffix / draft-model speculation on the bundled SmolLM2-135M-Instruct (greedy; fp32 unless
-``--dtype`` says otherwise, e.g. ``auto``: bf16 on CPUs with bf16 hardware).
+suffix / draft-model speculation on the bundled SmolLM2-135M-Instruct (greedy), at the engine's
+default dtype (``--dtype auto``: bf16 on CPUs with bf16 hardware, fp32 elsewhere) unless
+``--dtype`` pins one.
 
 Workloads:
 - repetitive (``benchmarks/spec_workload.py``: fix typos, extract, to JSON, bullets built from
@@ -84,7 +85,7 @@ def main() -> None:
         "size with an empty cross-request cache instead of the answers of the one before)",
     )
     ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
-    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or auto")
+    ap.add_argument("--dtype", default="auto", help="auto (default), float32 or bfloat16")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--old-policy", action="store_true",
                     help="also run each n-gram / suffix method with the earlier per-sequence k "
