@@ -260,8 +260,8 @@ class DecoderForCausalLM(nn.Module):
         """Run the decoder layers as one C++ op per step (``layers.fused_layer``) when every
         layer allows it: Llama-shaped layers whose projections are GGUF blocks, int8 records,
         fp32 / bf16 panels of the own GEMM or oneDNN packed weights, RoPE on the C++ kernel, no
-        tensor parallelism (a bf16 model's residual stream is fp32 inside the op). Call after the linears are packed
-        or quantized and after ``use_cpu_layer_ops``. ``ops`` None (or
+        tensor parallelism (a bf16 model's residual stream is fp32 inside the op). Call after
+        the linears are packed or quantized and after ``use_cpu_layer_ops``. ``ops`` None (or
         ``PAGEDLLM_DISABLE_FUSED_LAYER=1``) turns it off. Returns the number of layers fused
         (all of this stage's, or 0)."""
         from pagedllm.model.layers.fused_layer import (
