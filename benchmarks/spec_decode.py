@@ -128,8 +128,8 @@ def main() -> None:
         llm = None
         for b in args.batches:
             if llm is None or args.fresh_engine:
-                llm = LLM(loaded=loaded, dtype=args.dtype, max_model_len=2048, kv_cache_memory=1 << 29,
-                          speculative_config=spec)
+                llm = LLM(loaded=loaded, dtype=args.dtype, max_model_len=2048,
+                          kv_cache_memory=1 << 29, speculative_config=spec)
                 if name.endswith("-halving"):
                     llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
             r = run_batch(llm, prompts, max_tokens, b)
