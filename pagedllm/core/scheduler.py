@@ -241,20 +241,28 @@ class Scheduler:
             if not plan:
                 idx += 1
                 continue
-            if not self._fits(plan) and any(s.spec_token_ids for s, _ in plan):
+            need = self._need(plan)
+            if need > self.block_manager.num_free_blocks and any(s.spec_token_ids for s, _ in plan):
                 # Memory is short: drop the speculative tokens before preempting anyone.
                 for seq, _ in plan:
                     seq.spec_token_ids = []
                 plan = self._plan(group.unfinished_seqs(), budget)
-            if idx == 0 and self._need(plan) > self._free_when_alone(group):
+                need = self._need(plan)
+            # (The pool alone holds at least the free blocks: the count is needed only past them.)
+            if (
+                idx == 0
+                and need > self.block_manager.num_free_blocks
+                and need > self._free_when_alone(group)
+            ):
                 self._cap_length(group, out)  # it could not grow even with the pool to itself
                 idx += 1
                 continue
-            while not self._fits(plan):
+            while need > self.block_manager.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is group:
                     break
+                need = self._need(plan)  # a victim's shared blocks may spare copy-on-writes
             else:
                 budget -= self._commit(group, plan, out)
                 idx += 1
