@@ -306,17 +306,17 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64
     const uint32_t* bp = b + p * ps;
     const uint32_t* next = bp + np * ps;
     const int64_t later = std::min(calls - 1, next_np);  // calls sharing the next group's panels
+    Prefetch own{bp + kPrefetch * NR, np, ps};
+    if (later == 0 && next_np > 0) {  // a lone call: the next group's panels too
+      own.at2 = next;
+      own.count2 = static_cast<int>(next_np);
+      own.stride2 = ps;
+    }
     int call = 0;  // calls made on this group in this block
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
       const uint32_t* at = xd + t * Ku * MR;
       float* dst = c + t * MR * ldc + p * out_per_panel;
-      Prefetch own{bp + kPrefetch * NR, np, ps};
-      if (later == 0 && next_np > 0) {  // a lone call: the next group's panels too
-        own.at2 = next;
-        own.count2 = static_cast<int>(next_np);
-        own.stride2 = ps;
-      }
       if (np == 4) {
         for (int h = 0; h < rows; h += 6, ++call) {
           // Call c >= 1 prefetches the next group's panels c - 1, c - 1 + later, ...
