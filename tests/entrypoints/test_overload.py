@@ -42,6 +42,29 @@ def hold_engine(ae: AsyncLLMEngine) -> threading.Event:
     return release
 
 
+def hold_engine_after_first_text(ae: AsyncLLMEngine) -> threading.Event:
+    """Arm before sending a request: the engine thread parks before the step that follows the
+    first step that produced text (a stream's first event; a partial UTF-8 token has none)
+    until the returned event is set, once. Holding after reading the first event instead
+    races: on a slow machine the engine can finish the whole request in between."""
+    release = threading.Event()
+    eng = ae.engine
+    step = eng.step
+    produced = False
+
+    def step_then_park():
+        nonlocal produced
+        if produced:
+            del eng.step  # one hold: the class's step again
+            release.wait(60)
+        outputs = step()
+        produced = any(c.text for o in outputs for c in o.outputs)
+        return outputs
+
+    eng.step = step_then_park
+    return release
+
+
 def wait_for(cond, timeout: float = 30.0) -> None:
     t0 = time.monotonic()
     while not cond():
@@ -107,9 +130,9 @@ def test_deadline_aborts_frees_blocks_and_keeps_the_tokens(tiny_loaded):
         ae = AsyncLLMEngine(eng)
         ae.start()
         sp = SamplingParams(max_tokens=100, **GREEDY)
+        release = hold_engine_after_first_text(ae)
         stream = await ae.add_request("t", "the quick brown fox", sp, timeout=2.0)
         first = await stream.__anext__()  # a token arrived before the deadline
-        release = hold_engine(ae)
         await asyncio.sleep(2.1)  # the deadline passes while the engine thread is held
         release.set()
         outs = [first] + [o async for o in stream]
@@ -240,10 +263,10 @@ def test_timeout_before_any_token_is_504(server, client, stream):
 def test_timeout_with_tokens_returns_them(server, client):
     ae = server.app.state.async_engine
     body = {"prompt": "hello", "max_tokens": 100, "timeout": 2.0, "stream": True, **GREEDY}
+    release = hold_engine_after_first_text(ae)
     with client.stream("POST", C, json=body) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line)
-        release = hold_engine(ae)
         time.sleep(2.1)
         release.set()
         rest = [line for line in lines if line]
@@ -273,10 +296,10 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(server, client):
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
         # Grace period over: the in-flight stream is aborted with an error event.
         server.app.state.lifecycle.draining = False
+        release = hold_engine_after_first_text(ae)
         with client.stream("POST", C, json=body) as r:
             lines = r.iter_lines()
             next(line for line in lines if line)
-            release = hold_engine(ae)
             fut = asyncio.run_coroutine_threadsafe(drain(server.app, 0.1), loop)
             assert fut.result(30) == 1
             release.set()

@@ -20,7 +20,7 @@ from tests.entrypoints.server_utils import (
     start_serve_process,
     stream_through_sigterm,
 )
-from tests.entrypoints.test_overload import hold_engine, wait_for
+from tests.entrypoints.test_overload import hold_engine, hold_engine_after_first_text, wait_for
 
 BLOCK_SIZE = 16
 ENGINE_ARGS = {
@@ -239,13 +239,12 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(server):
             assert fut.result(30) == 0  # nothing had to be aborted
             assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
             assert front.loaded == ["tiny-b"]  # refused requests loaded nothing
-            # Grace period over: the in-flight stream is aborted with an error event (a longer
-            # stream, so that the engine is parked before it could finish).
+            # Grace period over: the in-flight stream is aborted with an error event.
             front.lifecycle.draining = False
-            with client.stream("POST", C, json=body | {"max_tokens": 100}) as r:
+            release = hold_engine_after_first_text(front.slots["tiny-b"].app.state.async_engine)
+            with client.stream("POST", C, json=body) as r:
                 lines = r.iter_lines()
                 next(line for line in lines if line)
-                release = hold_engine(front.slots["tiny-b"].app.state.async_engine)
                 fut = asyncio.run_coroutine_threadsafe(front.drain(0.1), front.event_loop)
                 assert fut.result(30) == 1
                 release.set()
