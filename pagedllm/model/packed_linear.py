@@ -190,6 +190,14 @@ class PackedLinear(nn.Module):
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> x W^T (+ b) as float32 [T, out_features]. The own GEMM's fp32
+        sums come back as they are (a bf16 weight's product is never rounded to bf16, e.g. an LM
+        head's logits); oneDNN's product in the weight's dtype is converted."""
+        if self.gemm_ops is None:
+            return self(x).float()
+        return self(x.float())
+
     def forward_add_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out += x W^T in place and return ``out`` ([T, out_features] of the weight's dtype,
         unit inner stride, not aliasing x): the own GEMM adds in its epilogue (no [T,

@@ -42,11 +42,10 @@ def lm_head_logits(
         [S, 0] tensor.
     """
     if group is None:
-        if isinstance(packed, PackedLinear) and packed.kernel == "pagedllm":
-            # The own GEMM takes float32 rows and returns its float32 sums: a bf16 model's
-            # logits are then not rounded to bf16, and [S, V] is not converted twice.
-            h = h.float()
-        logits = packed(h) if packed is not None else F.linear(h, weight)
+        if isinstance(packed, PackedLinear):
+            logits = packed.forward_float32(h)  # a bf16 model's logits not rounded to bf16
+        else:
+            logits = packed(h) if packed is not None else F.linear(h, weight)
         return soft_cap(logits.float(), final_logit_softcapping)
     full = vocab_parallel_logits(h, weight, group, vocab_size)
     if full is None:
