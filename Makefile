@@ -22,13 +22,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Schema fuzzing (tests/entrypoints/test_fuzz_openapi.py) runs schemathesis in a subprocess from
+# its own folder: its pins never touch the project's venv.
+FUZZ_DIR := $(abspath $(VENV))/schemathesis
+FUZZ_STAMP := $(FUZZ_DIR)/.installed
+$(FUZZ_STAMP): $(STAMP)
+	$(PIP) install -q --target $(FUZZ_DIR) schemathesis==4.32.5
+	touch $(FUZZ_STAMP)
+
 run: install
 	$(VENV)/bin/pagedllm generate --prompts-file examples/prompts.jsonl --max-tokens 64
 
 # Two workers (pytest-xdist), one test file per worker at a time: module fixtures (servers,
 # real models) are built once, and the 2-core machine runs the suite in about half the time.
-test: install
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25
+test: install $(FUZZ_STAMP)
+	PAGEDLLM_SCHEMATHESIS_PATH=$(FUZZ_DIR) $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"

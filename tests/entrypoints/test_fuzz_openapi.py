@@ -7,7 +7,9 @@ every KV block free.
 schemathesis is not a project dependency; it runs in a subprocess, so it may live outside the
 venv: ``pip install --target /tmp/st schemathesis``, then
 ``PAGEDLLM_SCHEMATHESIS_PATH=/tmp/st pytest -m slow tests/entrypoints/test_fuzz_openapi.py``
-(``PAGEDLLM_FUZZ_SECONDS``, default 120, bounds the fuzzing). Skipped when it cannot be imported.
+(``PAGEDLLM_FUZZ_SECONDS``, default 120, bounds the fuzzing; ``PAGEDLLM_FUZZ_SEED``, default 0,
+seeds the generation so that a failure reproduces). ``make test`` installs it (pinned, in
+``.venv/schemathesis``) and runs this test; elsewhere it is skipped when it cannot be imported.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, client, 
         "--checks", CHECKS, "--exclude-path", "/debug/kv/stream", "--request-timeout", "30",
         "--max-examples", "40", "--workers", "1", "--phases", "examples,coverage,fuzzing",
         "--max-time", seconds, "--continue-on-failure",
+        "--seed", os.environ.get("PAGEDLLM_FUZZ_SEED", "0"),
     ]  # fmt: skip
     # run in tmp_path: schemathesis writes its .schemathesis/ folder where it runs
     run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=tmp_path)
