@@ -15,7 +15,9 @@ requests. Greedy outputs are checked identical across methods (they must be: ver
 exact). Acceptance rates come from ``EngineStats``.
 
 Run: ``PYTHONPATH=. python benchmarks/spec_decode.py [--n 8] [--batches 1 8] [--sharegpt]
-[--methods off ngram suffix draft_model] [--draft-model NAME_OR_PATH]``
+[--methods off ngram suffix draft_model] [--draft-model NAME_OR_PATH] [--repeats R]``;
+``--repeats`` alternates whole rounds and prints the median speed-up of each cell (the "off" cell
+moves by ~15 % between runs on a shared VM).
 """
 
 from __future__ import annotations
@@ -66,56 +68,11 @@ def run_batch(llm: LLM, prompts: list[Any], max_tokens: list[int], batch: int) -
     }
 
 
-def loaded_dtype(loaded: Any) -> str:
-    """The dtype of the loaded weights, e.g. ``bfloat16``."""
-    return str(next(iter(loaded.state_dict.values())).dtype).replace("torch.", "")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=8, help="repetitive requests per batch size")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--methods", nargs="+", default=["off", "ngram", "suffix"])
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument(
-        "--fresh-engine",
-        action="store_true",
-        help="a new engine for every batch size (the suffix proposer then starts each batch "
-        "size with an empty cross-request cache instead of the answers of the one before)",
-    )
-    ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
-    ap.add_argument("--dtype", default="auto", help="auto (default), float32 or bfloat16")
-    ap.add_argument("--json", default=None, help="write the figures here")
-    ap.add_argument("--old-policy", action="store_true",
-                    help="also run each n-gram / suffix method with the earlier per-sequence k "
-                         "policy (grow after a full run, halve after a miss; no goodput rule), "
-                         "as METHOD-halving, in the same process")
-    ap.add_argument("--fixed-step-cost", action="store_true",
-                    help="also run each n-gram / suffix method with the goodput rule on the prior "
-                         "step cost model (learn_step_cost false), as METHOD-fixed")
-    ap.add_argument("--draft-model", default=None,
-                    help="draft of --methods draft_model (registry name or path); default: the "
-                         "bundled SmolLM2 as its own draft (100%% greedy acceptance expected)")
-    args = ap.parse_args()
-
-    from pagedllm.config import EngineConfig
-
-    loaded = load_model(None, EngineConfig(dtype=args.dtype).torch_dtype)
-    tok = loaded.tokenizer
-    tasks = build_repetitive_tasks(args.n, seed=0)
-    prompts = build_repetitive_prompts(args.n, seed=0, tokenizer=tok)
-    max_tokens = [min(args.max_tokens, len(tok(t.reference).input_ids)) for t in tasks]
-    print(f"CPU threads: {torch.get_num_threads()}; dtype {loaded_dtype(loaded)}; {args.n} "
-          "repetitive prompts, "
-          f"prompt tokens mean {statistics.mean(len(tok(p).input_ids) for p in prompts):.0f}, "
-          f"max_tokens mean {statistics.mean(max_tokens):.0f}")
+def run_round(args: argparse.Namespace, loaded: Any, prompts: list[str], max_tokens: list[int],
+              methods: list[str]) -> dict[str, Any]:
+    """One pass over ``methods`` x ``args.batches`` (a new engine per method); prints each cell
+    and the speed-ups against "off", and returns the cells by ``"METHOD/bB"``."""
     results: dict[str, Any] = {}
-    methods = list(args.methods)
-    if args.old_policy:
-        methods += [f"{m}-halving" for m in args.methods if m in ("ngram", "suffix")]
-    if args.fixed_step_cost:
-        methods += [f"{m}-fixed" for m in args.methods if m in ("ngram", "suffix")]
     for name in methods:
         method = name.removesuffix("-halving").removesuffix("-fixed")
         spec: dict[str, Any] | None = None
@@ -148,6 +105,72 @@ def main() -> None:
             same = off["outputs"] == on["outputs"]
             print(f"{name:6s} batch {b:3d}: speedup {off['tpot_ms'] / on['tpot_ms']:.2f}x TPOT; "
                   f"outputs identical to off: {same}")
+    return results
+
+
+def loaded_dtype(loaded: Any) -> str:
+    """The dtype of the loaded weights, e.g. ``bfloat16``."""
+    return str(next(iter(loaded.state_dict.values())).dtype).replace("torch.", "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8, help="repetitive requests per batch size")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--methods", nargs="+", default=["off", "ngram", "suffix"])
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument(
+        "--fresh-engine",
+        action="store_true",
+        help="a new engine for every batch size (the suffix proposer then starts each batch "
+        "size with an empty cross-request cache instead of the answers of the one before)",
+    )
+    ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
+    ap.add_argument("--dtype", default="auto", help="auto (default), float32 or bfloat16")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over all methods, alternating them; prints the median speed-ups")
+    ap.add_argument("--old-policy", action="store_true",
+                    help="also run each n-gram / suffix method with the earlier per-sequence k "
+                         "policy (grow after a full run, halve after a miss; no goodput rule), "
+                         "as METHOD-halving, in the same process")
+    ap.add_argument("--fixed-step-cost", action="store_true",
+                    help="also run each n-gram / suffix method with the goodput rule on the prior "
+                         "step cost model (learn_step_cost false), as METHOD-fixed")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft of --methods draft_model (registry name or path); default: the "
+                         "bundled SmolLM2 as its own draft (100%% greedy acceptance expected)")
+    args = ap.parse_args()
+
+    from pagedllm.config import EngineConfig
+
+    loaded = load_model(None, EngineConfig(dtype=args.dtype).torch_dtype)
+    tok = loaded.tokenizer
+    tasks = build_repetitive_tasks(args.n, seed=0)
+    prompts = build_repetitive_prompts(args.n, seed=0, tokenizer=tok)
+    max_tokens = [min(args.max_tokens, len(tok(t.reference).input_ids)) for t in tasks]
+    print(f"CPU threads: {torch.get_num_threads()}; dtype {loaded_dtype(loaded)}; {args.n} "
+          "repetitive prompts, "
+          f"prompt tokens mean {statistics.mean(len(tok(p).input_ids) for p in prompts):.0f}, "
+          f"max_tokens mean {statistics.mean(max_tokens):.0f}")
+    methods = list(args.methods)
+    if args.old_policy:
+        methods += [f"{m}-halving" for m in args.methods if m in ("ngram", "suffix")]
+    if args.fixed_step_cost:
+        methods += [f"{m}-fixed" for m in args.methods if m in ("ngram", "suffix")]
+    rounds = []
+    for rnd in range(args.repeats):
+        if args.repeats > 1:
+            print(f"-- round {rnd + 1} of {args.repeats}")
+        rounds.append(run_round(args, loaded, prompts, max_tokens, methods))
+    results = rounds[-1] if args.repeats == 1 else {f"round{i}/{k}": v for i, r in enumerate(rounds) for k, v in r.items()}
+    if args.repeats > 1:  # the machine's speed drifts between cells: the median round decides
+        for name in methods[1:]:
+            for b in args.batches:
+                ratios = [r[f"off/b{b}"]["tpot_ms"] / r[f"{name}/b{b}"]["tpot_ms"] for r in rounds]
+                print(f"{name:6s} batch {b:3d}: median speedup {statistics.median(ratios):.2f}x TPOT over "
+                      f"{len(ratios)} rounds ({', '.join(f'{x:.2f}' for x in ratios)})")
     if args.sharegpt:
         sg = sharegpt_prompts(tok, 64, 128)
         for method in ("off", "ngram"):
