@@ -164,13 +164,15 @@ def main() -> None:
         if args.repeats > 1:
             print(f"-- round {rnd + 1} of {args.repeats}")
         rounds.append(run_round(args, loaded, prompts, max_tokens, methods))
-    results = rounds[-1] if args.repeats == 1 else {f"round{i}/{k}": v for i, r in enumerate(rounds) for k, v in r.items()}
+    results = rounds[0]
     if args.repeats > 1:  # the machine's speed drifts between cells: the median round decides
+        results = {f"round{i}/{key}": v for i, r in enumerate(rounds) for key, v in r.items()}
         for name in methods[1:]:
             for b in args.batches:
                 ratios = [r[f"off/b{b}"]["tpot_ms"] / r[f"{name}/b{b}"]["tpot_ms"] for r in rounds]
-                print(f"{name:6s} batch {b:3d}: median speedup {statistics.median(ratios):.2f}x TPOT over "
-                      f"{len(ratios)} rounds ({', '.join(f'{x:.2f}' for x in ratios)})")
+                listed = ", ".join(f"{x:.2f}" for x in ratios)
+                print(f"{name:6s} batch {b:3d}: median speedup {statistics.median(ratios):.2f}x "
+                      f"TPOT over {len(ratios)} rounds ({listed})")
     if args.sharegpt:
         sg = sharegpt_prompts(tok, 64, 128)
         for method in ("off", "ngram"):

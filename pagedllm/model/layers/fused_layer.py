@@ -11,7 +11,8 @@ It applies when every layer has the Llama shape (pre-norm, RMSNorm, fused QKV wi
 RoPE, no soft cap, SwiGLU MLP, no tensor parallelism) and every projection is a kernel the op
 knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM or on oneDNN, ``PackedSwiGLU``,
 ``Int8Linear`` on the C++ int8 GEMM); otherwise, and for any step the C++ attention cannot run
-(other backend, KV dtype), the layers' Python forward runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1`` turns it off.
+(other backend, KV dtype), the layers' Python forward runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1``
+turns it off.
 """
 
 from __future__ import annotations
