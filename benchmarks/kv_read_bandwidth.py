@@ -8,10 +8,11 @@ C++ ``paged_attention_decode`` kernel consumes K/V bytes (GB/s) for each block s
 plain sequential read of 1 GiB (``torch.sum``) as the machine's reference.
 
 In the ``[KVH, num_blocks, block_size, D]`` cache layout one block of one kv head is
-``block_size * D * 4`` contiguous bytes (4 KiB at block size 16, D 64, fp32), and shuffled block
+``block_size * D * itemsize`` contiguous bytes (4 KiB at block size 16, D 64, fp32), and shuffled block
 tables make the kernel jump between such chunks; small chunks read slower than one stream.
 
     python benchmarks/kv_read_bandwidth.py [--block-sizes 16 32 64 128] [--threads 2]
+        [--dtype bfloat16]
 
 Holds the machine-wide benchmark lock (``common.bench_lock``) while measuring.
 """
@@ -38,21 +39,23 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
 SHAPES = [(256, 300), (64, 160), (64, 400), (8, 1500)]  # (sequences, context tokens)
 
 
-def kv_read_gbs(ops, block_size: int, batch: int, ctx: int, repeats: int = 3) -> float:
-    """GB/s of K/V consumed by ``paged_attention_decode`` over LAYERS separate caches (fastest
-    of ``repeats`` passes over all layers); block tables are shuffled as in
-    ``kernel_attention.decode_meta``."""
+def kv_read_gbs(
+    ops, block_size: int, batch: int, ctx: int, dtype: torch.dtype = torch.float32, repeats: int = 3
+) -> float:
+    """GB/s of K/V consumed by ``paged_attention_decode`` over LAYERS separate caches of
+    ``dtype`` (float32 or bfloat16; the queries too), fastest of ``repeats`` passes over all
+    layers; block tables are shuffled as in ``kernel_attention.decode_meta``."""
     meta, num_blocks = decode_meta(batch, ctx, block_size, seed=batch * 10007 + ctx)
     g = torch.Generator().manual_seed(batch * 10007 + ctx)
     caches = [
         (
-            torch.randn(KV_HEADS, num_blocks, block_size, HEAD_DIM, generator=g),
-            torch.randn(KV_HEADS, num_blocks, block_size, HEAD_DIM, generator=g),
+            torch.randn(KV_HEADS, num_blocks, block_size, HEAD_DIM, generator=g).to(dtype),
+            torch.randn(KV_HEADS, num_blocks, block_size, HEAD_DIM, generator=g).to(dtype),
         )
         for _ in range(LAYERS)
     ]
     tables, seq_lens = meta.block_tables, meta.seq_lens
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
     out = torch.empty_like(q)
     best = float("inf")
     for _ in range(repeats):
@@ -60,7 +63,7 @@ def kv_read_gbs(ops, block_size: int, batch: int, ctx: int, repeats: int = 3) ->
         for kc, vc in caches:
             ops.paged_attention_decode(out, q, kc, vc, tables, seq_lens, batch, 0.125, 512)
         best = min(best, time.perf_counter() - t0)
-    kv_bytes = batch * ctx * 2 * KV_HEADS * HEAD_DIM * 4 * LAYERS
+    kv_bytes = batch * ctx * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize * LAYERS
     return kv_bytes / best / 1e9
 
 
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="passes over all block sizes")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = load_cpu_ops()
@@ -87,11 +91,11 @@ def main() -> None:
         for _ in range(args.rounds):  # block sizes alternate, so drift hits all of them
             for batch, ctx in SHAPES:
                 for bs in args.block_sizes:
-                    rate = kv_read_gbs(ops, bs, batch, ctx)
+                    rate = kv_read_gbs(ops, bs, batch, ctx, getattr(torch, args.dtype))
                     rates.setdefault((batch, ctx, bs), []).append(rate)
     print(
         f"\nDecode attention K/V read rate (GB/s, best of {args.rounds} rounds), "
-        f"{LAYERS} layers, H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} fp32, {args.threads} threads"
+        f"{LAYERS} layers, H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} {args.dtype}, {args.threads} threads"
     )
     print("| sequences x context | " + " | ".join(f"block {bs}" for bs in args.block_sizes) + " |")
     print("|---|" + "---:|" * len(args.block_sizes))

@@ -46,6 +46,12 @@ namespace {
 
 using namespace attn;
 
+// How many rows ahead of the row being scored its K row is prefetched: one K row per row scored,
+// a steady trickle. It read bf16 KV 8-15 % faster on Zen 4 (8-256 sequences x 300-1500 keys,
+// 2 threads) than prefetching the next tile's K rows in one burst before summing V, which filled
+// the line-fill buffers and stalled on the prefetches themselves.
+constexpr int kPrefetchRows = 32;
+
 // acc[g] += sum_i p[g][i] * v_i over a tile's n V rows (p[g][i] = sc[g * kTile + i]). With SIMD
 // the head dimension is walked in chunks whose G accumulators stay in registers across all n
 // rows (two vectors per head while 2G of them fit the register file, else one): no accumulator
@@ -108,6 +114,9 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
+  int64_t ahead = start;  // the next K row to prefetch
+  for (; ahead < std::min(end, start + kPrefetchRows); ++ahead)
+    vec::prefetch_row(kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D, D);
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
@@ -118,6 +127,10 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
       const int64_t row = (table[blk] * cv.rows + off) * D;
       const T* k = kbase + row;
       vec::prefetch_row(vbase + row, D);  // V of this tile is read right after the scores
+      if (ahead < end) {
+        vec::prefetch_row(kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D, D);
+        ++ahead;
+      }
       vec::dot_block<G, 1>(q, D, &k, D, o);
       if constexpr (kQuantized<T>) {
         const float ks = block_scale(kbase, table[blk], cv);
@@ -132,23 +145,10 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
     for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
     blk = t0 / BS;
     off = static_cast<int>(t0 % BS);
-    // The tile's V rows, with each row's block scale folded into its probabilities; while they
-    // are gathered, prefetch the K rows of the next tile.
+    // The tile's V rows, with each row's block scale folded into its probabilities.
     const T* vrow[kTile];
-    const int64_t next_end = t1 < end ? tile_end(t1, end, partition_size) : end;
-    int64_t nblk = t1 / BS;
-    int noff = static_cast<int>(t1 % BS);
-    int64_t npos = t1;
     for (int i = 0; i < n; ++i) {
       vrow[i] = vbase + (table[blk] * cv.rows + off) * D;
-      if (npos < next_end) {
-        vec::prefetch_row(kbase + (table[nblk] * cv.rows + noff) * D, D);
-        ++npos;
-        if (++noff == BS) {
-          noff = 0;
-          ++nblk;
-        }
-      }
       if constexpr (kQuantized<T>) {
         const float vs = block_scale(vbase, table[blk], cv);
         for (int g = 0; g < G; ++g) sc[g * kTile + i] *= vs;
