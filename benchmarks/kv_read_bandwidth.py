@@ -8,8 +8,9 @@ C++ ``paged_attention_decode`` kernel consumes K/V bytes (GB/s) for each block s
 plain sequential read of 1 GiB (``torch.sum``) as the machine's reference.
 
 In the ``[KVH, num_blocks, block_size, D]`` cache layout one block of one kv head is
-``block_size * D * itemsize`` contiguous bytes (4 KiB at block size 16, D 64, fp32), and shuffled block
-tables make the kernel jump between such chunks; small chunks read slower than one stream.
+``block_size * D * itemsize`` contiguous bytes (4 KiB at block size 16, D 64, fp32), and
+shuffled block tables make the kernel jump between such chunks; small chunks read slower than
+one stream.
 
     python benchmarks/kv_read_bandwidth.py [--block-sizes 16 32 64 128] [--threads 2]
         [--dtype bfloat16]
@@ -94,8 +95,8 @@ def main() -> None:
                     rate = kv_read_gbs(ops, bs, batch, ctx, getattr(torch, args.dtype))
                     rates.setdefault((batch, ctx, bs), []).append(rate)
     print(
-        f"\nDecode attention K/V read rate (GB/s, best of {args.rounds} rounds), "
-        f"{LAYERS} layers, H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} {args.dtype}, {args.threads} threads"
+        f"\nDecode attention K/V read rate (GB/s, best of {args.rounds} rounds), {LAYERS} layers, "
+        f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} {args.dtype}, {args.threads} threads"
     )
     print("| sequences x context | " + " | ".join(f"block {bs}" for bs in args.block_sizes) + " |")
     print("|---|" + "---:|" * len(args.block_sizes))
