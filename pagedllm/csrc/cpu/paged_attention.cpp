@@ -115,8 +115,11 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
   }
   std::fill(acc, acc + G * D, 0.f);
   int64_t ahead = start;  // the next K row to prefetch
-  for (; ahead < std::min(end, start + kPrefetchRows); ++ahead)
+  auto prefetch_ahead = [&] {
     vec::prefetch_row(kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D, D);
+    ++ahead;
+  };
+  while (ahead < std::min(end, start + kPrefetchRows)) prefetch_ahead();
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
@@ -127,10 +130,7 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
       const int64_t row = (table[blk] * cv.rows + off) * D;
       const T* k = kbase + row;
       vec::prefetch_row(vbase + row, D);  // V of this tile is read right after the scores
-      if (ahead < end) {
-        vec::prefetch_row(kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D, D);
-        ++ahead;
-      }
+      if (ahead < end) prefetch_ahead();
       vec::dot_block<G, 1>(q, D, &k, D, o);
       if constexpr (kQuantized<T>) {
         const float ks = block_scale(kbase, table[blk], cv);
