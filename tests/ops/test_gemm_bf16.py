@@ -3,8 +3,9 @@ CPU with AVX512-BF16): x rounded to bf16 (ties to even), products of bf16 pairs 
 
 The reference is fp32 arithmetic on the bf16-rounded operands, so the only difference is the
 order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 2 and 1 full panels,
-a partial last panel), 6-row halves and partial tiles, odd K (a zero-padded pair) and the three
-epilogues (store, accumulate into out, SwiGLU), at 1 and 2 threads."""
+a partial last panel), 6-row halves, a lone 7-12-row tile on 2-panel groups, partial tiles, odd K
+(a zero-padded pair) and the three epilogues (store, accumulate into out, SwiGLU), at 1 and 2
+threads."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 16, 2), (1, 40, 24), (5, 64, 33), (6, 100, 64), (7, 129, 1), (13, 256, 96),
-     (25, 200, 576), (64, 144, 31), (97, 512, 130)],
+    [(1, 16, 2), (1, 40, 24), (5, 64, 33), (6, 100, 64), (7, 129, 1), (10, 200, 576),
+     (12, 72, 63), (13, 256, 96), (25, 200, 576), (64, 144, 31), (97, 512, 130)],
 )  # fmt: skip
 def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
     ops = bf16_ops
@@ -77,14 +78,15 @@ def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
 
 
 def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
-    """Rows are independent: a row's output is the same float alone, in a 6-row half, a full
-    tile or a 100-row batch (what lets decode, prefill and speculation agree bit for bit)."""
+    """Rows are independent: a row's output is the same float alone, in a 6-row half, a lone
+    7-12-row tile, a full tile or a 100-row batch (what lets decode, prefill and speculation agree bit for bit)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(136, 200, generator=g).to(BF16)
     x = torch.randn(100, 200, generator=g)
     packed = bf16_ops.gemm_pack_weight(w)
     whole = bf16_ops.gemm_linear(x, packed, 136)
-    for rows in ([0], [5], [11], list(range(0, 6)), list(range(12, 24)), list(range(90, 100))):
+    for rows in ([0], [5], [11], list(range(0, 6)), list(range(3, 12)), list(range(12, 24)),
+                 list(range(90, 100))):
         part = bf16_ops.gemm_linear(x[rows].contiguous(), packed, 136)
         assert torch.equal(part, whole[rows]), rows
 

@@ -11,7 +11,8 @@
 // bf16 weights (avx512 variant, CPUs with AVX512-BF16): panels of (k, k + 1) bf16 pairs, [K/2][16]
 // x 32 bits; x rows are rounded to bf16 pairs per call and vdpbf16ps adds both products of a pair
 // to fp32 accumulators; 6 rows x 4 panels per call (24 accumulators), so each broadcast of x
-// feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute.
+// feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute (a lone
+// tile of 7-12 rows: all its rows x 2 panels per call instead).
 //
 // Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On a 2-core AVX2 EPYC (Zen 3),
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
@@ -289,8 +290,9 @@ void add_edge(const float* edge, int rows, int64_t cols, float* dst, int64_t ldc
 // One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels:
 // groups of 4 full panels x 6-row halves of a tile (24 accumulators), then 2 or 1. A group's
 // first call prefetches its own panels ahead; its later calls share the next group's panels
-// (one each from four calls on; with fewer, each takes several, and a lone call, as at 1-6 rows,
-// takes them all as a second stream), so the weights stream into L2 while this group computes.
+// (one each from four calls on; with fewer, each takes several, and a lone call, as at 1-12
+// rows, takes them all as a second stream), so the weights stream into L2 while this group
+// computes.
 template <int E>
 void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64_t Ku, int64_t p0,
               int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
@@ -298,11 +300,16 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64
   const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
   int64_t calls = 0;  // micro-kernel calls per 4-panel group in this block (6-row halves)
   for (int64_t t = t_begin; t < t_end; ++t) calls += (std::min<int64_t>(MR, M - t * MR) + 5) / 6;
+  // One tile of 7-12 rows: 2-panel groups of one call each over all the rows, so that every
+  // weight vector loaded feeds all the rows and each call streams the next group's panels in
+  // (two 6-row calls per 4 panels made 7 rows cost 1.25x 6 rows).
+  const bool one_wide_tile = calls == 2 && t_end - t_begin == 1;
+  if (one_wide_tile) calls = 1;
   alignas(64) float edge[MR * NR];
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
-    const int np = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    const int64_t next_np = std::min<int64_t>(4, p1 - (p + np));
+    const int np = left >= 4 && !one_wide_tile ? 4 : left >= 2 ? 2 : 1;
+    const int64_t next_np = std::min<int64_t>(one_wide_tile ? 2 : 4, p1 - (p + np));
     const uint32_t* bp = b + p * ps;
     const uint32_t* next = bp + np * ps;
     const int64_t later = std::min(calls - 1, next_np);  // calls sharing the next group's panels
