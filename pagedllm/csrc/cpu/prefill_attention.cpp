@@ -3,7 +3,7 @@
 //
 // One work item per (sequence, kv head, tile of up to kQueryTile query tokens): its G query heads
 // x query tokens form R rows. Keys are walked in the tiles and partitions of attention_common.h
-// with an online softmax: the scores of all R rows come from register blocks of 2 rows x 4 keys
+// with an online softmax: the scores of all R rows come from register blocks of 2 rows x 8 keys
 // (vec::dot_block, the decode kernel's arithmetic per pair), the causal (and sliding-window)
 // mask and the softmax statistics are applied per row, and the probabilities multiply V in a
 // register-blocked product; at a partition boundary each row's state is merged as the decode
@@ -17,6 +17,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
@@ -32,11 +34,20 @@ using namespace attn;
 // kRowBlock, their online-softmax state (m, l, acc), the merge of their finished partitions
 // (M, L, A), the current tile's scores and its K / V row pointers and block scales.
 constexpr int kRowBlock = 4;
-constexpr int kKeyBlock = 4;  // keys per dot_block: 2 rows x 4 keys = 8 accumulators
+// Keys per dot_block: 2 rows x 8 keys = 16 accumulators with AVX-512, whose sums hsum_n finds
+// in one transposing pass (the reductions cost more than the FMAs at D = 64); 2 x 4 with AVX2.
+#if PAGEDLLM_VEC_AVX512
+constexpr int kKeyBlock = 8;
+#else
+constexpr int kKeyBlock = 4;
+#endif
 struct PrefillScratch {
   std::vector<float> q, m, l, acc, M, L, A, sc;
   std::vector<float> kscale, vscale;
+  std::vector<float> kf, vf;  // the tile's K / V rows in fp32 (caches stored in another dtype)
   void reserve(int rows, int D) {
+    kf.resize(static_cast<size_t>(kTile) * D);
+    vf.resize(static_cast<size_t>(kTile) * D);
     q.assign(static_cast<size_t>(rows) * D, 0.f);
     m.resize(rows);
     l.resize(rows);
@@ -177,7 +188,21 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
         ++blk;
       }
     }
-    tile_scores(ws.q.data(), rows, krow, n, D, sc);
+    if constexpr (std::is_same_v<T, float>) {
+      tile_scores(ws.q.data(), rows, krow, n, D, sc);
+    } else {
+      // Every row pair and row block would convert the same K / V rows again: convert the tile
+      // once (exactly: bf16, int8 and fp8 values are all fp32 values), then run the fp32 loops.
+      const float* kf[kTile];
+      for (int i = 0; i < n; ++i) {
+        float* dk = ws.kf.data() + static_cast<size_t>(i) * D;
+        float* dv = ws.vf.data() + static_cast<size_t>(i) * D;
+        vec::to_float_row(krow[i], D, dk);
+        vec::to_float_row(vrow[i], D, dv);
+        kf[i] = dk;
+      }
+      tile_scores(ws.q.data(), rows, kf, n, D, sc);
+    }
     if constexpr (kQuantized<T>)
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < n; ++i) sc[r * kTile + i] *= ws.kscale[i];
@@ -200,7 +225,13 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
         for (int i = lo; i < hi; ++i) s[i] *= ws.vscale[i];
     }
     for (int r = R; r < rows; ++r) std::fill(sc + r * kTile, sc + r * kTile + n, 0.f);
-    tile_pv<T>(sc, rows, vrow, n, D, acc);
+    if constexpr (std::is_same_v<T, float>) {
+      tile_pv<T>(sc, rows, vrow, n, D, acc);
+    } else {
+      const float* vf[kTile];
+      for (int i = 0; i < n; ++i) vf[i] = ws.vf.data() + static_cast<size_t>(i) * D;
+      tile_pv<float>(sc, rows, vf, n, D, acc);
+    }
   }
   if (split) {  // the last partition too, then the merge is the result
     close_partition(ws, rows, D);
@@ -226,12 +257,28 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     int64_t seq, tok0;
     int nq, kh;
   };
+  // Few items (a short verify: 9 query tokens x 3 kv heads are 3 items for 2 threads) would
+  // leave threads idle: then each sequence's tokens are cut into `split` times as many tiles, for
+  // about 4 items per thread, of a token count whose rows (tokens x G) fill whole row blocks. A
+  // query's output does not depend on its tile.
+  int64_t full_items = 0;
+  for (int64_t s = seq_begin; s < seq_end; ++s)
+    full_items += (qsl[s + 1] - qsl[s] + kQueryTile - 1) / kQueryTile * KVH;
+  const int64_t want = 4 * static_cast<int64_t>(nthreads);
+  const int64_t split = full_items >= want ? 1 : (want + full_items - 1) / full_items;
+  const int64_t token_unit = kRowBlock / std::gcd(G, kRowBlock);
   std::vector<Item> items;
   for (int64_t s = seq_begin; s < seq_end; ++s) {
     const int64_t lo = qsl[s], hi = qsl[s + 1];
-    for (int64_t t = lo; t < hi; t += kQueryTile)
+    int64_t tile = kQueryTile;
+    if (split > 1) {
+      const int64_t tiles = (hi - lo + kQueryTile - 1) / kQueryTile * split;
+      tile = ((hi - lo + tiles - 1) / tiles + token_unit - 1) / token_unit * token_unit;
+      tile = std::clamp<int64_t>(tile, 1, kQueryTile);
+    }
+    for (int64_t t = lo; t < hi; t += tile)
       for (int kh = 0; kh < KVH; ++kh)
-        items.push_back({s, t, static_cast<int>(std::min<int64_t>(kQueryTile, hi - t)), kh});
+        items.push_back({s, t, static_cast<int>(std::min<int64_t>(tile, hi - t)), kh});
   }
   // Longest items first (they see the most keys) for a better dynamic schedule.
   // (With a window every tile sees about as many keys; the order then does not matter.)
