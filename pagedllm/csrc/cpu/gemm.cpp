@@ -11,8 +11,8 @@
 // bf16 weights (avx512 variant, CPUs with AVX512-BF16): panels of (k, k + 1) bf16 pairs, [K/2][16]
 // x 32 bits; x rows are rounded to bf16 pairs per call and vdpbf16ps adds both products of a pair
 // to fp32 accumulators; 6 rows x 4 panels per call (24 accumulators), so each broadcast of x
-// feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute (a lone
-// tile of 7-12 rows: all its rows x 2 panels per call instead).
+// feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute (from 7
+// rows on: balanced tiles of 6-12 rows, all of a tile's rows x 2 panels per call instead).
 //
 // Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On a 2-core AVX2 EPYC (Zen 3),
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
@@ -287,29 +287,39 @@ void add_edge(const float* edge, int rows, int64_t cols, float* dst, int64_t ldc
       dst[i * ldc + j] = (E == kAccumulate ? dst[i * ldc + j] : 0.f) + edge[i * NR + j];
 }
 
-// One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels:
-// groups of 4 full panels x 6-row halves of a tile (24 accumulators), then 2 or 1. A group's
-// first call prefetches its own panels ahead; its later calls share the next group's panels
-// (one each from four calls on; with fewer, each takes several, and a lone call, as at 1-12
-// rows, takes them all as a second stream), so the weights stream into L2 while this group
-// computes.
+// The row tiles of x: ceil(M / MR) tiles of up to MR rows. `balanced` (the bf16 panels' wide
+// calls, M >= 7) spreads the rows evenly, so no tile is a tiny remainder (13 rows: 7 + 6, not
+// 12 + 1, whose lone row would run as a latency-bound call over panels re-read from L2).
+struct RowTiles {
+  int64_t M, count;
+  bool balanced;
+  RowTiles(int64_t m, bool bal) : M(m), count((m + MR - 1) / MR), balanced(bal) {}
+  int64_t begin(int64_t t) const { return balanced ? t * M / count : std::min(M, t * MR); }
+  int rows(int64_t t) const { return static_cast<int>(begin(t + 1) - begin(t)); }
+};
+
+// One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels.
+// Narrow (M <= 6, one tile): groups of 4 full panels, then 2 or 1, one call each (6 rows x 4
+// panels = 24 accumulators). Wide (M >= 7, balanced tiles of 6-12 rows): groups of 2 panels,
+// one call per tile over all its rows (2 x 12 accumulators), so every weight vector loaded feeds
+// a whole tile (6-row halves of 4 panels made 7 rows cost 1.25x 6 rows, the second half
+// re-reading the panels from L2 with few accumulator chains). A group's first call prefetches
+// its own panels ahead; its later calls share the next group's panels (one each from four calls
+// on; with fewer, each takes several, and a lone call takes them all as a second stream), so the
+// weights stream into L2 while this group computes.
 template <int E>
-void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64_t Ku, int64_t p0,
-              int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
+void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int64_t N, int64_t Ku,
+              int64_t p0, int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
   constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
   const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
-  int64_t calls = 0;  // micro-kernel calls per 4-panel group in this block (6-row halves)
-  for (int64_t t = t_begin; t < t_end; ++t) calls += (std::min<int64_t>(MR, M - t * MR) + 5) / 6;
-  // One tile of 7-12 rows: 2-panel groups of one call each over all the rows, so that every
-  // weight vector loaded feeds all the rows and each call streams the next group's panels in
-  // (two 6-row calls per 4 panels made 7 rows cost 1.25x 6 rows).
-  const bool one_wide_tile = calls == 2 && t_end - t_begin == 1;
-  if (one_wide_tile) calls = 1;
+  const bool wide = tiles.balanced;
+  int64_t calls = 0;  // micro-kernel calls per panel group in this block
+  for (int64_t t = t_begin; t < t_end; ++t) calls += wide ? 1 : (tiles.rows(t) + 5) / 6;
   alignas(64) float edge[MR * NR];
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
-    const int np = left >= 4 && !one_wide_tile ? 4 : left >= 2 ? 2 : 1;
-    const int64_t next_np = std::min<int64_t>(one_wide_tile ? 2 : 4, p1 - (p + np));
+    const int np = left >= 4 && !wide ? 4 : left >= 2 ? 2 : 1;
+    const int64_t next_np = std::min<int64_t>(wide ? 2 : 4, p1 - (p + np));
     const uint32_t* bp = b + p * ps;
     const uint32_t* next = bp + np * ps;
     const int64_t later = std::min(calls - 1, next_np);  // calls sharing the next group's panels
@@ -319,23 +329,25 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, int64_t M, int64_t N, int64
       own.count2 = static_cast<int>(next_np);
       own.stride2 = ps;
     }
+    // Call c >= 1 of this group prefetches the next group's panels c - 1, c - 1 + later, ...
+    auto prefetch_for = [&](int call) {
+      return call == 0 ? own
+             : call <= later
+                 ? Prefetch{next + (call - 1) * ps,
+                            static_cast<int>((next_np - call + later) / later), later * ps, true}
+                 : Prefetch{};
+    };
     int call = 0;  // calls made on this group in this block
     for (int64_t t = t_begin; t < t_end; ++t) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
+      const int rows = tiles.rows(t);
       const uint32_t* at = xd + t * Ku * MR;
-      float* dst = c + t * MR * ldc + p * out_per_panel;
+      float* dst = c + tiles.begin(t) * ldc + p * out_per_panel;
       if (np == 4) {
-        for (int h = 0; h < rows; h += 6, ++call) {
-          // Call c >= 1 prefetches the next group's panels c - 1, c - 1 + later, ...
-          const Prefetch pf =
-              call == 0 ? own
-              : call <= later
-                  ? Prefetch{next + (call - 1) * ps,
-                             static_cast<int>((next_np - call + later) / later), later * ps, true}
-                  : Prefetch{};
+        for (int h = 0; h < rows; h += 6, ++call)
           tile_bf16<E, 4, 6>(std::min(6, rows - h), at + h, bp, Ku, ps, dst + h * ldc,
-                             out_per_panel, ldc, pf);
-        }
+                             out_per_panel, ldc, prefetch_for(call));
+      } else if (wide && np == 2) {
+        tile_bf16<E, 2>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, prefetch_for(call++));
       } else if (left >= 1) {
         const Prefetch pf = t == t_begin ? own : Prefetch{};
         if (np == 2)
@@ -362,8 +374,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   const bool pairs = packed.scalar_type() == at::kBFloat16;
   const int64_t Ku = packed.size(1);
 
-  // x -> tiles [ceil(M / MR)][Ku][MR], the rows past M zero; bf16 pairs rounded from fp32.
-  const int64_t tiles = (M + MR - 1) / MR;
+  // x -> tiles [count][Ku][MR], the rows past a tile's own zero; bf16 pairs rounded from fp32.
+  const RowTiles row_tiles(M, pairs && M >= 7);
+  const int64_t tiles = row_tiles.count;
   at::Tensor xa = x.new_empty({tiles, Ku, MR});
   const float* xs = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
@@ -373,13 +386,13 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
     for (int64_t t = t0; t < t1; ++t) {
       float* d = xd + t * Ku * MR;
       auto* du = reinterpret_cast<uint32_t*>(d);
-      const int64_t rows = std::min<int64_t>(MR, M - t * MR);
+      const int64_t rows = row_tiles.rows(t);
       for (int64_t i = 0; i < MR; ++i) {
         if (i >= rows) {
           for (int64_t k = 0; k < Ku; ++k) d[k * MR + i] = 0.f;
           continue;
         }
-        const float* src = xs + (t * MR + i) * ldx;
+        const float* src = xs + (row_tiles.begin(t) + i) * ldx;
         if (!pairs) {
           for (int64_t k = 0; k < K; ++k) d[k * MR + i] = src[k];
         } else {
@@ -400,7 +413,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       if (pairs) {
         run_bf16<E>(reinterpret_cast<const uint32_t*>(xd), reinterpret_cast<const uint32_t*>(b),
-                    M, N, Ku, p0, p1, t_begin, t_end, c, ldc);
+                    row_tiles, N, Ku, p0, p1, t_begin, t_end, c, ldc);
         return;
       }
       alignas(64) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
@@ -408,9 +421,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
         const float* bp = b + p * K * NR;
         const int64_t cols = std::min<int64_t>(out_per_panel, N - p * out_per_panel);
         for (int64_t t = t_begin; t < t_end; ++t) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
+          const int rows = row_tiles.rows(t);
           const float* at = xd + t * K * MR;
-          float* dst = c + t * MR * ldc + p * out_per_panel;
+          float* dst = c + row_tiles.begin(t) * ldc + p * out_per_panel;
           if (cols == out_per_panel) {
             if (t == t_begin)
               tile<true, E>(rows, at, bp, K, dst, ldc);
