@@ -265,13 +265,14 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   for (int64_t s = seq_begin; s < seq_end; ++s)
     full_items += (qsl[s + 1] - qsl[s] + kQueryTile - 1) / kQueryTile * KVH;
   const int64_t want = 4 * static_cast<int64_t>(nthreads);
-  const int64_t split = full_items >= want ? 1 : (want + full_items - 1) / full_items;
+  const int64_t split =
+      full_items >= want || full_items == 0 ? 1 : (want + full_items - 1) / full_items;
   const int64_t token_unit = kRowBlock / std::gcd(G, kRowBlock);
   std::vector<Item> items;
   for (int64_t s = seq_begin; s < seq_end; ++s) {
     const int64_t lo = qsl[s], hi = qsl[s + 1];
     int64_t tile = kQueryTile;
-    if (split > 1) {
+    if (split > 1 && hi > lo) {
       const int64_t tiles = (hi - lo + kQueryTile - 1) / kQueryTile * split;
       tile = ((hi - lo + tiles - 1) / tiles + token_unit - 1) / token_unit * token_unit;
       tile = std::clamp<int64_t>(tile, 1, kQueryTile);
