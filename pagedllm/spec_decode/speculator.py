@@ -58,9 +58,10 @@ if TYPE_CHECKING:
 
 
 def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]`` ([len(rows), V]): a view when the rows are consecutive (as when every
-    sequence of the step speculates), else a gathered copy. The sampler never modifies its
-    logits, so a view is safe; a gather of 9 x 49152 floats costs more than verifying them."""
+    """The rows ``rows`` of ``logits`` ([S, V] float32) as [len(rows), V]: a view when they are
+    consecutive (as when every sequence of the step speculates), else a gathered copy. The
+    sampler never modifies its logits, so a view is safe; the gather of a batch-1 k = 8
+    verification (9 x 49,152 floats) cost ~0.13 ms a step on Zen 4."""
     if not rows:
         return logits[:0]
     if rows == list(range(rows[0], rows[0] + len(rows))):

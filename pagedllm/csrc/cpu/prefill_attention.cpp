@@ -193,15 +193,15 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     } else {
       // Every row pair and row block would convert the same K / V rows again: convert the tile
       // once (exactly: bf16, int8 and fp8 values are all fp32 values), then run the fp32 loops.
-      const float* kf[kTile];
+      const float* krow32[kTile];
       for (int i = 0; i < n; ++i) {
         float* dk = ws.kf.data() + static_cast<size_t>(i) * D;
         float* dv = ws.vf.data() + static_cast<size_t>(i) * D;
         vec::to_float_row(krow[i], D, dk);
         vec::to_float_row(vrow[i], D, dv);
-        kf[i] = dk;
+        krow32[i] = dk;
       }
-      tile_scores(ws.q.data(), rows, kf, n, D, sc);
+      tile_scores(ws.q.data(), rows, krow32, n, D, sc);
     }
     if constexpr (kQuantized<T>)
       for (int r = 0; r < R; ++r)
@@ -228,9 +228,9 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     if constexpr (std::is_same_v<T, float>) {
       tile_pv<T>(sc, rows, vrow, n, D, acc);
     } else {
-      const float* vf[kTile];
-      for (int i = 0; i < n; ++i) vf[i] = ws.vf.data() + static_cast<size_t>(i) * D;
-      tile_pv<float>(sc, rows, vf, n, D, acc);
+      const float* vrow32[kTile];
+      for (int i = 0; i < n; ++i) vrow32[i] = ws.vf.data() + static_cast<size_t>(i) * D;
+      tile_pv<float>(sc, rows, vrow32, n, D, acc);
     }
   }
   if (split) {  // the last partition too, then the merge is the result
