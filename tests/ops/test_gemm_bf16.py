@@ -3,9 +3,9 @@ CPU with AVX512-BF16): x rounded to bf16 (ties to even), products of bf16 pairs 
 
 The reference is fp32 arithmetic on the bf16-rounded operands, so the only difference is the
 order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 2 and 1 full panels,
-a partial last panel), 6-row halves, a lone 7-12-row tile on 2-panel groups, partial tiles, odd K
-(a zero-padded pair) and the three epilogues (store, accumulate into out, SwiGLU), at 1 and 2
-threads."""
+a partial last panel), one tile of up to 6 rows and balanced 6-12-row tiles from 7 rows on,
+partial tiles, odd K (a zero-padded pair) and the three epilogues (store, accumulate into out,
+SwiGLU), at 1 and 2 threads."""
 
 from __future__ import annotations
 
@@ -78,8 +78,9 @@ def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
 
 
 def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
-    """Rows are independent: a row's output is the same float alone, in a 6-row half, a lone
-    7-12-row tile, a full tile or a 100-row batch (what lets decode, prefill and speculation agree bit for bit)."""
+    """Rows are independent: a row's output is the same float alone, in a tile of up to 6 rows,
+    a balanced tile of 6-12 rows or a 100-row batch (what lets decode, prefill and speculation
+    agree bit for bit)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(136, 200, generator=g).to(BF16)
     x = torch.randn(100, 200, generator=g)

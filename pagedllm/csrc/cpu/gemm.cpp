@@ -298,11 +298,11 @@ struct RowTiles {
   int rows(int64_t t) const { return static_cast<int>(begin(t + 1) - begin(t)); }
 };
 
-// One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels.
-// Narrow (M <= 6, one tile): groups of 4 full panels, then 2 or 1, one call each (6 rows x 4
-// panels = 24 accumulators). Wide (M >= 7, balanced tiles of 6-12 rows): groups of 2 panels,
-// one call per tile over all its rows (2 x 12 accumulators), so every weight vector loaded feeds
-// a whole tile (6-row halves of 4 panels made 7 rows cost 1.25x 6 rows, the second half
+// One thread's panels [p0, p1) over the row tiles [t_begin, t_end) with bf16 pair panels; one
+// micro-kernel call per panel group and tile. Narrow (M <= 6, one tile): groups of 4 full
+// panels, then 2 or 1 (6 rows x 4 panels = 24 accumulators). Wide (M >= 7, balanced tiles of
+// 6-12 rows): groups of 2 panels (2 x 12 accumulators), so every weight vector loaded feeds a
+// whole tile (6-row halves of 4 panels made 7 rows cost 1.25x 6 rows, the second half
 // re-reading the panels from L2 with few accumulator chains). A group's first call prefetches
 // its own panels ahead; its later calls share the next group's panels (one each from four calls
 // on; with fewer, each takes several, and a lone call takes them all as a second stream), so the
@@ -313,8 +313,7 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int6
   constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
   const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
   const bool wide = tiles.balanced;
-  int64_t calls = 0;  // micro-kernel calls per panel group in this block
-  for (int64_t t = t_begin; t < t_end; ++t) calls += wide ? 1 : (tiles.rows(t) + 5) / 6;
+  const int64_t calls = t_end - t_begin;  // micro-kernel calls per panel group in this block
   alignas(64) float edge[MR * NR];
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
@@ -342,15 +341,11 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int6
       const int rows = tiles.rows(t);
       const uint32_t* at = xd + t * Ku * MR;
       float* dst = c + tiles.begin(t) * ldc + p * out_per_panel;
-      if (np == 4) {
-        for (int h = 0; h < rows; h += 6, ++call)
-          tile_bf16<E, 4, 6>(std::min(6, rows - h), at + h, bp, Ku, ps, dst + h * ldc,
-                             out_per_panel, ldc, prefetch_for(call));
-      } else if (wide && np == 2) {
-        tile_bf16<E, 2>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, prefetch_for(call++));
-      } else if (left >= 1) {
-        const Prefetch pf = t == t_begin ? own : Prefetch{};
-        if (np == 2)
+      if (left >= 1) {
+        const Prefetch pf = prefetch_for(call++);
+        if (np == 4)  // narrow: the one tile has at most 6 rows
+          tile_bf16<E, 4, 6>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
+        else if (np == 2)
           tile_bf16<E, 2>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
         else
           tile_bf16<E, 1>(rows, at, bp, Ku, ps, dst, 0, ldc, pf);
