@@ -13,17 +13,13 @@ from gguf.quants import dequantize, quantize
 
 from pagedllm.model.loader import (
     LoadedModel,
-    bundled_model_path,
-    eos_token_ids,
     export_hf_folder,
     gguf_to_hf_name,
     load_gguf_weights,
     load_hf_weights,
     load_model,
-    load_tokenizer,
     unpermute_qk,
 )
-from pagedllm.model.loader.tokenizer import tokenizer_cache_dir
 
 # A tiny Llama: 2 layers, hidden 64, 4 query heads, 2 kv heads (head_dim 16), ffn 128.
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, ctx=256, theta=10000.0, eps=1e-6)
@@ -320,115 +316,6 @@ def test_hf_folder_unsupported_model_type(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The tokenizer cache (a GGUF's tokenizer is built once, then loaded from save_pretrained files)
-# --------------------------------------------------------------------------------------------
-
-
-def _tokenizer_facts(tok) -> tuple:
-    texts = ["hello world", "<|im_start|>user\nhi<|im_end|>", "  tabs\t\tünïcödé 日本 🤖", ""]
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
-    )
-    ids = [tok(t)["input_ids"] for t in texts]
-    return (
-        ids,
-        [tok.decode(i) for i in ids],
-        chat,
-        len(tok),
-        tok.bos_token_id,
-        tok.eos_token_id,
-        tok.all_special_ids,
-        tok.get_added_vocab(),
-        eos_token_ids(tok),
-    )
-
-
-def _from_pretrained_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
-    """Record every AutoTokenizer.from_pretrained call made by the loader (which imports
-    transformers' AutoTokenizer where it calls it, so the class itself is spied on)."""
-    from transformers import AutoTokenizer
-
-    calls: list[tuple[str, dict]] = []
-    real = AutoTokenizer.from_pretrained
-
-    def spy(path, **kw):
-        calls.append((str(path), kw))
-        return real(path, **kw)
-
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
-    return calls
-
-
-def test_gguf_tokenizer_cached_after_first_load(
-    tiny_gguf_own_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tiny_gguf_own_cache
-    calls = _from_pretrained_calls(monkeypatch)
-    entry = tokenizer_cache_dir(path)
-    assert entry.parent == tmp_path / "cache" / "tokenizers"
-    first = load_tokenizer(path)
-    assert calls == [(str(tmp_path), {"gguf_file": "tiny.gguf"})]  # built from the GGUF
-    assert (entry / "tokenizer.json").is_file()
-    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary left over
-    second = load_tokenizer(path)
-    assert calls[1] == (str(entry), {})  # from the cache, not the GGUF
-    assert len(calls) == 2
-    assert _tokenizer_facts(second) == _tokenizer_facts(first)
-    # The whole model loads the same through the cache.
-    m = load_model(path)
-    assert calls[2] == (str(entry), {})
-    assert m.config.eos_token_ids == [0, m.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-
-def test_gguf_tokenizer_cache_key_follows_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import os
-
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
-    for p in (a, b):
-        p.parent.mkdir()
-        write_tiny_gguf(p, tokenizer=True)
-    assert tokenizer_cache_dir(a) != tokenizer_cache_dir(b)  # another path
-    before = tokenizer_cache_dir(a)
-    st = a.stat()
-    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the file replaced in place
-    assert tokenizer_cache_dir(a) != before
-
-
-def test_gguf_tokenizer_damaged_cache_is_rebuilt(
-    tiny_gguf_own_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tiny_gguf_own_cache
-    want = _tokenizer_facts(load_tokenizer(path))
-    entry = tokenizer_cache_dir(path)
-    (entry / "tokenizer.json").write_text("{not json")
-    calls = _from_pretrained_calls(monkeypatch)
-    assert _tokenizer_facts(load_tokenizer(path)) == want
-    assert calls[-1] == (str(tmp_path), {"gguf_file": "tiny.gguf"})  # rebuilt from the GGUF
-    assert _tokenizer_facts(load_tokenizer(path)) == want
-    assert calls[-1] == (str(entry), {})  # and cached again
-    # An entry without tokenizer.json (an interrupted copy by hand) does not block a new one.
-    (entry / "tokenizer.json").unlink()
-    assert _tokenizer_facts(load_tokenizer(path)) == want
-    assert (entry / "tokenizer.json").is_file()
-
-
-def test_gguf_tokenizer_unwritable_cache_still_loads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("x")
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(not_a_dir))
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, tokenizer=True)
-    tok = load_tokenizer(path)
-    assert tok.convert_tokens_to_ids("<|im_end|>") == 2
-    assert not_a_dir.read_text() == "x"
-
-
-# --------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------
 
@@ -470,92 +357,6 @@ def test_corrupt_header_bytes(tmp_path: Path) -> None:
     bad.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="is not a valid GGUF file"):
         load_gguf_weights(bad)
-
-
-# --------------------------------------------------------------------------------------------
-# The real bundled model
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def bundled() -> LoadedModel:
-    return load_model(None)
-
-
-@pytest.mark.slow
-def test_bundled_path_found() -> None:
-    path = bundled_model_path()
-    assert path.is_file() and path.suffix == ".gguf"
-
-
-@pytest.mark.slow
-def test_bundled_config_and_eos(bundled: LoadedModel) -> None:
-    c = bundled.config
-    assert c.num_hidden_layers == 30
-    assert c.hidden_size == 576
-    assert c.intermediate_size == 1536
-    assert c.num_attention_heads == 9
-    assert c.num_key_value_heads == 3
-    assert c.head_dim == 64
-    assert c.vocab_size == 49152
-    assert c.rope_theta == 100000.0
-    assert c.rms_norm_eps == 1e-5
-    assert c.tie_word_embeddings is True
-    assert "lm_head.weight" not in bundled.state_dict
-    im_end = bundled.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in c.eos_token_ids
-    assert bundled.tokenizer.eos_token_id in c.eos_token_ids
-    assert c.bos_token_id == bundled.tokenizer.bos_token_id
-    assert bundled.weight_bytes == sum(
-        t.numel() * t.element_size() for t in bundled.state_dict.values()
-    )
-    assert eos_token_ids(bundled.tokenizer) == [bundled.tokenizer.eos_token_id] + [
-        i for i in [im_end] if i != bundled.tokenizer.eos_token_id
-    ]
-
-
-@pytest.mark.slow
-def test_bundled_weights_equal_transformers(bundled: LoadedModel) -> None:
-    from transformers import AutoModelForCausalLM
-
-    path = bundled.source
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    ref = ref_model.state_dict()
-    assert set(bundled.state_dict) == set(ref) - {"lm_head.weight"}
-    for name, t in bundled.state_dict.items():
-        assert t.dtype == torch.float32 and t.is_contiguous()
-        assert t.shape == ref[name].shape, name
-        assert torch.equal(t, ref[name]), name
-    assert torch.equal(ref["lm_head.weight"], bundled.state_dict["model.embed_tokens.weight"])
-    del ref_model, ref
-
-
-@pytest.mark.slow
-def test_bundled_hf_export_round_trip(bundled: LoadedModel, tmp_path: Path) -> None:
-    out = tmp_path / "smollm2"
-    export_hf_folder(bundled, out)
-    assert {"config.json", "model.safetensors", "generation_config.json"} <= {
-        p.name for p in out.iterdir()
-    }
-    m2 = load_model(out)
-    assert m2.config == bundled.config
-    for name, t in bundled.state_dict.items():
-        assert torch.equal(m2.state_dict[name], t), name
-    assert m2.tokenizer.convert_tokens_to_ids("<|im_end|>") in m2.config.eos_token_ids
-
-
-@pytest.mark.slow
-def test_bundled_bfloat16(tmp_path: Path) -> None:
-    # A folder holding exactly one .gguf (under another name) resolves to it.
-    folder = tmp_path / "one"
-    folder.mkdir()
-    (folder / "model.gguf").symlink_to(bundled_model_path())
-    m = load_model(folder, dtype=torch.bfloat16)
-    assert m.source.name in ("model.gguf", bundled_model_path().name)
-    assert all(t.dtype == torch.bfloat16 for t in m.state_dict.values())
-    assert m.weight_bytes == sum(t.numel() * 2 for t in m.state_dict.values())
 
 
 # --------------------------------------------------------------------------------------------
