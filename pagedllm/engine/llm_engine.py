@@ -13,6 +13,8 @@ import itertools
 import logging
 import weakref
 
+import torch
+
 from pagedllm import malloc_tuning
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_manager import (
@@ -170,6 +172,15 @@ class LLMEngine:
             cpu_flags().summary(),
             "yes" if malloc_tuning.malloc_tuned else "no",
         )
+        if config.speculative is not None and dtype == torch.float16 and str(config.device) == "cpu":
+            # ATen's float16 matmuls round differently for different row counts, so a verify
+            # pass (k + 1 rows) can flip a near-tied greedy token (found by a new-user test).
+            logger.warning(
+                "speculative decoding with dtype float16 on CPU: its matmuls run on ATen, whose "
+                "results depend on the number of rows, so greedy output can differ from "
+                "speculation off where the two best logits nearly tie; bfloat16 and float32 run "
+                "the own kernels and give the same tokens"
+            )
         if tp > 1:
             logger.info(
                 "tensor parallel: %d ranks (%s executor), %s KV heads per rank; block counts are "

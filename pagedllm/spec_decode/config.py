@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedllm.sampling_params import MAX_SPECULATIVE_TOKENS
+
 #: Proposal methods; "suffix" needs ``pagedllm.spec_decode.suffix``; "draft_model" a ``model``.
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
@@ -17,7 +19,8 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup: the last ``prompt_lookup_max..prompt_lookup_min`` tokens
             matched against the prompt and output so far) or "suffix" (suffix decoding).
-        num_speculative_tokens: most tokens proposed per sequence and step (k, >= 1); a request's
+        num_speculative_tokens: most tokens proposed per sequence and step (k, 1 ..
+            ``MAX_SPECULATIVE_TOKENS`` = 32, a request's own bound); a request's
             ``SamplingParams.num_speculative_tokens`` may lower (or raise) it for itself.
         prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram matched (tokens).
         disable_by_batch_size: no sequence speculates in a step once this many decoding
@@ -77,6 +80,11 @@ class SpeculativeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{f.name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:  # a request's own bound too
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "

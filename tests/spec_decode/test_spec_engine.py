@@ -180,3 +180,23 @@ def test_suffix_proposer_outputs_equal_speculation_off(tiny_llm_factory, referen
         assert run(llm, PROMPTS, CASES["greedy"]) == reference["greedy"]
     st = llm.engine.stats
     assert 0 < st.spec_accepted_tokens <= st.spec_draft_tokens
+
+
+def test_engine_wide_k_has_the_request_bound_and_float16_is_flagged(tiny_loaded, caplog):
+    """num_speculative_tokens is bounded engine-wide as per request (32); float16 on CPU warns
+    that its ATen matmuls can flip near-tied greedy tokens under speculation (a new user found
+    output differing from speculation off there)."""
+    import logging
+
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import MAX_SPECULATIVE_TOKENS
+
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens must be <= 32"):
+        LLM(loaded=tiny_loaded, speculative_config={"method": "ngram", "num_speculative_tokens": 10**9})
+    spec = {"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS}
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+        LLM(loaded=tiny_loaded, max_model_len=64, kv_cache_memory=1 << 20, speculative_config=spec)
+        assert "float16" not in caplog.text
+        LLM(loaded=tiny_loaded, dtype="float16", max_model_len=64, kv_cache_memory=1 << 20,
+            speculative_config=spec)
+    assert "speculative decoding with dtype float16 on CPU" in caplog.text
