@@ -30,6 +30,9 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    # vLLM's (and Hugging Face's) other names
+    "float": torch.float32,
+    "half": torch.float16,
 }
 
 # 1 GiB of KV cache by default: for SmolLM2-135M in fp32 (46,080 bytes per token) that is about
@@ -40,7 +43,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_SWAP_SPACE = 256 << 20
 
 # The enumerations of the config; each is the ``choices`` of its field and of its flag.
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # the last two: vLLM's names
 # KV memory managers: the paged one and the contiguous (Orca) baselines of paper section 6.1.
 KV_MANAGERS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -115,8 +118,8 @@ def format_size(num_bytes: int) -> str:
 def parse_dtype(
     dtype: str | torch.dtype, device: str = "cpu", quantization: str | None = None
 ) -> torch.dtype:
-    """Map "float32" / "bfloat16" / "float16" (the short forms "fp32", "bf16", "fp16", or a
-    torch dtype) to a torch dtype; "auto" becomes what :func:`pagedllm.platform.auto_dtype_name`
+    """Map "float32" / "bfloat16" / "float16" (the short forms "fp32", "bf16", "fp16", vLLM's
+    "float" and "half", or a torch dtype) to a torch dtype; "auto" becomes what :func:`pagedllm.platform.auto_dtype_name`
     picks for ``device``, this CPU and ``quantization`` (bfloat16 on CUDA and on CPUs with
     AMX-BF16 or AVX512-BF16 unless the weights are quantized, else float32).
 
@@ -125,7 +128,7 @@ def parse_dtype(
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         return dtype
     key = str(dtype).lower().replace("torch.", "")
     if key == "auto":
@@ -133,7 +136,10 @@ def parse_dtype(
 
         key = auto_dtype_name(device, quantization=quantization)
     if key not in _DTYPES:
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        raise ValueError(
+            "dtype must be auto, float32 (fp32, float), bfloat16 (bf16) or float16 (fp16, "
+            f"half), got {dtype!r}"
+        )
     return _DTYPES[key]
 
 

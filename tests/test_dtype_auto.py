@@ -73,3 +73,13 @@ def test_bad_override_is_a_dtype_error(monkeypatch):
 def test_explicit_dtype_is_never_changed(no_override):
     assert EngineConfig(dtype="float32").torch_dtype == torch.float32
     assert EngineConfig(dtype="bf16").torch_dtype == torch.bfloat16
+
+
+def test_vllm_dtype_names_and_the_error_lists_every_name(no_override):
+    assert parse_dtype("half") == parse_dtype("FP16") == torch.float16
+    assert parse_dtype("float") == torch.float32
+    assert EngineConfig(dtype="half").torch_dtype == torch.float16
+    with pytest.raises(ValueError, match=r"dtype must be auto, float32 \(fp32, float\), .*half\), got 'int8'"):
+        parse_dtype("int8")
+    with pytest.raises(ValueError, match="dtype must be torch.float32"):
+        parse_dtype(torch.int8)
