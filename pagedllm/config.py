@@ -119,16 +119,19 @@ def parse_dtype(
     dtype: str | torch.dtype, device: str = "cpu", quantization: str | None = None
 ) -> torch.dtype:
     """Map "float32" / "bfloat16" / "float16" (the short forms "fp32", "bf16", "fp16", vLLM's
-    "float" and "half", or a torch dtype) to a torch dtype; "auto" becomes what :func:`pagedllm.platform.auto_dtype_name`
-    picks for ``device``, this CPU and ``quantization`` (bfloat16 on CUDA and on CPUs with
-    AMX-BF16 or AVX512-BF16 unless the weights are quantized, else float32).
+    "float" and "half", or a torch dtype) to a torch dtype; "auto" becomes what
+    :func:`pagedllm.platform.auto_dtype_name` picks for ``device``, this CPU and ``quantization``
+    (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16 unless the weights are
+    quantized, else float32).
 
     Raises:
         ValueError: naming ``dtype`` when it is not one of the supported types.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+            raise ValueError(
+                f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+            )
         return dtype
     key = str(dtype).lower().replace("torch.", "")
     if key == "auto":
