@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -177,6 +178,24 @@ def cpu_ops():
     if ops is None:
         pytest.skip(f"C++ CPU kernels unavailable: {cpu_ops_error()}")
     return ops
+
+
+@contextlib.contextmanager
+def attention_bf16_dot(ops, on: bool):
+    """Runs the block with the attention kernels' bf16 dot products (``CpuOps.attention_bf16_dot``)
+    on or off, then restores the setting; skips the test where ``on`` cannot be had (it needs
+    the avx512 kernel variant and the ``avx512_bf16`` CPU flag)."""
+    before = ops.attention_bf16_dot()
+    if ops.attention_bf16_dot(on) != on:
+        ops.attention_bf16_dot(before)
+        pytest.skip(
+            f"bf16 attention dot products need the avx512_bf16 CPU flag (missing here) and the "
+            f"avx512 kernel variant (this one: {ops.variant})"
+        )
+    try:
+        yield
+    finally:
+        ops.attention_bf16_dot(before)
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,7 @@ class CpuOps:
         self._int8_linear_record = lib.int8_linear_record.default
         self._int8_gemm_isa = lib.int8_gemm_isa.default
         self._decoder_layers_ = lib.decoder_layers_.default
+        self._attention_bf16_dot = lib.attention_bf16_dot.default
         self._simd = str(self._simd_level())
 
     def __repr__(self) -> str:
@@ -153,6 +154,14 @@ class CpuOps:
         """Per row of ``[B, V]`` logits: (first argmax ``[B]`` int64, logsumexp ``[B]``)."""
         arg, lse = self._argmax_logsumexp(logits)
         return arg, lse
+
+    def attention_bf16_dot(self, enable: bool | None = None) -> bool:
+        """Whether the attention kernels use bf16 dot products on bfloat16 KV caches (head_dim a
+        multiple of 32): q and the softmax probabilities rounded to bf16, products summed in
+        fp32 by ``vdpbf16ps`` (the avx512 variant on a CPU with ``avx512_bf16``; decode and
+        prefill stay bit-identical to each other). ``enable`` turns them on / off for the
+        process first (no effect where they cannot run); ``None`` only asks."""
+        return bool(self._attention_bf16_dot(-1 if enable is None else int(enable)))
 
     # ---- fp32 GEMM over packed weight panels --------------------------------------------------
 

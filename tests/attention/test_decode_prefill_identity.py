@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pagedllm.attention.kv_quant import cache_rows_per_block, is_quantized, write_quantized
+from tests.conftest import attention_bf16_dot
 
 
 def _cache_pair(length, kvh, hd, block_size, dtype, gen):
@@ -60,12 +61,27 @@ CASES = [
     (9, 3, 64, 16, 590, 9, 0, 512),
     (8, 2, 64, 16, 300, 9, 37, 64),
 ]
-DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
+# Cache dtype, and for bf16 caches whether the kernels take bf16 dot products
+# (csrc/cpu/attention_bf16.h, CPUs with avx512_bf16) or fp32 arithmetic.
+DTYPES = [
+    pytest.param(torch.float32, None, id="float32"),
+    pytest.param(torch.bfloat16, True, id="bfloat16-dot"),
+    pytest.param(torch.bfloat16, False, id="bfloat16-fp32"),
+    pytest.param(torch.int8, None, id="int8"),
+    pytest.param(torch.float8_e4m3fn, None, id="float8_e4m3fn"),
+]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,bf16_dot", DTYPES)
 @pytest.mark.parametrize("heads,kvh,hd,bs,ctx,new,window,psize", CASES)
-def test_prefill_rows_equal_decode_bitwise(cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize):
+def test_prefill_rows_equal_decode_bitwise(
+    cpu_ops, dtype, bf16_dot, heads, kvh, hd, bs, ctx, new, window, psize
+):
+    with attention_bf16_dot(cpu_ops, bool(bf16_dot)):
+        _check_prefill_rows_equal_decode(cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize)
+
+
+def _check_prefill_rows_equal_decode(cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize):
     gen = torch.Generator().manual_seed(heads * 1000 + ctx + new + window)
     length = ctx + new
     kc, vc, table = _cache_pair(length, kvh, hd, bs, dtype, gen)

@@ -19,6 +19,7 @@ from pagedllm.attention.kv_quant import (
 )
 from pagedllm.attention.reference import paged_attention_reference, write_kv
 from tests.attention.test_kernels import LAYOUTS, make_batch, random_layout
+from tests.conftest import attention_bf16_dot
 
 QUANT = [torch.int8, torch.float8_e4m3fn]
 KV_DTYPES = [torch.bfloat16, *QUANT]
@@ -154,7 +155,9 @@ def test_cpu_kernels_on_kv_dtypes(cpu_ops, kv_dtype, bs, heads, kvh, hd, layout,
         qlens, ctx, bs, heads, kvh, hd, kv_dtype, seed=bs + heads + layout, shared=shared
     )
     kr, vr = kc.clone(), vc.clone()
-    out = CpuPagedAttention().forward(q, k, v, kc, vc, meta, hd**-0.5)
+    # fp32 arithmetic on bf16 caches too (the bf16 dot products: test_bf16_dot.py).
+    with attention_bf16_dot(cpu_ops, False):
+        out = CpuPagedAttention().forward(q, k, v, kc, vc, meta, hd**-0.5)
     write_kv(k, v, kr, vr, meta.slot_mapping)
     assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8))
     ref = paged_attention_reference(q, kr, vr, meta, hd**-0.5)

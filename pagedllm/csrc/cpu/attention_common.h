@@ -12,7 +12,8 @@
 //     partition, at every multiple of kTile (tiles), counted from position 0, not from f;
 //   - a tile's scores are vec::dot_block pairs, its softmax step is the online update below
 //     (max, rescale, exp_sub_sum), and V is accumulated over the tile's keys in position order
-//     (masked keys of a prefill tile add exact zeros);
+//     (masked keys of a prefill tile add exact zeros); with the bf16 tiles (attention_bf16.h),
+//     scores and V sums are theirs, over keys paired at even absolute positions;
 //   - the partitions' (max, sum, acc) states are merged by merge_partition in position order.
 // How the work is split over threads does not enter: decode may run a sequence's partitions on
 // different threads, prefill runs them in one work item; both merge the same states.

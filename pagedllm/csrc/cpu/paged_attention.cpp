@@ -26,7 +26,8 @@
 // Query/output fp32 or bf16; caches fp32, bf16, or int8 / fp8 e4m3 with one scale per block and kv
 // head (kv_quant.h): codes are widened in registers, the K scale multiplies each score and the V
 // scale each probability, so a block's scale costs one multiply per row. Arithmetic and
-// accumulation in fp32. Threads: OpenMP, as many as
+// accumulation in fp32, except on bf16 caches where the CPU has AVX512-BF16: bf16 dot products
+// with fp32 sums there (attention_bf16.h). Threads: OpenMP, as many as
 // torch.get_num_threads(). The ops are registered with the dispatcher in torch_bindings.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -35,8 +36,10 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "attention_common.h"
 #include "paged_attention.h"
 #include "vec.h"
@@ -100,14 +103,31 @@ inline void accumulate_pv(float* acc, const float* sc, const T* const* vrow, int
     }
 }
 
+// The row pointers of keys [t0, t0 + n) of one kv head's cache (the K or the V base).
+template <typename T>
+inline void tile_rows(const T* base, const int64_t* table, const CacheView& cv, int64_t t0, int n,
+                      const T** rows) {
+  int64_t blk = t0 / cv.block_size;
+  int off = static_cast<int>(t0 % cv.block_size);
+  for (int i = 0; i < n; ++i) {
+    rows[i] = base + (table[blk] * cv.rows + off) * cv.D;
+    if (++off == cv.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
 // Online softmax over context positions [start, end) of one sequence (one partition: no multiple
 // of partition_size strictly inside), for the G query heads of one kv head, in the tiles of
-// attention_common.h. q: G x D (pre-scaled fp32). Leaves unnormalised results in m[G], l[G],
-// acc[G x D].
+// attention_common.h. q: G x D (pre-scaled fp32); qb: q rounded to bf16 when the bf16 tiles run
+// (attention_bf16.h; T is bf16), else null; pairs: their scratch. Leaves unnormalised results in
+// m[G], l[G], acc[G x D] (in the bf16 tiles' permuted order when qb is given).
 template <int G, typename T>
-void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t* table,
-                  const CacheView& cv, int64_t start, int64_t end, int64_t partition_size,
-                  float* m, float* l, float* acc, float* sc) {
+void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* vbase,
+                  const int64_t* table, const CacheView& cv, int64_t start, int64_t end,
+                  int64_t partition_size, float* m, float* l, float* acc, float* sc,
+                  uint32_t* pairs) {
   const int D = cv.D, BS = cv.block_size;
   for (int g = 0; g < G; ++g) {
     m[g] = kNegInf;
@@ -115,71 +135,74 @@ void decode_range(const float* q, const T* kbase, const T* vbase, const int64_t*
   }
   std::fill(acc, acc + G * D, 0.f);
   int64_t ahead = start;  // the next K row to prefetch
-  auto prefetch_ahead = [&] {
-    vec::prefetch_row(kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D, D);
-    ++ahead;
-  };
-  while (ahead < std::min(end, start + kPrefetchRows)) prefetch_ahead();
+  auto ahead_row = [&] { return kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D; };
+  for (; ahead < std::min(end, start + kPrefetchRows); ++ahead) vec::prefetch_row(ahead_row(), D);
+  const T* krow[kTile];
+  const T* vrow[kTile];
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
-    int64_t blk = t0 / BS;
-    int off = static_cast<int>(t0 % BS);
+    tile_rows(vbase, table, cv, t0, n, vrow);
+    if constexpr (std::is_same_v<T, vec::bf16>) {
+      if (qb) {
+        // The same prefetches as below, two per key: its V row and the K row kPrefetchRows on.
+        const vec::bf16* pf[2 * kTile];
+        tile_rows(kbase, table, cv, t0, n, krow);
+        for (int i = 0; i < n; ++i) {
+          pf[2 * i] = vrow[i];
+          pf[2 * i + 1] = ahead < end ? ahead_row() : nullptr;
+          ahead += ahead < end;
+        }
+        tile_scores_bf16(qb, G, krow, n, D, sc, kTile, pf);
+        for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
+        tile_pv_bf16(sc, G, kTile, vrow, n, t0 % 2 != 0, D, acc, pairs);
+        continue;
+      }
+    }
     float o[G];
     for (int i = 0; i < n; ++i) {
-      const int64_t row = (table[blk] * cv.rows + off) * D;
-      const T* k = kbase + row;
-      vec::prefetch_row(vbase + row, D);  // V of this tile is read right after the scores
-      if (ahead < end) prefetch_ahead();
+      vec::prefetch_row(vrow[i], D);  // V of this tile is read right after the scores
+      if (ahead < end) vec::prefetch_row(ahead_row(), D);
+      ahead += ahead < end;
+      const T* k = kbase + (vrow[i] - vbase);
       vec::dot_block<G, 1>(q, D, &k, D, o);
       if constexpr (kQuantized<T>) {
-        const float ks = block_scale(kbase, table[blk], cv);
+        const float ks = block_scale(kbase, table[(t0 + i) / BS], cv);
         for (int g = 0; g < G; ++g) o[g] *= ks;
       }
       for (int g = 0; g < G; ++g) sc[g * kTile + i] = o[g];
-      if (++off == BS) {
-        off = 0;
-        ++blk;
-      }
     }
     for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
-    blk = t0 / BS;
-    off = static_cast<int>(t0 % BS);
-    // The tile's V rows, with each row's block scale folded into its probabilities.
-    const T* vrow[kTile];
-    for (int i = 0; i < n; ++i) {
-      vrow[i] = vbase + (table[blk] * cv.rows + off) * D;
-      if constexpr (kQuantized<T>) {
-        const float vs = block_scale(vbase, table[blk], cv);
+    // Each V row's block scale folded into its probabilities.
+    if constexpr (kQuantized<T>)
+      for (int i = 0; i < n; ++i) {
+        const float vs = block_scale(vbase, table[(t0 + i) / BS], cv);
         for (int g = 0; g < G; ++g) sc[g * kTile + i] *= vs;
       }
-      if (++off == BS) {
-        off = 0;
-        ++blk;
-      }
-    }
     accumulate_pv<G, T>(acc, sc, vrow, n, D);
   }
 }
 
 // Fallback for group sizes without a specialisation: one head at a time.
 template <typename T>
-void decode_range_any(int G, const float* q, const T* kbase, const T* vbase,
+void decode_range_any(int G, const float* q, const vec::bf16* qb, const T* kbase, const T* vbase,
                       const int64_t* table, const CacheView& cv, int64_t start, int64_t end,
-                      int64_t partition_size, float* m, float* l, float* acc, float* sc) {
+                      int64_t partition_size, float* m, float* l, float* acc, float* sc,
+                      uint32_t* pairs) {
   for (int g = 0; g < G; ++g)
-    decode_range<1, T>(q + g * cv.D, kbase, vbase, table, cv, start, end, partition_size, m + g,
-                       l + g, acc + g * cv.D, sc);
+    decode_range<1, T>(q + g * cv.D, qb ? qb + g * cv.D : nullptr, kbase, vbase, table, cv, start,
+                       end, partition_size, m + g, l + g, acc + g * cv.D, sc, pairs);
 }
 
 template <typename T>
-void decode_dispatch(int G, const float* q, const T* kbase, const T* vbase, const int64_t* table,
-                     const CacheView& cv, int64_t start, int64_t end, int64_t partition_size,
-                     float* m, float* l, float* acc, float* sc) {
-#define PAGEDLLM_CASE(NG)                                                                       \
-  case NG:                                                                                      \
-    return decode_range<NG, T>(q, kbase, vbase, table, cv, start, end, partition_size, m, l, acc, \
-                               sc);
+void decode_dispatch(int G, const float* q, const vec::bf16* qb, const T* kbase, const T* vbase,
+                     const int64_t* table, const CacheView& cv, int64_t start, int64_t end,
+                     int64_t partition_size, float* m, float* l, float* acc, float* sc,
+                     uint32_t* pairs) {
+#define PAGEDLLM_CASE(NG)                                                                   \
+  case NG:                                                                                  \
+    return decode_range<NG, T>(q, qb, kbase, vbase, table, cv, start, end, partition_size, m, \
+                               l, acc, sc, pairs);
   switch (G) {
     PAGEDLLM_CASE(1)
     PAGEDLLM_CASE(2)
@@ -190,12 +213,11 @@ void decode_dispatch(int G, const float* q, const T* kbase, const T* vbase, cons
     PAGEDLLM_CASE(7)
     PAGEDLLM_CASE(8)
     default:
-      return decode_range_any<T>(G, q, kbase, vbase, table, cv, start, end, partition_size, m, l,
-                                 acc, sc);
+      return decode_range_any<T>(G, q, qb, kbase, vbase, table, cv, start, end, partition_size, m,
+                                 l, acc, sc, pairs);
   }
 #undef PAGEDLLM_CASE
 }
-
 
 // A sequence's visible keys [first, len) cut at the multiples of partition_size (0: not cut):
 // partition k is [start(k), end(k)).
@@ -220,6 +242,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int H = a.H, D = a.D, KVH = a.KVH, G = a.G;
   const int64_t* sl = a.seq_lens;
   const int nthreads = at::get_num_threads();
+  const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
   auto partitions = [&](int64_t s) {
     const int64_t len = sl[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     return Partitions{first, len, partition_size};
@@ -259,6 +282,13 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   {
     std::vector<float> qf(G * D), m(G), l(G), acc(G * D), sc(static_cast<size_t>(G) * kTile);
     std::vector<float> M(G), L(G), A(G * D);
+    std::vector<vec::bf16> qb(bf16_dot ? G * D : 0);
+    std::vector<uint32_t> pairs(bf16_dot ? static_cast<size_t>(G) * (kTile / 2 + 1) : 0);
+    // The output row of head g from an unnormalised accumulator with sum l.
+    auto store_out = [&](int64_t s, int h, float* acc_row, float l) {
+      if (bf16_dot) unpermute_row(acc_row, D);
+      vec::store_row(acc_row, 1.f / l, D, a.out_row(s, h));
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& w = items[it];
@@ -275,9 +305,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       for (int g = 0; g < G; ++g)
         vec::load_row_scaled(a.query_row(s, kh * G + g), static_cast<float>(scale), D,
                              qf.data() + g * D);
+      if (bf16_dot) round_rows_bf16(qf.data(), G, D, qb.data());
       auto run = [&](int64_t p, float* mo, float* lo, float* ao) {
-        decode_dispatch<C>(G, qf.data(), a.keys(kh), a.values(kh), a.table(s), a.cv,
-                           parts.start(p), parts.end(p), partition_size, mo, lo, ao, sc.data());
+        decode_dispatch<C>(G, qf.data(), bf16_dot ? qb.data() : nullptr, a.keys(kh),
+                           a.values(kh), a.table(s), a.cv, parts.start(p), parts.end(p),
+                           partition_size, mo, lo, ao, sc.data(), pairs.data());
       };
       if (w.slot >= 0) {
         run(w.part, pm.data() + w.slot * G, pl.data() + w.slot * G,
@@ -297,8 +329,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         lo = L.data();
         ao = A.data();
       }
-      for (int g = 0; g < G; ++g)
-        vec::store_row(ao + g * D, 1.f / lo[g], D, a.out_row(s, kh * G + g));
+      for (int g = 0; g < G; ++g) store_out(s, kh * G + g, ao + g * D, lo[g]);
     }
     if (slots > 0) {
 #pragma omp for schedule(static)
@@ -314,7 +345,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           merge_partition(pm[slot * G + g], pl[slot * G + g], pacc.data() + (slot * G + g) * D,
                           Ms, Ls, A.data(), D);
         }
-        vec::store_row(A.data(), 1.f / Ls, D, a.out_row(s, h));
+        store_out(s, h, A.data(), Ls);
       }
     }
   }

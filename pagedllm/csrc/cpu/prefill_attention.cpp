@@ -11,7 +11,9 @@
 // Query token j of a sequence with q new tokens and context c sits at position c - q + j; with a
 // window, a tile walks keys from its first query's window start, so blocks wholly outside every
 // query's window are never read. Quantized caches: the K scale multiplies each score, the V
-// scale each probability (as in decode). Threads: OpenMP over work items, longest first.
+// scale each probability (as in decode). bf16 caches on AVX512-BF16 CPUs: the decode kernel's
+// bf16 tiles (attention_bf16.h) instead of the fp32 loops. Threads: OpenMP over work items,
+// longest first.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -21,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "attention_common.h"
 #include "paged_attention.h"
 #include "vec.h"
@@ -45,7 +48,11 @@ struct PrefillScratch {
   std::vector<float> q, m, l, acc, M, L, A, sc;
   std::vector<float> kscale, vscale;
   std::vector<float> kf, vf;  // the tile's K / V rows in fp32 (caches stored in another dtype)
+  std::vector<vec::bf16> qb;   // q rounded to bf16 for the bf16 tiles (attention_bf16.h)
+  std::vector<uint32_t> pairs;  // their probability pairs
   void reserve(int rows, int D) {
+    qb.resize(static_cast<size_t>(rows) * D);
+    pairs.resize(static_cast<size_t>(rows) * (kTile / 2 + 1));
     kf.resize(static_cast<size_t>(kTile) * D);
     vf.resize(static_cast<size_t>(kTile) * D);
     q.assign(static_cast<size_t>(rows) * D, 0.f);
@@ -146,11 +153,13 @@ inline void close_partition(PrefillScratch& ws, int rows, int D) {
 // per tile the scores of all rows come from tile_scores, the causal / window mask and the
 // online softmax run per row on its visible keys, and the probabilities multiply V in tile_pv
 // (masked entries are exact zeros there). window > 0: query j sees keys pos0 + j - window + 1
-// .. pos0 + j only. Leaves each row's unnormalised result in ws.acc / ws.l.
+// .. pos0 + j only. bf16_dot (T is bf16): the scores and p . V are the bf16 tiles of
+// attention_bf16.h on ws.qb, the decode kernel's. Leaves each row's unnormalised result in
+// ws.acc (in the bf16 tiles' permuted order with bf16_dot) / ws.l.
 template <typename T>
 void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t window,
                   int64_t partition_size, const T* kbase, const T* vbase, const int64_t* table,
-                  const CacheView& cv) {
+                  const CacheView& cv, bool bf16_dot) {
   const int D = cv.D, BS = cv.block_size;
   const int R = nq * G;
   const int rows = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
@@ -190,6 +199,9 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     }
     if constexpr (std::is_same_v<T, float>) {
       tile_scores(ws.q.data(), rows, krow, n, D, sc);
+    } else if (std::is_same_v<T, vec::bf16> && bf16_dot) {
+      if constexpr (std::is_same_v<T, vec::bf16>)
+        tile_scores_bf16(ws.qb.data(), R, krow, n, D, sc, kTile, nullptr);
     } else {
       // Every row pair and row block would convert the same K / V rows again: convert the tile
       // once (exactly: bf16, int8 and fp8 values are all fp32 values), then run the fp32 loops.
@@ -227,6 +239,9 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     for (int r = R; r < rows; ++r) std::fill(sc + r * kTile, sc + r * kTile + n, 0.f);
     if constexpr (std::is_same_v<T, float>) {
       tile_pv<T>(sc, rows, vrow, n, D, acc);
+    } else if (std::is_same_v<T, vec::bf16> && bf16_dot) {
+      if constexpr (std::is_same_v<T, vec::bf16>)
+        tile_pv_bf16(sc, R, kTile, vrow, n, t0 % 2 != 0, D, acc, ws.pairs.data());
     } else {
       const float* vrow32[kTile];
       for (int i = 0; i < n; ++i) vrow32[i] = ws.vf.data() + static_cast<size_t>(i) * D;
@@ -251,6 +266,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int64_t* sl = a.seq_lens;
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int nthreads = at::get_num_threads();
+  const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
 
   // Work items: (sequence, query tile, kv head).
   struct Item {
@@ -306,12 +322,14 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         for (int g = 0; g < G; ++g)
           vec::load_row_scaled(a.query_row(w.tok0 + j, w.kh * G + g), static_cast<float>(scale),
                                D, ws.q.data() + (j * G + g) * D);
+      if (bf16_dot) round_rows_bf16(ws.q.data(), w.nq * G, D, ws.qb.data());
       prefill_tile<C>(ws, G, w.nq, pos0, window, partition_size, a.keys(w.kh), a.values(w.kh),
-                      a.table(s), a.cv);
+                      a.table(s), a.cv, bf16_dot);
       for (int j = 0; j < w.nq; ++j)
         for (int g = 0; g < G; ++g) {
           const int r = j * G + g;
           T* dst = a.out_row(w.tok0 + j, w.kh * G + g);
+          if (bf16_dot) unpermute_row(ws.acc.data() + r * D, D);
           vec::store_row(ws.acc.data() + r * D, 1.f / ws.l[r], D, dst);
         }
     }
