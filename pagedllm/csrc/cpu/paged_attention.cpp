@@ -159,6 +159,15 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
         continue;
       }
     }
+    // Block and offset of key i, for the scales of a quantized cache.
+    int64_t blk = t0 / BS;
+    int off = static_cast<int>(t0 % BS);
+    auto next_key = [&] {
+      if (++off == BS) {
+        off = 0;
+        ++blk;
+      }
+    };
     float o[G];
     for (int i = 0; i < n; ++i) {
       vec::prefetch_row(vrow[i], D);  // V of this tile is read right after the scores
@@ -167,18 +176,23 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
       const T* k = kbase + (vrow[i] - vbase);
       vec::dot_block<G, 1>(q, D, &k, D, o);
       if constexpr (kQuantized<T>) {
-        const float ks = block_scale(kbase, table[(t0 + i) / BS], cv);
+        const float ks = block_scale(kbase, table[blk], cv);
         for (int g = 0; g < G; ++g) o[g] *= ks;
+        next_key();
       }
       for (int g = 0; g < G; ++g) sc[g * kTile + i] = o[g];
     }
     for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
     // Each V row's block scale folded into its probabilities.
-    if constexpr (kQuantized<T>)
+    if constexpr (kQuantized<T>) {
+      blk = t0 / BS;
+      off = static_cast<int>(t0 % BS);
       for (int i = 0; i < n; ++i) {
-        const float vs = block_scale(vbase, table[(t0 + i) / BS], cv);
+        const float vs = block_scale(vbase, table[blk], cv);
         for (int g = 0; g < G; ++g) sc[g * kTile + i] *= vs;
+        next_key();
       }
+    }
     accumulate_pv<G, T>(acc, sc, vrow, n, D);
   }
 }
