@@ -80,7 +80,8 @@ logger = logging.getLogger(__name__)
 SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SOURCES = (
     "paged_attention.cpp", "prefill_attention.cpp", "attention_bf16.cpp", "kv_cache_ops.cpp",
-    "layer_ops.cpp", "gemm.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp", "torch_bindings.cpp",
+    "layer_ops.cpp", "gemm.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp",
+    "torch_bindings.cpp",
 )  # fmt: skip
 HEADERS = (
     "vec.h", "kv_quant.h", "attention_common.h", "attention_bf16.h", "paged_attention.h",
