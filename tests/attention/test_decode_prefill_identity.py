@@ -141,3 +141,30 @@ def test_prefill_split_into_chunks_and_sequences_is_bitwise_the_same(cpu_ops, th
         torch.set_num_threads(old)
     assert torch.equal(chunks, whole)
     assert torch.equal(pair[5:], whole) and torch.equal(pair[:5], whole[:5])
+
+
+@pytest.mark.parametrize("dtype,bf16_dot", DTYPES[:3])
+def test_a_max_jump_that_underflows_the_rescale_drops_earlier_keys(cpu_ops, dtype, bf16_dot):
+    """Keys 0..127 (one tile) score 0 and key 128 (the next tile) scores 200: e^(0 - 200)
+    underflows to 0, the softmax is one-hot on key 128, and both kernels return V[128] (they
+    once kept the first tile's V sum, skipping the accumulator's rescale at a factor of 0)."""
+    hd, bs, length = 32, 16, 129
+    nb = -(-length // bs)
+    k = torch.zeros(length, hd)
+    k[128, 0] = 200.0
+    v = torch.randn(length, hd, generator=torch.Generator().manual_seed(0))
+    kc = torch.zeros(1, nb, bs, hd, dtype=dtype)
+    vc = torch.zeros(1, nb, bs, hd, dtype=dtype)
+    kc.view(1, -1, hd)[0, :length] = k.to(dtype)
+    vc.view(1, -1, hd)[0, :length] = v.to(dtype)
+    q = torch.zeros(1, 1, hd, dtype=dtype)
+    q[0, 0, 0] = 1.0
+    table = torch.arange(nb).view(1, nb)
+    want = vc.view(-1, hd)[128].to(dtype)
+    with attention_bf16_dot(cpu_ops, bool(bf16_dot)):
+        dec, pre = torch.empty_like(q), torch.empty_like(q)
+        cpu_ops.paged_attention_decode(dec, q, kc, vc, table, torch.tensor([length]), 1, 1.0)
+        cpu_ops.paged_attention_prefill(
+            pre, q, kc, vc, table, torch.tensor([length]), torch.tensor([0, 1]), 0, 1, 1.0
+        )
+    assert torch.equal(dec[0, 0], want) and torch.equal(pre[0, 0], want)

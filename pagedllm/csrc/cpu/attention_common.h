@@ -76,9 +76,13 @@ inline void merge_partition(float m, float l, const float* acc, float& M, float&
 inline void softmax_step(float* s, int n, float& m, float& l, float* acc, int D) {
   const float nm = std::max(m, vec::max_row(s, n));
   if (nm > m) {
-    const float c = m == kNegInf ? 0.f : std::exp(m - nm);
-    l *= c;
-    if (c != 0.f) vec::scale_row(acc, c, D);
+    if (m != kNegInf) {  // else nothing is accumulated yet: l and acc are zero
+      // c underflows to 0 when the max jumps by more than ~104: the earlier keys' weights
+      // then vanish, so acc must be scaled too (skipping it at c == 0 kept their V rows).
+      const float c = std::exp(m - nm);
+      l *= c;
+      vec::scale_row(acc, c, D);
+    }
     m = nm;
   }
   l += vec::exp_sub_sum(s, n, nm);
