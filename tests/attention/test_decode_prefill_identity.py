@@ -78,7 +78,9 @@ def test_prefill_rows_equal_decode_bitwise(
     cpu_ops, dtype, bf16_dot, heads, kvh, hd, bs, ctx, new, window, psize
 ):
     with attention_bf16_dot(cpu_ops, bool(bf16_dot)):
-        _check_prefill_rows_equal_decode(cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize)
+        _check_prefill_rows_equal_decode(
+            cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize
+        )
 
 
 def _check_prefill_rows_equal_decode(cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize):
