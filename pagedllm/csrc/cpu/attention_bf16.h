@@ -6,10 +6,10 @@
 //     dimensions by vdpbf16ps, 16 lanes per 32 dimensions, then the lanes summed as vec::hsum),
 //     and no bf16 -> fp32 conversion of K;
 //   - probabilities are rounded to bf16 and multiply V by vdpbf16ps over pairs of keys at even
-//     absolute positions (the odd one of an unpaired key is a zero), so V is not converted
+//     absolute positions (an unpaired key's partner is a zero), so V is not converted
 //     either; the accumulators hold the head dimension in the permuted order of the pair
 //     interleave (unpermute_row restores it before the output is written).
-// This is the precision of vLLM's and FlashAttention's bf16 attention (bf16 operands, fp32
+// This is the precision of bf16 attention on GPUs such as FlashAttention's (bf16 operands, fp32
 // accumulation) and halves the multiply-adds per (query, key) pair; elsewhere the kernels keep
 // their fp32 arithmetic. The functions are compiled for AVX512-BF16 inside the avx512 variant and
 // must only be called where bf16_dot_enabled() is true.
