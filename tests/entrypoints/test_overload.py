@@ -279,10 +279,10 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(server, client):
     loop = ae.event_loop
     body = {"prompt": "hello", "max_tokens": 20, "stream": True, **GREEDY}
     try:
+        release = hold_engine_after_first_text(ae)  # the stream stays in flight
         with client.stream("POST", C, json=body) as r:
             lines = r.iter_lines()
             next(line for line in lines if line)
-            release = hold_engine(ae)  # the stream stays in flight
             fut = asyncio.run_coroutine_threadsafe(drain(server.app, 30.0), loop)
             wait_for(lambda: server.app.state.lifecycle.draining)
             refused = client.post(C, json={"prompt": "hi", "max_tokens": 2})

@@ -20,7 +20,7 @@ from tests.entrypoints.server_utils import (
     start_serve_process,
     stream_through_sigterm,
 )
-from tests.entrypoints.test_overload import hold_engine, hold_engine_after_first_text, wait_for
+from tests.entrypoints.test_overload import hold_engine_after_first_text, wait_for
 
 BLOCK_SIZE = 16
 ENGINE_ARGS = {
@@ -222,10 +222,13 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(server):
     body |= {"stream": True, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=60) as client:
         try:
+            assert client.post(C, json={"model": "tiny-b", "prompt": "hi"}).status_code == 200
+            # Armed before the request (tiny-b is loaded now): holding after the first event
+            # races the stream's end.
+            release = hold_engine_after_first_text(front.slots["tiny-b"].app.state.async_engine)
             with client.stream("POST", C, json=body) as r:
                 lines = r.iter_lines()
                 next(line for line in lines if line)
-                release = hold_engine(front.slots["tiny-b"].app.state.async_engine)
                 fut = asyncio.run_coroutine_threadsafe(front.drain(30.0), front.event_loop)
                 wait_for(lambda: front.lifecycle.draining)
                 refused = client.post(C, json={"model": "tiny-a", "prompt": "hi"})
