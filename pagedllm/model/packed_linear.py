@@ -10,26 +10,26 @@ Kernels, chosen per process:
   speed at 64 rows (133 vs 119 GFLOP/s), 1.13x at 256, 1.23x at 2048, 1.49x at 4. AMD EPYC
   Zen 4 (AVX-512): 1.21x at 1 row, 1.08-1.23x at 4-64, 0.95-1.0x at 256-2048.
 - **the own GEMM on bf16 weights** (``avx512`` variant on a CPU with AVX512-BF16,
-  ``CpuOps.gemm_bf16_supported``): panels of (k, k + 1) bf16 pairs read by vdpbf16ps, x rounded
-  to bf16 per call, products summed in fp32. Zen 4: 1.2x oneDNN's bf16 at 1 row, 1.1x at 4-16,
-  0.97x at 64, 0.83x at 256, 0.7x at 2048 (prefill); it lets a bf16 model's layers run in the
-  fused C++ decoder op (``layers.fused_layer``).
+  ``CpuOps.gemm_bf16_supported``): panels of (k, k + 1) bf16 pairs, x rounded to bf16 per call,
+  products summed in fp32. On AMX CPUs the same panels run on AMX tiles (``csrc/cpu/
+  gemm_amx.cpp``, TDPBF16PS, ``CpuOps.gemm_amx``; K a multiple of 32); elsewhere vdpbf16ps reads
+  them. Zen 4 (vdpbf16ps): 1.2x oneDNN's bf16 at 1 row, 1.1x at 4-16, 0.97x at 64, 0.83x at 256,
+  0.7x at 2048 (prefill). AMX Xeon, 2 cores (tiles): 1.0-1.2x oneDNN at 1-64 rows, 1.0x at 448,
+  0.6x at 2048 (docs/dtype.md). Either way a bf16 model's layers run in the fused C++ decoder op
+  (``layers.fused_layer``).
 - **oneDNN's packed matmul** otherwise (bundled in PyTorch as MKL-DNN; ``mkldnn::
   _reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's weight freezing uses):
-  the ``scalar`` variant, bf16 on AMX CPUs (oneDNN's AMX tiles, :func:`bf16_tiles`; Xeon, 121
-  linears: 1.19x ``F.linear``'s bf16 speed at 1 row, 1.32x at 16, 1.60x at 64, 1.26x at 256;
-  against the own bf16 GEMM on another AMX Xeon, 2 cores: 0.65x at 1 row, 1.3x at 16, 4.7x at 64,
-  5.8x at 256, docs/dtype.md)
-  and on AVX512-BF16 CPUs when the own GEMM is off, and whenever the extension is missing. MKL's plain sgemm
-  (``F.linear``) re-reads the row-major weight on every call and was 10-40% slower than either
-  at 64 rows. Without bf16 hardware bf16 weights stay on ``F.linear``.
+  the ``scalar`` variant, bf16 on AMX CPUs whose own GEMM does not run the tiles (oneDNN's AMX
+  kernels, :func:`bf16_tiles`: 4.7x the own GEMM's vdpbf16ps rate at 64 rows, docs/dtype.md),
+  on AVX512-BF16 CPUs when the own GEMM is off, and whenever the extension is missing. MKL's
+  plain sgemm (``F.linear``) re-reads the row-major weight on every call and was 10-40% slower
+  than either at 64 rows. Without bf16 hardware bf16 weights stay on ``F.linear``.
 
 The original parameters are dropped after packing, so memory does not grow (the LM head, tied to
 the embedding, gets its own packed copy). ``PAGEDLLM_DISABLE_CPU_GEMM=1`` skips the own GEMM
 (oneDNN then); ``PAGEDLLM_DISABLE_PACKED_LINEAR=1`` disables packing entirely (``F.linear``).
-``PAGEDLLM_BF16_GEMM`` picks the bf16 kernel: ``auto`` (default: oneDNN on AMX CPUs, the own
-GEMM elsewhere), ``own`` (the own GEMM, and so the fused decoder op, on AMX CPUs too) or
-``onednn``.
+``PAGEDLLM_BF16_GEMM`` picks the bf16 kernel: ``auto`` (default: the own GEMM; oneDNN on AMX
+CPUs only when the own GEMM's tiles are off, ``PAGEDLLM_GEMM_AMX=0``), ``own`` or ``onednn``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
     if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() not in OWN_GEMM_SIMD_LEVELS:
         return None
     if dtype == torch.bfloat16 and (
-        not cpu_ops.gemm_bf16_supported() or bf16_gemm_choice() != "own"
+        not cpu_ops.gemm_bf16_supported() or bf16_gemm_choice(cpu_ops) != "own"
     ):
         return None
     return cpu_ops
@@ -108,10 +108,12 @@ def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
 BF16_GEMM_CHOICES = ("auto", "own", "onednn")
 
 
-def bf16_gemm_choice() -> str:
+def bf16_gemm_choice(cpu_ops: CpuOps | None = None) -> str:
     """Which kernel should run bf16 linears where both can: ``"own"`` or ``"onednn"``, from
-    ``$PAGEDLLM_BF16_GEMM`` (``auto``, the default, is oneDNN on CPUs with AMX-BF16 tiles,
-    :func:`bf16_tiles`, and the own GEMM elsewhere).
+    ``$PAGEDLLM_BF16_GEMM``. ``auto``, the default, is the own GEMM, except on CPUs with AMX-BF16
+    tiles (:func:`bf16_tiles`) whose own GEMM does not run them (``cpu_ops.gemm_amx()`` false,
+    e.g. ``PAGEDLLM_GEMM_AMX=0``): there oneDNN's AMX kernels beat its vdpbf16ps loop 4.7x at 64
+    rows (docs/dtype.md).
 
     Raises:
         ValueError: the variable holds something else (the message names it).
@@ -122,7 +124,8 @@ def bf16_gemm_choice() -> str:
             f"PAGEDLLM_BF16_GEMM={choice!r}: expected one of {', '.join(BF16_GEMM_CHOICES)}"
         )
     if choice == "auto":
-        return "onednn" if bf16_tiles() else "own"
+        own_tiles = cpu_ops is not None and hasattr(cpu_ops, "gemm_amx") and cpu_ops.gemm_amx()
+        return "onednn" if bf16_tiles() and not own_tiles else "own"
     return choice
 
 

@@ -51,6 +51,7 @@ class CpuOps:
         self._int8_gemm_isa = lib.int8_gemm_isa.default
         self._decoder_layers_ = lib.decoder_layers_.default
         self._attention_bf16_dot = lib.attention_bf16_dot.default
+        self._gemm_amx = lib.gemm_amx.default
         self._simd = str(self._simd_level())
 
     def __repr__(self) -> str:
@@ -169,6 +170,13 @@ class CpuOps:
         """Whether the GEMMs take bf16 panels here: the avx512 variant on a CPU with
         ``avx512_bf16`` (x is then rounded to bf16 per call; products summed in fp32)."""
         return self._gemm_bf16
+
+    def gemm_amx(self, enable: bool | None = None) -> bool:
+        """Whether the GEMMs run bf16 panels on AMX tiles (``TDPBF16PS``, fp32 sums; the avx512
+        variant on a CPU with ``amx_bf16`` / ``amx_tile``, K a multiple of 32) instead of
+        ``vdpbf16ps``. ``enable`` turns them on / off for the process first (no effect where
+        they cannot run); ``None`` only asks."""
+        return bool(self._gemm_amx(-1 if enable is None else int(enable)))
 
     def gemm_pack_weight(self, weight: Tensor) -> Tensor:
         """``[N, K]`` float32 weight -> ``[ceil(N / 16), K, 16]`` float32 panels for

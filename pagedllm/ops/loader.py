@@ -43,6 +43,8 @@ Environment:
         for the former behaviour); part of the build hash.
     PAGEDLLM_ATTENTION_BF16_DOT=0: the attention kernels keep fp32 arithmetic on bf16 KV caches
         (:meth:`CpuOps.attention_bf16_dot`; on by default where the CPU has avx512_bf16).
+    PAGEDLLM_GEMM_AMX=0: bf16 GEMM panels run on vdpbf16ps instead of AMX tiles
+        (:meth:`CpuOps.gemm_amx`; on by default where the CPU has amx_bf16).
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -80,12 +82,12 @@ logger = logging.getLogger(__name__)
 SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SOURCES = (
     "paged_attention.cpp", "prefill_attention.cpp", "attention_bf16.cpp", "kv_cache_ops.cpp",
-    "layer_ops.cpp", "gemm.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp",
+    "layer_ops.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp",
     "torch_bindings.cpp",
 )  # fmt: skip
 HEADERS = (
     "vec.h", "kv_quant.h", "attention_common.h", "attention_bf16.h", "paged_attention.h",
-    "layer_ops.h", "gemm.h", "quant_gguf.h", "int8_gemm.h", "fused_layer.h",
+    "layer_ops.h", "gemm.h", "gemm_amx.h", "quant_gguf.h", "int8_gemm.h", "fused_layer.h",
 )  # fmt: skip
 
 _X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -268,6 +270,8 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
             ops = CpuOps(variant)
             if os.environ.get("PAGEDLLM_ATTENTION_BF16_DOT") == "0":
                 ops.attention_bf16_dot(False)
+            if os.environ.get("PAGEDLLM_GEMM_AMX") == "0":
+                ops.gemm_amx(False)
             seconds = time.perf_counter() - t0
             _build = KernelBuild(
                 variant=variant,
@@ -281,13 +285,14 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
             override = os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS", "").strip()
             logger.info(
                 "pagedllm C++ CPU kernels: variant %s (cpu flags: %s)%s, bf16 attention dot "
-                "products %s, ready in %.1f s from %s",
+                "products %s, AMX bf16 GEMM %s, ready in %.1f s from %s",
                 variant,
                 cpu_flags().summary(),
                 f", simd {_build.simd_level} from PAGEDLLM_CPU_ARCH_FLAGS={override!r}"
                 if override
                 else "",
                 "on" if ops.attention_bf16_dot() else "off",
+                "on" if ops.gemm_amx() else "off",
                 seconds,
                 directory,
             )

@@ -352,11 +352,20 @@ def test_packed_linear_kernel_choice(cpu_ops, monkeypatch):
     own = PackedLinear(w, ops)
     assert own.kernel == ("pagedllm" if ops.simd_level() in ("avx2", "avx512") else "onednn")
     bf16_capable = ops.simd_level() == "avx512" and ops.gemm_bf16_supported()
-    # PAGEDLLM_BF16_GEMM: auto is oneDNN on AMX-BF16 CPUs only; own / onednn force the choice.
-    for choice, own_expected in (("auto", not bf16_tiles()), ("own", True), ("onednn", False)):
-        monkeypatch.setenv("PAGEDLLM_BF16_GEMM", choice)
-        assert (cpu_gemm_ops(ops, torch.bfloat16) is ops) == (bf16_capable and own_expected)
-        assert cpu_gemm_ops(ops, torch.float32) is ops or ops.simd_level() == "scalar"
+    # PAGEDLLM_BF16_GEMM: auto is the own GEMM, oneDNN on AMX-BF16 CPUs only when the own GEMM
+    # does not run the AMX tiles; own / onednn force the choice.
+    amx_was = ops.gemm_amx()
+    try:
+        for amx in (True, False):
+            ops.gemm_amx(amx)
+            auto_own = not bf16_tiles() or ops.gemm_amx()
+            for choice, own_expected in (("auto", auto_own), ("own", True), ("onednn", False)):
+                monkeypatch.setenv("PAGEDLLM_BF16_GEMM", choice)
+                got = cpu_gemm_ops(ops, torch.bfloat16) is ops
+                assert got == (bf16_capable and own_expected), (amx, choice)
+                assert cpu_gemm_ops(ops, torch.float32) is ops or ops.simd_level() == "scalar"
+    finally:
+        ops.gemm_amx(amx_was)
     monkeypatch.setenv("PAGEDLLM_BF16_GEMM", "amx")
     with pytest.raises(ValueError, match="PAGEDLLM_BF16_GEMM='amx'"):
         cpu_gemm_ops(ops, torch.bfloat16)

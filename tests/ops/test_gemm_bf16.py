@@ -5,7 +5,11 @@ The reference is fp32 arithmetic on the bf16-rounded operands, so the only diffe
 order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 2 and 1 full panels,
 a partial last panel), one tile of up to 6 rows and balanced 6-12-row tiles from 7 rows on,
 partial tiles, odd K (a zero-padded pair) and the three epilogues (store, accumulate into out,
-SwiGLU), at 1 and 2 threads."""
+SwiGLU), at 1 and 2 threads.
+
+On CPUs with AMX the same panels also run on AMX tiles (``csrc/cpu/gemm_amx.cpp``, TDPBF16PS,
+for K a multiple of 32): each test runs with the tiles off and on (``CpuOps.gemm_amx``), and the
+AMX shapes add row counts across 16-row tiles, 32-row blocks and the row blocks of prefill."""
 
 from __future__ import annotations
 
@@ -19,15 +23,22 @@ from pagedllm.platform import cpu_flags
 BF16 = torch.bfloat16
 
 
-@pytest.fixture
-def bf16_ops(cpu_ops):
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def bf16_ops(cpu_ops, request):
+    """The C++ ops with the bf16 panels on one kernel (the param); AMX tiles restored after."""
     if not cpu_flags().avx512_bf16:
         pytest.skip("bf16 GEMM panels need a CPU with avx512_bf16 (not in /proc/cpuinfo)")
     if cpu_ops.simd_level() != "avx512" or not cpu_ops.gemm_bf16_supported():
         pytest.skip(
             f"bf16 GEMM panels need the avx512 kernel variant; this runs {cpu_ops.variant!r}"
         )
-    return cpu_ops
+    amx = request.param == "amx"
+    if amx and not (cpu_flags().amx_bf16 and cpu_ops.gemm_amx()):
+        pytest.skip("AMX GEMM tiles need a CPU with amx_bf16 and amx_tile (not in /proc/cpuinfo)")
+    was = cpu_ops.gemm_amx()
+    cpu_ops.gemm_amx(amx)
+    yield cpu_ops
+    cpu_ops.gemm_amx(was)
 
 
 def _want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -44,7 +55,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [(1, 16, 2), (1, 40, 24), (5, 64, 33), (6, 100, 64), (7, 129, 1), (10, 200, 576),
-     (12, 72, 63), (13, 256, 96), (25, 200, 576), (64, 144, 31), (97, 512, 130)],
+     (12, 72, 63), (13, 256, 96), (25, 200, 576), (64, 144, 31), (97, 512, 130),
+     (16, 48, 32), (17, 33, 64), (33, 80, 128), (48, 32, 32), (64, 576, 576), (500, 72, 576)],
 )  # fmt: skip
 def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
     ops = bf16_ops
@@ -66,7 +78,9 @@ def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
         torch.set_num_threads(prev)
 
 
-@pytest.mark.parametrize(("m", "inter", "k"), [(1, 8, 16), (7, 64, 45), (30, 136, 64)])
+@pytest.mark.parametrize(
+    ("m", "inter", "k"), [(1, 8, 16), (7, 64, 45), (30, 136, 64), (40, 24, 96), (3, 64, 1536)]
+)
 def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
     g = torch.Generator().manual_seed(inter)
     w = torch.randn(2 * inter, k, generator=g).to(BF16)
@@ -82,21 +96,23 @@ def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
     a balanced tile of 6-12 rows or a 100-row batch (what lets decode, prefill and speculation
     agree bit for bit)."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(136, 200, generator=g).to(BF16)
-    x = torch.randn(100, 200, generator=g)
+    k = 192 if bf16_ops.gemm_amx() else 200  # the AMX tiles take K in steps of 32
+    w = torch.randn(136, k, generator=g).to(BF16)
+    x = torch.randn(100, k, generator=g)
     packed = bf16_ops.gemm_pack_weight(w)
     whole = bf16_ops.gemm_linear(x, packed, 136)
     for rows in ([0], [5], [11], list(range(0, 6)), list(range(3, 12)), list(range(12, 24)),
-                 list(range(90, 100))):
+                 list(range(90, 100)), list(range(10, 50))):
         part = bf16_ops.gemm_linear(x[rows].contiguous(), packed, 136)
         assert torch.equal(part, whole[rows]), rows
 
 
 def test_x_is_rounded_to_nearest_even(bf16_ops):
     """x values halfway between two bf16 numbers round to the even one, as torch's .to(bf16)."""
-    w = torch.zeros(16, 2, dtype=BF16)
+    w = torch.zeros(16, 32, dtype=BF16)  # K = 32: one AMX tile wide
     w[0, 0] = 1.0
-    halfway = torch.tensor([[1.0 + 2**-8, 0.0], [1.0 + 3 * 2**-8, 0.0]])  # ties: 1.0, 1 + 2**-6
+    halfway = torch.zeros(2, 32)
+    halfway[:, 0] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8])  # ties: 1.0, 1 + 2**-6
     got = bf16_ops.gemm_linear(halfway, bf16_ops.gemm_pack_weight(w), 16)[:, 0]
     assert got.tolist() == halfway[:, 0].to(BF16).float().tolist() == [1.0, 1.0 + 2**-6]
 

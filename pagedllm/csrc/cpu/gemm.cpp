@@ -37,6 +37,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm_amx.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -75,8 +76,6 @@ struct Prefetch {
   int count2 = 0;
   int64_t stride2 = 0;
 };
-
-enum Epilogue { kStore, kAccumulate, kSwiGlu };
 
 // Row i of a finished tile (lo = columns 0-7, hi = 8-15) into c.
 template <int E>
@@ -368,6 +367,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   // bf16 panels count k in pairs (32 bits, as one fp32 k): the tiles and panels have Ku units.
   const bool pairs = packed.scalar_type() == at::kBFloat16;
   const int64_t Ku = packed.size(1);
+  if (pairs && gemm_amx_takes(K) && gemm_amx_enabled()) {  // the same panels on AMX tiles
+    gemm_amx_bf16(x.data_ptr<float>(), M, K, x.stride(0),
+                  static_cast<const uint32_t*>(packed.data_ptr()), panels, N,
+                  static_cast<GemmEpilogue>(E), c, ldc);
+    return;
+  }
 
   // x -> tiles [count][Ku][MR], the rows past a tile's own zero; bf16 pairs rounded from fp32.
   const RowTiles row_tiles(M, pairs && M >= 7);

@@ -2,8 +2,8 @@
 //
 // Each schema names its arguments and marks those written in place (Tensor(a!)), so the ops are
 // ordinary dispatcher ops (torch.ops.pagedllm.rms_norm, ...). The tensor ops get a CPU kernel;
-// simd_level, gemm_bf16_supported, int8_gemm_isa and attention_bf16_dot have no tensor argument and are registered
-// for every backend. Typed Python wrappers:
+// simd_level, gemm_bf16_supported, gemm_amx, int8_gemm_isa and attention_bf16_dot have no tensor
+// argument and are registered for every backend. Typed Python wrappers:
 // pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
 // pagedllm/ops/loader.py), and a process loads exactly one of them.
 #include <ATen/core/Tensor.h>
@@ -12,6 +12,7 @@
 #include "attention_bf16.h"
 #include "fused_layer.h"
 #include "gemm.h"
+#include "gemm_amx.h"
 #include "int8_gemm.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
@@ -49,6 +50,12 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gemm_linear_add_(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
   m.def("gemm_swiglu(Tensor x, Tensor packed) -> Tensor");
   m.def("gemm_bf16_supported() -> bool", &pagedllm::gemm_bf16_supported);
+  // mode 1 / 0 turns the AMX tiles for bf16 panels on / off, -1 leaves them; returns whether
+  // they run.
+  m.def("gemm_amx(int mode) -> bool", [](int64_t mode) {
+    if (mode >= 0) pagedllm::set_gemm_amx(mode != 0);
+    return pagedllm::gemm_amx_enabled();
+  });
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
   m.def("gguf_q4_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("gguf_q8_linear(Tensor x, Tensor w, int n) -> Tensor");

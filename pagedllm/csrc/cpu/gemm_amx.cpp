@@ -1,0 +1,345 @@
+// y = x W^T for bf16 weights on Intel AMX tiles (Sapphire Rapids and later Xeons).
+//
+// TDPBF16PS multiplies a tile of 16 rows x 32 bf16 (A) by a tile of 16 (k, k + 1) pair rows x 16
+// columns (B, the "VNNI" layout) into a 16 x 16 fp32 tile (C) in 16 cycles: 16 times the bf16
+// work per instruction of AVX512-BF16's vdpbf16ps (Intel 64 and IA-32 Architectures Optimization
+// Reference Manual, chapter "Intel AMX"). gemm_pack_weight's bf16 panels ([K / 2][16 columns x
+// (k, k + 1)], 64 bytes per k pair) are already that B layout: 16 k pairs of one panel are one
+// 1 KiB B tile, so the kernel loads the weights the vdpbf16ps kernel loads, in place.
+//
+// Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
+// tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. x is
+// rounded to a bf16 copy padded to a multiple of 16 rows (the pad rows are zero; at decode sizes
+// the tiles are far from the bottleneck, which is streaming the weights). Threads split the
+// panels, so each weight byte is read from memory once per block of rows and reused from L1/L2
+// by the block's other row tiles, as in gemm.cpp. Rows come in blocks of about kRowBlockBytes of
+// bf16 x, so prefill-sized x stays in L2 across the panels. Whole C tiles of a store go straight
+// to the output and those of an accumulate start from it (the residual add costs no pass); edge
+// tiles and SwiGLU go through a small buffer and a vector epilogue.
+#include "gemm_amx.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+#if defined(__x86_64__) && defined(__AVX512F__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDLLM_AMX 1
+#endif
+
+namespace pagedllm {
+namespace {
+
+std::atomic<bool> amx_on{true};
+
+#if defined(PAGEDLLM_AMX)
+constexpr int kTileRows = 16;                 // rows of an A or C tile
+constexpr int kTileK = 32;                    // bf16 values of k per A row (64 bytes)
+constexpr int kPanelCols = 16;                // columns of a panel (a B or C tile's width)
+constexpr int64_t kBTileBytes = 16 * 64;      // one B tile: 16 k pairs x 16 columns x 4 bytes
+constexpr int64_t kRowBlockBytes = 512 << 10; // bf16 x per pass over the panels (L2-resident)
+
+// The 64-byte operand of LDTILECFG (palette 1: 8 tiles of up to 16 rows x 64 bytes).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  uint8_t reserved2[16] = {};
+};
+
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+}
+
+// Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16+); the grant covers all threads.
+bool request_tile_state() {
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Tile numbers: C[m][n] = 2m + n, A[m] = 4 + m, B[n] = 6 + n.
+// Where a block's C tiles start and end: kBuffered (zero, stored to a [MT * NT][16][16] buffer
+// for finish_block: partial tiles, SwiGLU), kDirect (zero, stored straight into c) or kInPlace
+// (loaded from c and stored back: the accumulate epilogue adds x W^T to c without a pass).
+enum TileMode { kBuffered, kDirect, kInPlace };
+
+// Tile numbers: C(m, n) = m NT + n (MT NT <= 4), A rows alternate between tiles 4 and 5, B(n)
+// = 6 + n. C(m, n) sits at out + (m NT + n) * 256 floats (buffered, row stride 64 bytes) or at
+// rows 16m, columns 16n of c (row stride ldc bytes).
+template <int MT, int NT, TileMode MODE>
+inline float* c_tile(float* out, int64_t ldc, int m, int n) {
+  return MODE == kBuffered ? out + (m * NT + n) * kTileRows * kPanelCols
+                           : out + m * kTileRows * (ldc / 4) + n * kPanelCols;
+}
+
+// GCC's AMX intrinsics paste the tile number into their assembly text, so it must be a literal:
+// these map a template constant onto the literal calls.
+template <int T>
+__attribute__((target("amx-tile"))) inline void zero_tile() {
+  if constexpr (T == 0) _tile_zero(0);
+  if constexpr (T == 1) _tile_zero(1);
+  if constexpr (T == 2) _tile_zero(2);
+  if constexpr (T == 3) _tile_zero(3);
+}
+
+template <int T>
+__attribute__((target("amx-tile"))) inline void load_tile(const void* p, int64_t stride) {
+  if constexpr (T == 0) _tile_loadd(0, p, stride);
+  if constexpr (T == 1) _tile_loadd(1, p, stride);
+  if constexpr (T == 2) _tile_loadd(2, p, stride);
+  if constexpr (T == 3) _tile_loadd(3, p, stride);
+  if constexpr (T == 4) _tile_loadd(4, p, stride);
+  if constexpr (T == 5) _tile_loadd(5, p, stride);
+  if constexpr (T == 6) _tile_loadd(6, p, stride);
+  if constexpr (T == 7) _tile_loadd(7, p, stride);
+}
+
+template <int T>
+__attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
+  if constexpr (T == 0) _tile_stored(0, p, stride);
+  if constexpr (T == 1) _tile_stored(1, p, stride);
+  if constexpr (T == 2) _tile_stored(2, p, stride);
+  if constexpr (T == 3) _tile_stored(3, p, stride);
+}
+
+// C (0-3) += A (4-5) . B (6-7)
+template <int C, int A, int B>
+__attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
+#define PAGEDLLM_DP(c, a, b) \
+  if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
+  PAGEDLLM_DP(0, 4, 6) PAGEDLLM_DP(0, 4, 7) PAGEDLLM_DP(0, 5, 6) PAGEDLLM_DP(0, 5, 7)
+  PAGEDLLM_DP(1, 4, 6) PAGEDLLM_DP(1, 4, 7) PAGEDLLM_DP(1, 5, 6) PAGEDLLM_DP(1, 5, 7)
+  PAGEDLLM_DP(2, 4, 6) PAGEDLLM_DP(2, 4, 7) PAGEDLLM_DP(2, 5, 6) PAGEDLLM_DP(2, 5, 7)
+  PAGEDLLM_DP(3, 4, 6) PAGEDLLM_DP(3, 4, 7) PAGEDLLM_DP(3, 5, 6) PAGEDLLM_DP(3, 5, 7)
+#undef PAGEDLLM_DP
+}
+
+template <int MT, int NT, TileMode MODE, int I = 0>
+__attribute__((target("amx-tile,amx-bf16"))) inline void init_c(float* out, int64_t ldc) {
+  if constexpr (I < MT * NT) {
+    if constexpr (MODE == kInPlace) {
+      load_tile<I>(c_tile<MT, NT, MODE>(out, ldc, I / NT, I % NT), ldc);
+    } else {
+      zero_tile<I>();
+    }
+    init_c<MT, NT, MODE, I + 1>(out, ldc);
+  }
+}
+
+template <int MT, int NT, TileMode MODE, int I = 0>
+__attribute__((target("amx-tile,amx-bf16"))) inline void store_c(float* out, int64_t ldc) {
+  if constexpr (I < MT * NT) {
+    store_tile<I>(c_tile<MT, NT, MODE>(out, ldc, I / NT, I % NT),
+                  MODE == kBuffered ? kPanelCols * 4 : ldc);
+    store_c<MT, NT, MODE, I + 1>(out, ldc);
+  }
+}
+
+// One 32-wide k step of row tiles M.. of the block: A(m) . B(n) into C(m, n).
+template <int MT, int NT, int M = 0>
+__attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak, int64_t lda) {
+  if constexpr (M < MT) {
+    constexpr int A = 4 + M % 2;
+    load_tile<A>(ak + M * kTileRows * lda, lda);
+    dp_tile<M * NT, A, 6>();
+    if constexpr (NT > 1) dp_tile<M * NT + 1, A, 7>();
+    dp_rows<MT, NT, M + 1>(ak, lda);
+  }
+}
+
+// C tiles [MT][NT] (+)= x rows a[0 : 16 MT] (row stride lda bytes) . the NT panels from b (panel
+// stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
+template <int MT, int NT, TileMode MODE>
+__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int64_t lda,
+                                                             const char* b, int64_t panel_bytes,
+                                                             int64_t k_tiles, float* out,
+                                                             int64_t ldc) {
+  static_assert(MT * NT <= 4 && NT <= 2, "8 tiles: up to 4 C, 2 A and 2 B");
+  init_c<MT, NT, MODE>(out, ldc);
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    const char* bk = b + kt * kBTileBytes;
+    _tile_loadd(6, bk, 64);
+    if constexpr (NT > 1) _tile_loadd(7, bk + panel_bytes, 64);
+    dp_rows<MT, NT>(a + kt * kTileK * 2, lda);
+  }
+  store_c<MT, NT, MODE>(out, ldc);
+}
+
+__attribute__((target("amx-tile"))) void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  // GCC 12 does not see LDTILECFG read cfg and drops the stores above without this barrier.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// The buffered tiles of one block into c: rows [row0, row0 + 16 MT) below M, the NT panels from
+// p (out_per_panel columns each: 16, or 8 for SwiGLU), columns below N.
+void finish_block(const float* out, int MT, int NT, int64_t row0, int64_t M, int64_t p, int64_t N,
+                  int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
+  for (int mi = 0; mi < MT; ++mi) {
+    const int64_t r0 = row0 + mi * kTileRows;
+    const int64_t rows = std::min<int64_t>(kTileRows, M - r0);
+    for (int ni = 0; ni < NT; ++ni) {
+      const float* t = out + (mi * NT + ni) * kTileRows * kPanelCols;
+      const int64_t col0 = (p + ni) * out_per_panel;
+      const int cols = static_cast<int>(std::min<int64_t>(out_per_panel, N - col0));
+      const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_loadu_ps(t + r * kPanelCols);
+        float* dst = c + (r0 + r) * ldc + col0;
+        if (E == kStore) {
+          _mm512_mask_storeu_ps(dst, mask, v);
+        } else if (E == kAccumulate) {
+          _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v));
+        } else {  // 8 gate then 8 up columns
+          const __m512 y = vec::silu_mul(v, _mm512_shuffle_f32x4(v, v, 0xEE));
+          _mm256_storeu_ps(dst, _mm512_castps512_ps256(y));
+        }
+      }
+    }
+  }
+}
+
+template <int MT, int NT>
+void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
+               bool whole, int64_t row0, int64_t M, int64_t p, int64_t N, int64_t out_per_panel,
+               GemmEpilogue E, float* c, int64_t ldc, float* out) {
+  // Whole tiles of a store or accumulate go straight between the tiles and c.
+  float* dst = c + row0 * ldc + p * kPanelCols;
+  if (whole && E == kStore) {
+    tile_block<MT, NT, kDirect>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+  } else if (whole && E == kAccumulate) {
+    tile_block<MT, NT, kInPlace>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+  } else {
+    tile_block<MT, NT, kBuffered>(a, lda, b, panel_bytes, k_tiles, out, 0);
+    finish_block(out, MT, NT, row0, M, p, N, out_per_panel, E, c, ldc);
+  }
+}
+
+// One thread's panels [p0, p1) over the bf16 rows xb (row m0 of x first) [m0, m1), multiples of
+// 16 with m1 at most M rounded up to 16: blocks of 2 x 2 tiles (4 tile loads per 4 TDPBF16PS),
+// all row blocks of a panel pair before the next pair, so the pair's panels come from memory
+// for its first rows and from L1/L2 for the rest. (Measured on an AMX Xeon at 48-64 rows: 1
+// panel x 4 row tiles per pass, every B tile loaded once, was 3-4 % slower, its 4 A tile loads
+// per B tile coming from L2; software prefetches of the panels ahead, into L1 or L2, were up to
+// 15 % slower than the hardware prefetchers alone.)
+void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
+                int64_t p0, int64_t p1, int64_t m0, int64_t m1, int64_t M, int64_t N,
+                int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
+  alignas(64) float out[4 * kTileRows * kPanelCols];
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  for (int64_t p = p0; p < p1;) {
+    const int NT = p + 1 < p1 ? 2 : 1;
+    const bool whole_cols = (p + NT) * out_per_panel <= N;
+    const char* bp = b + p * panel_bytes;
+    for (int64_t m = m0; m < m1; m += 2 * kTileRows) {
+      const int MT = m + kTileRows < m1 ? 2 : 1;
+      const bool whole = whole_cols && m + MT * kTileRows <= M;
+      const char* a = xb + (m - m0) * lda;
+      auto run = [&](auto mt, auto nt) {
+        run_block<decltype(mt)::value, decltype(nt)::value>(
+            a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, out);
+      };
+      if (MT == 2)
+        NT == 2 ? run(Two{}, Two{}) : run(Two{}, One{});
+      else
+        NT == 2 ? run(One{}, Two{}) : run(One{}, One{});
+    }
+    p += NT;
+  }
+}
+
+// x rows [m0, m1) (row stride ldx) -> bf16 rows in xb (stride K), rounded to nearest even; rows
+// from M on are zero.
+void round_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, int64_t M,
+                vec::bf16* xb) {
+  for (int64_t r = m0; r < m1; ++r) {
+    vec::bf16* dst = xb + (r - m0) * K;
+    if (r >= M) {
+      std::memset(static_cast<void*>(dst), 0, K * sizeof(vec::bf16));
+      continue;
+    }
+    const float* src = x + r * ldx;
+    for (int64_t k = 0; k < K; k += vec::W) vec::store(dst + k, vec::load(src + k));
+  }
+}
+#endif  // PAGEDLLM_AMX
+
+bool amx_available() {
+#if defined(PAGEDLLM_AMX)
+  static const bool ok = cpu_has_amx_bf16() && request_tile_state();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool gemm_amx_enabled() { return amx_on.load(std::memory_order_relaxed) && amx_available(); }
+
+bool set_gemm_amx(bool on) {
+  amx_on.store(on, std::memory_order_relaxed);
+  return gemm_amx_enabled();
+}
+
+void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32_t* panels,
+                   int64_t num_panels, int64_t N, GemmEpilogue E, float* c, int64_t ldc) {
+#if defined(PAGEDLLM_AMX)
+  if (M == 0 || N == 0) return;
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t lda = K * static_cast<int64_t>(sizeof(vec::bf16));
+  const int64_t panel_bytes = K / 2 * kBTileBytes / 16;
+  const int64_t k_tiles = K / kTileK;
+  const int64_t out_per_panel = E == kSwiGlu ? kPanelCols / 2 : kPanelCols;
+  const int64_t block = std::min(Mp, std::max<int64_t>(2 * kTileRows, kRowBlockBytes / lda / 32 * 32));
+  // One block of x rows in bf16, kept between calls (a fresh allocation's page faults cost as
+  // much as the rounding).
+  thread_local std::vector<vec::bf16> buffer;
+  if (static_cast<int64_t>(buffer.size()) < block * K) buffer.resize(block * K);
+  vec::bf16* const xb = buffer.data();  // the workers below must not name their own buffer
+  const auto* b = reinterpret_cast<const char*>(panels);
+  for (int64_t m0 = 0; m0 < Mp; m0 += block) {
+    const int64_t m1 = std::min(Mp, m0 + block);
+    if ((m1 - m0) * K <= (64 << 10))  // a decode batch: not worth a parallel region
+      round_rows(x, ldx, K, m0, m1, M, xb);
+    else
+      at::parallel_for(m0, m1, 16, [&](int64_t r0, int64_t r1) {
+        round_rows(x, ldx, K, r0, r1, M, xb + (r0 - m0) * K);
+      });
+    const auto* xd = reinterpret_cast<const char*>(xb);
+    at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
+      load_tile_config();
+      run_panels(xd, lda, b, panel_bytes, k_tiles, p0, p1, m0, m1, M, N, out_per_panel, E, c, ldc);
+      release_tiles();
+    });
+  }
+#else
+  (void)x, (void)M, (void)K, (void)ldx, (void)panels, (void)num_panels, (void)N, (void)E, (void)c,
+      (void)ldc;
+#endif
+}
+
+}  // namespace pagedllm
