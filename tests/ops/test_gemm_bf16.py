@@ -93,18 +93,25 @@ def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
 
 def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
     """Rows are independent: a row's output is the same float alone, in a tile of up to 6 rows,
-    a balanced tile of 6-12 rows or a 100-row batch (what lets decode, prefill and speculation
-    agree bit for bit)."""
+    a balanced tile of 6-12 rows or a 100-row batch, for a store and for the accumulate (residual
+    add) epilogue, whose AMX tiles start from the residual in whole and edge tiles alike (what
+    lets decode, prefill and speculation agree bit for bit)."""
     g = torch.Generator().manual_seed(3)
     k = 192 if bf16_ops.gemm_amx() else 200  # the AMX tiles take K in steps of 32
     w = torch.randn(136, k, generator=g).to(BF16)
     x = torch.randn(100, k, generator=g)
     packed = bf16_ops.gemm_pack_weight(w)
     whole = bf16_ops.gemm_linear(x, packed, 136)
+    base = torch.randn(100, 136, generator=g)  # the residual the accumulate epilogue adds to
+    whole_add = base.clone()
+    bf16_ops.gemm_linear_add_(whole_add, x, packed)
     for rows in ([0], [5], [11], list(range(0, 6)), list(range(3, 12)), list(range(12, 24)),
-                 list(range(90, 100)), list(range(10, 50))):
+                 list(range(90, 100)), list(range(10, 50)), list(range(0, 64))):
         part = bf16_ops.gemm_linear(x[rows].contiguous(), packed, 136)
         assert torch.equal(part, whole[rows]), rows
+        part_add = base[rows].clone()
+        bf16_ops.gemm_linear_add_(part_add, x[rows].contiguous(), packed)
+        assert torch.equal(part_add, whole_add[rows]), rows
 
 
 def test_x_is_rounded_to_nearest_even(bf16_ops):

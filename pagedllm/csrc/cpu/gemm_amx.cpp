@@ -72,19 +72,11 @@ bool request_tile_state() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// Tile numbers: C[m][n] = 2m + n, A[m] = 4 + m, B[n] = 6 + n.
-// Where a block's C tiles start and end: kBuffered (zero, stored to a [MT * NT][16][16] buffer
-// for finish_block: partial tiles, SwiGLU), kDirect (zero, stored straight into c) or kInPlace
-// (loaded from c and stored back: the accumulate epilogue adds x W^T to c without a pass).
-enum TileMode { kBuffered, kDirect, kInPlace };
-
 // Tile numbers: C(m, n) = m NT + n (MT NT <= 4), A rows alternate between tiles 4 and 5, B(n)
-// = 6 + n. C(m, n) sits at out + (m NT + n) * 256 floats (buffered, row stride 64 bytes) or at
-// rows 16m, columns 16n of c (row stride ldc bytes).
-template <int MT, int NT, TileMode MODE>
-inline float* c_tile(float* out, int64_t ldc, int m, int n) {
-  return MODE == kBuffered ? out + (m * NT + n) * kTileRows * kPanelCols
-                           : out + m * kTileRows * (ldc / 4) + n * kPanelCols;
+// = 6 + n. C(m, n) sits at rows 16m, columns 16n of its destination (row stride ld bytes): the
+// output c itself, or a [32][32] buffer for partial tiles and the SwiGLU epilogue.
+inline float* c_tile(float* dst, int64_t ld, int m, int n) {
+  return dst + m * kTileRows * (ld / 4) + n * kPanelCols;
 }
 
 // GCC's AMX intrinsics paste the tile number into their assembly text, so it must be a literal:
@@ -129,24 +121,24 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
 #undef PAGEDLLM_DP
 }
 
-template <int MT, int NT, TileMode MODE, int I = 0>
-__attribute__((target("amx-tile,amx-bf16"))) inline void init_c(float* out, int64_t ldc) {
+// C tiles start from the destination's values (LOAD: the accumulate epilogue, x W^T added to c
+// inside the tiles without another pass) or from zero.
+template <int MT, int NT, bool LOAD, int I = 0>
+__attribute__((target("amx-tile,amx-bf16"))) inline void init_c(float* dst, int64_t ld) {
   if constexpr (I < MT * NT) {
-    if constexpr (MODE == kInPlace) {
-      load_tile<I>(c_tile<MT, NT, MODE>(out, ldc, I / NT, I % NT), ldc);
-    } else {
+    if constexpr (LOAD)
+      load_tile<I>(c_tile(dst, ld, I / NT, I % NT), ld);
+    else
       zero_tile<I>();
-    }
-    init_c<MT, NT, MODE, I + 1>(out, ldc);
+    init_c<MT, NT, LOAD, I + 1>(dst, ld);
   }
 }
 
-template <int MT, int NT, TileMode MODE, int I = 0>
-__attribute__((target("amx-tile,amx-bf16"))) inline void store_c(float* out, int64_t ldc) {
+template <int MT, int NT, int I = 0>
+__attribute__((target("amx-tile,amx-bf16"))) inline void store_c(float* dst, int64_t ld) {
   if constexpr (I < MT * NT) {
-    store_tile<I>(c_tile<MT, NT, MODE>(out, ldc, I / NT, I % NT),
-                  MODE == kBuffered ? kPanelCols * 4 : ldc);
-    store_c<MT, NT, MODE, I + 1>(out, ldc);
+    store_tile<I>(c_tile(dst, ld, I / NT, I % NT), ld);
+    store_c<MT, NT, I + 1>(dst, ld);
   }
 }
 
@@ -162,22 +154,22 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak,
   }
 }
 
-// C tiles [MT][NT] (+)= x rows a[0 : 16 MT] (row stride lda bytes) . the NT panels from b (panel
-// stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
-template <int MT, int NT, TileMode MODE>
+// C tiles [MT][NT] of dst (row stride ld bytes) (+)= x rows a[0 : 16 MT] (row stride lda bytes)
+// . the NT panels from b (panel stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
+template <int MT, int NT, bool LOAD>
 __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int64_t lda,
                                                              const char* b, int64_t panel_bytes,
-                                                             int64_t k_tiles, float* out,
-                                                             int64_t ldc) {
+                                                             int64_t k_tiles, float* dst,
+                                                             int64_t ld) {
   static_assert(MT * NT <= 4 && NT <= 2, "8 tiles: up to 4 C, 2 A and 2 B");
-  init_c<MT, NT, MODE>(out, ldc);
+  init_c<MT, NT, LOAD>(dst, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
-    _tile_loadd(6, bk, 64);
-    if constexpr (NT > 1) _tile_loadd(7, bk + panel_bytes, 64);
+    load_tile<6>(bk, 64);
+    if constexpr (NT > 1) load_tile<7>(bk + panel_bytes, 64);
     dp_rows<MT, NT>(a + kt * kTileK * 2, lda);
   }
-  store_c<MT, NT, MODE>(out, ldc);
+  store_c<MT, NT>(dst, ld);
 }
 
 __attribute__((target("amx-tile"))) void load_tile_config() {
@@ -193,48 +185,62 @@ __attribute__((target("amx-tile"))) void load_tile_config() {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-// The buffered tiles of one block into c: rows [row0, row0 + 16 MT) below M, the NT panels from
-// p (out_per_panel columns each: 16, or 8 for SwiGLU), columns below N.
-void finish_block(const float* out, int MT, int NT, int64_t row0, int64_t M, int64_t p, int64_t N,
+constexpr int kBufCols = 2 * kPanelCols;  // the [32][32] fp32 buffer of a block's tiles
+
+// Between a block's buffer (rows [row0, row0 + 32) x the NT panels from p) and c: the part below
+// M rows and N columns. TO_BUFFER copies c in (zeros past its edge); otherwise epilogue E writes
+// the buffer out (out_per_panel columns per panel: 16, or 8 for SwiGLU).
+template <bool TO_BUFFER>
+void buffer_block(float* buf, int64_t row0, int64_t M, int NT, int64_t p, int64_t N,
                   int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
-  for (int mi = 0; mi < MT; ++mi) {
-    const int64_t r0 = row0 + mi * kTileRows;
-    const int64_t rows = std::min<int64_t>(kTileRows, M - r0);
-    for (int ni = 0; ni < NT; ++ni) {
-      const float* t = out + (mi * NT + ni) * kTileRows * kPanelCols;
-      const int64_t col0 = (p + ni) * out_per_panel;
-      const int cols = static_cast<int>(std::min<int64_t>(out_per_panel, N - col0));
-      const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512 v = _mm512_loadu_ps(t + r * kPanelCols);
-        float* dst = c + (r0 + r) * ldc + col0;
-        if (E == kStore) {
-          _mm512_mask_storeu_ps(dst, mask, v);
-        } else if (E == kAccumulate) {
-          _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v));
-        } else {  // 8 gate then 8 up columns
-          const __m512 y = vec::silu_mul(v, _mm512_shuffle_f32x4(v, v, 0xEE));
-          _mm256_storeu_ps(dst, _mm512_castps512_ps256(y));
-        }
+  const int64_t rows = std::min<int64_t>(2 * kTileRows, M - row0);
+  for (int ni = 0; ni < NT; ++ni) {
+    const int64_t col0 = (p + ni) * out_per_panel;
+    const int cols = static_cast<int>(std::clamp<int64_t>(N - col0, 0, out_per_panel));
+    const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+    for (int64_t r = 0; r < 2 * kTileRows; ++r) {
+      float* t = buf + r * kBufCols + ni * kPanelCols;
+      float* dst = c + (row0 + r) * ldc + col0;
+      if (TO_BUFFER) {
+        _mm512_storeu_ps(t, r < rows ? _mm512_maskz_loadu_ps(mask, dst) : _mm512_setzero_ps());
+        continue;
+      }
+      if (r >= rows || cols == 0) continue;
+      const __m512 v = _mm512_loadu_ps(t);
+      if (E != kSwiGlu) {
+        _mm512_mask_storeu_ps(dst, mask, v);
+      } else {  // 8 gate then 8 up columns
+        const __m512 y = vec::silu_mul(v, _mm512_shuffle_f32x4(v, v, 0xEE));
+        _mm256_storeu_ps(dst, _mm512_castps512_ps256(y));
       }
     }
   }
 }
 
+// One block of MT x NT tiles at rows row0 and panel p. Whole tiles go straight between the tiles
+// and c; edge tiles and SwiGLU go through buf. An accumulate's edge tiles start from c's values
+// too, so every row gets the same bits whether its tile is whole or not (a row's output never
+// depends on the batch it is in).
 template <int MT, int NT>
 void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                bool whole, int64_t row0, int64_t M, int64_t p, int64_t N, int64_t out_per_panel,
-               GemmEpilogue E, float* c, int64_t ldc, float* out) {
-  // Whole tiles of a store or accumulate go straight between the tiles and c.
-  float* dst = c + row0 * ldc + p * kPanelCols;
-  if (whole && E == kStore) {
-    tile_block<MT, NT, kDirect>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
-  } else if (whole && E == kAccumulate) {
-    tile_block<MT, NT, kInPlace>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
-  } else {
-    tile_block<MT, NT, kBuffered>(a, lda, b, panel_bytes, k_tiles, out, 0);
-    finish_block(out, MT, NT, row0, M, p, N, out_per_panel, E, c, ldc);
+               GemmEpilogue E, float* c, int64_t ldc, float* buf) {
+  constexpr int64_t buf_ld = kBufCols * 4;
+  if (whole && E != kSwiGlu) {
+    float* dst = c + row0 * ldc + p * kPanelCols;
+    if (E == kAccumulate)
+      tile_block<MT, NT, true>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+    else
+      tile_block<MT, NT, false>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+    return;
   }
+  if (E == kAccumulate) {
+    buffer_block<true>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
+    tile_block<MT, NT, true>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
+  } else {
+    tile_block<MT, NT, false>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
+  }
+  buffer_block<false>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
 }
 
 // One thread's panels [p0, p1) over the bf16 rows xb (row m0 of x first) [m0, m1), multiples of
@@ -247,7 +253,7 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
 void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                 int64_t p0, int64_t p1, int64_t m0, int64_t m1, int64_t M, int64_t N,
                 int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
-  alignas(64) float out[4 * kTileRows * kPanelCols];
+  alignas(64) float buf[2 * kTileRows * kBufCols];
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   for (int64_t p = p0; p < p1;) {
@@ -260,7 +266,7 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
       const char* a = xb + (m - m0) * lda;
       auto run = [&](auto mt, auto nt) {
         run_block<decltype(mt)::value, decltype(nt)::value>(
-            a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, out);
+            a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, buf);
       };
       if (MT == 2)
         NT == 2 ? run(Two{}, Two{}) : run(Two{}, One{});
