@@ -3,8 +3,6 @@
 // stubs that are never reached (bf16_dot_enabled() is false there).
 #include "attention_bf16.h"
 
-#include <ATen/core/Tensor.h>
-
 #include <algorithm>
 #include <atomic>
 

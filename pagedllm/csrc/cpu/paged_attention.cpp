@@ -142,12 +142,12 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
+    tile_rows(kbase, table, cv, t0, n, krow);
     tile_rows(vbase, table, cv, t0, n, vrow);
     if constexpr (std::is_same_v<T, vec::bf16>) {
       if (qb) {
         // The same prefetches as below, two per key: its V row and the K row kPrefetchRows on.
         const vec::bf16* pf[2 * kTile];
-        tile_rows(kbase, table, cv, t0, n, krow);
         for (int i = 0; i < n; ++i) {
           pf[2 * i] = vrow[i];
           pf[2 * i + 1] = ahead < end ? ahead_row() : nullptr;
@@ -173,8 +173,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
       vec::prefetch_row(vrow[i], D);  // V of this tile is read right after the scores
       if (ahead < end) vec::prefetch_row(ahead_row(), D);
       ahead += ahead < end;
-      const T* k = kbase + (vrow[i] - vbase);
-      vec::dot_block<G, 1>(q, D, &k, D, o);
+      vec::dot_block<G, 1>(q, D, krow + i, D, o);
       if constexpr (kQuantized<T>) {
         const float ks = block_scale(kbase, table[blk], cv);
         for (int g = 0; g < G; ++g) o[g] *= ks;

@@ -177,6 +177,7 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
   bool split = false;  // a partition was closed: the result is the merge
   const T* krow[kTile];
   const T* vrow[kTile];
+  constexpr bool kBf16 = std::is_same_v<T, vec::bf16>;
   for (int64_t t0 = begin, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
@@ -199,8 +200,8 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     }
     if constexpr (std::is_same_v<T, float>) {
       tile_scores(ws.q.data(), rows, krow, n, D, sc);
-    } else if (std::is_same_v<T, vec::bf16> && bf16_dot) {
-      if constexpr (std::is_same_v<T, vec::bf16>)
+    } else if (kBf16 && bf16_dot) {
+      if constexpr (kBf16)  // (krow is bf16 only here)
         tile_scores_bf16(ws.qb.data(), R, krow, n, D, sc, kTile, nullptr);
     } else {
       // Every row pair and row block would convert the same K / V rows again: convert the tile
@@ -239,8 +240,8 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     for (int r = R; r < rows; ++r) std::fill(sc + r * kTile, sc + r * kTile + n, 0.f);
     if constexpr (std::is_same_v<T, float>) {
       tile_pv<T>(sc, rows, vrow, n, D, acc);
-    } else if (std::is_same_v<T, vec::bf16> && bf16_dot) {
-      if constexpr (std::is_same_v<T, vec::bf16>)
+    } else if (kBf16 && bf16_dot) {
+      if constexpr (kBf16)
         tile_pv_bf16(sc, R, kTile, vrow, n, t0 % 2 != 0, D, acc, ws.pairs.data());
     } else {
       const float* vrow32[kTile];
