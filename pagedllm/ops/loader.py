@@ -41,10 +41,11 @@ Environment:
         the CPU cannot run is refused (fallback with a warning naming the missing CPU flags).
     PAGEDLLM_CPU_ARCH_FLAGS: replaces the variant's instruction-set flags (e.g. ``-march=native``
         for the former behaviour); part of the build hash.
-    PAGEDLLM_ATTENTION_BF16_DOT=0: the attention kernels keep fp32 arithmetic on bf16 KV caches
-        (:meth:`CpuOps.attention_bf16_dot`; on by default where the CPU has avx512_bf16).
-    PAGEDLLM_GEMM_AMX=0: bf16 GEMM panels run on vdpbf16ps instead of AMX tiles
-        (:meth:`CpuOps.gemm_amx`; on by default where the CPU has amx_bf16).
+    PAGEDLLM_ATTENTION_BF16_DOT=0 (or false / no / off, :func:`env_turns_off`): the attention
+        kernels keep fp32 arithmetic on bf16 KV caches (:meth:`CpuOps.attention_bf16_dot`; on by
+        default where the CPU has avx512_bf16).
+    PAGEDLLM_GEMM_AMX=0 (or false / no / off): bf16 GEMM panels run on vdpbf16ps instead of AMX
+        tiles (:meth:`CpuOps.gemm_amx`; on by default where the CPU has amx_bf16).
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -231,6 +232,25 @@ def _check_buildable() -> None:
         raise RuntimeError(f"no C++ compiler ({_cxx()}) on PATH")
 
 
+_OFF_WORDS = ("0", "false", "no", "off")
+
+
+def env_turns_off(name: str) -> bool:
+    """Whether environment variable ``name`` turns a default-on kernel feature off: ``0``,
+    ``false``, ``no`` or ``off`` (any case, surrounding blanks ignored). Unset or empty leaves it
+    on; any other value too, with a warning naming the variable."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _OFF_WORDS:
+        return True
+    if value not in ("", "1", "true", "yes", "on"):
+        logger.warning(
+            "%s=%r is not a switch value (0/1, false/true, no/yes, off/on); left on",
+            name,
+            os.environ[name],
+        )
+    return False
+
+
 def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
     """Build (first time) or load this CPU's kernel variant and return its typed ops; ``None``
     (after one warning) when that is impossible. Later calls return the same object."""
@@ -268,9 +288,9 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
                     is_python_module=False,  # torch.ops.load_library: registers torch.ops.pagedllm
                 )
             ops = CpuOps(variant)
-            if os.environ.get("PAGEDLLM_ATTENTION_BF16_DOT") == "0":
+            if env_turns_off("PAGEDLLM_ATTENTION_BF16_DOT"):
                 ops.attention_bf16_dot(False)
-            if os.environ.get("PAGEDLLM_GEMM_AMX") == "0":
+            if env_turns_off("PAGEDLLM_GEMM_AMX"):
                 ops.gemm_amx(False)
             seconds = time.perf_counter() - t0
             _build = KernelBuild(

@@ -351,3 +351,21 @@ def test_avx512_variant_compiles(tmp_path: Path) -> None:
     except subprocess.CalledProcessError as e:
         pytest.fail(f"avx512 variant does not compile:\n{e.stdout}\n{e.stderr}")
     assert len(objects) == len(loader.SOURCES) and all(o.stat().st_size > 0 for o in objects)
+
+
+@pytest.mark.parametrize(
+    ("value", "off", "warns"),
+    [(None, False, False), ("", False, False), ("0", True, False), (" False ", True, False),
+     ("no", True, False), ("OFF", True, False), ("1", False, False), ("on", False, False),
+     ("banana", False, True)],
+)  # fmt: skip
+def test_feature_switches_read_the_usual_off_words(monkeypatch, caplog, value, off, warns) -> None:
+    """PAGEDLLM_ATTENTION_BF16_DOT / PAGEDLLM_GEMM_AMX: 0, false, no, off turn the feature off;
+    anything else leaves it on, and a value that is no switch word is logged."""
+    if value is None:
+        monkeypatch.delenv("PAGEDLLM_GEMM_AMX", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDLLM_GEMM_AMX", value)
+    with caplog.at_level("WARNING", logger=loader.__name__):
+        assert loader.env_turns_off("PAGEDLLM_GEMM_AMX") is off
+    assert ("PAGEDLLM_GEMM_AMX" in caplog.text) is warns
