@@ -18,7 +18,9 @@ class SpeculativeConfig:
 
     Attributes:
         method: "ngram" (prompt lookup: the last ``prompt_lookup_max..prompt_lookup_min`` tokens
-            matched against the prompt and output so far) or "suffix" (suffix decoding).
+            matched against the prompt and output so far), "suffix" (suffix decoding) or
+            "draft_model". Left out (empty), it is inferred as vLLM does: "draft_model" when
+            ``model`` names one, "ngram" otherwise (also for vLLM's ``model: "[ngram]"``).
         num_speculative_tokens: most tokens proposed per sequence and step (k, 1 ..
             ``MAX_SPECULATIVE_TOKENS`` = 32, a request's own bound); a request's
             ``SamplingParams.num_speculative_tokens`` may lower (or raise) it for itself.
@@ -48,7 +50,7 @@ class SpeculativeConfig:
         ValueError: naming the field (``speculative_config.<field>``) when invalid.
     """
 
-    method: str = "ngram"
+    method: str = ""
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -61,6 +63,10 @@ class SpeculativeConfig:
     model: Any = None
 
     def __post_init__(self) -> None:
+        if not self.method:  # vLLM's rule: a draft model when one is named, else n-gram lookup
+            if self.model in ("ngram", "[ngram]"):  # vLLM's older spelling of n-gram lookup
+                self.model = None
+            self.method = "ngram" if self.model is None or self.model == "" else "draft_model"
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}; "

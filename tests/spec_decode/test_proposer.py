@@ -46,6 +46,14 @@ def test_config_parsing_and_errors():
         parse_speculative_config({"num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         parse_speculative_config({"prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    # Without a method, vLLM's inference: a named model is a draft model, else n-gram lookup.
+    assert parse_speculative_config({"num_speculative_tokens": 2}).method == "ngram"
+    ngram = parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2})
+    assert (ngram.method, ngram.model) == ("ngram", None)
+    draft = parse_speculative_config({"model": "some/draft", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model) == ("draft_model", "some/draft")
+    with pytest.raises(ValueError, match="only used with method 'draft_model', not 'suffix'"):
+        parse_speculative_config({"method": "suffix", "model": "some/draft"})
     with pytest.raises(ValueError, match="speculative_config needs kv_manager"):
         EngineConfig(speculative_config='{"method": "ngram"}', kv_manager="orca-max")
 
