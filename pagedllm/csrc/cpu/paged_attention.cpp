@@ -134,9 +134,19 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
-  int64_t ahead = start;  // the next K row to prefetch
-  auto ahead_row = [&] { return kbase + (table[ahead / BS] * cv.rows + ahead % BS) * D; };
-  for (; ahead < std::min(end, start + kPrefetchRows); ++ahead) vec::prefetch_row(ahead_row(), D);
+  // The next K row to prefetch, walked block by block: a division per key (64-bit idiv, tens of
+  // cycles) was a visible share of a bf16 decode's time on an AMX Xeon.
+  int64_t ahead = start, ahead_blk = start / BS;
+  int ahead_off = static_cast<int>(start % BS);
+  auto ahead_row = [&] { return kbase + (table[ahead_blk] * cv.rows + ahead_off) * D; };
+  auto advance = [&] {
+    ++ahead;
+    if (++ahead_off == BS) {
+      ahead_off = 0;
+      ++ahead_blk;
+    }
+  };
+  for (; ahead < std::min(end, start + kPrefetchRows); advance()) vec::prefetch_row(ahead_row(), D);
   const T* krow[kTile];
   const T* vrow[kTile];
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
@@ -151,7 +161,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
         for (int i = 0; i < n; ++i) {
           pf[2 * i] = vrow[i];
           pf[2 * i + 1] = ahead < end ? ahead_row() : nullptr;
-          ahead += ahead < end;
+          if (ahead < end) advance();
         }
         tile_scores_bf16(qb, G, krow, n, D, sc, kTile, pf);
         for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
@@ -171,8 +181,10 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
     float o[G];
     for (int i = 0; i < n; ++i) {
       vec::prefetch_row(vrow[i], D);  // V of this tile is read right after the scores
-      if (ahead < end) vec::prefetch_row(ahead_row(), D);
-      ahead += ahead < end;
+      if (ahead < end) {
+        vec::prefetch_row(ahead_row(), D);
+        advance();
+      }
       vec::dot_block<G, 1>(q, D, krow + i, D, o);
       if constexpr (kQuantized<T>) {
         const float ks = block_scale(kbase, table[blk], cv);
