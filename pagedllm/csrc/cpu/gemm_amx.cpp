@@ -55,8 +55,8 @@ struct alignas(64) TileConfig {
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  uint8_t reserved2[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
 bool cpu_has_amx_bf16() {
   unsigned a, b, c, d;

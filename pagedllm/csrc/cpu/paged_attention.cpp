@@ -107,15 +107,8 @@ inline void accumulate_pv(float* acc, const float* sc, const T* const* vrow, int
 template <typename T>
 inline void tile_rows(const T* base, const int64_t* table, const CacheView& cv, int64_t t0, int n,
                       const T** rows) {
-  int64_t blk = t0 / cv.block_size;
-  int off = static_cast<int>(t0 % cv.block_size);
-  for (int i = 0; i < n; ++i) {
-    rows[i] = base + (table[blk] * cv.rows + off) * cv.D;
-    if (++off == cv.block_size) {
-      off = 0;
-      ++blk;
-    }
-  }
+  for (KeyCursor key(t0, cv.block_size); n > 0; --n, key.next(cv.block_size))
+    *rows++ = base + key.row(table, cv) * cv.D;
 }
 
 // Online softmax over context positions [start, end) of one sequence (one partition: no multiple
@@ -134,17 +127,12 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
-  // The next K row to prefetch, walked block by block: a division per key (64-bit idiv, tens of
-  // cycles) was a visible share of a bf16 decode's time on an AMX Xeon.
-  int64_t ahead = start, ahead_blk = start / BS;
-  int ahead_off = static_cast<int>(start % BS);
-  auto ahead_row = [&] { return kbase + (table[ahead_blk] * cv.rows + ahead_off) * D; };
+  int64_t ahead = start;  // the next K row to prefetch
+  KeyCursor ahead_key(start, BS);
+  auto ahead_row = [&] { return kbase + ahead_key.row(table, cv) * D; };
   auto advance = [&] {
     ++ahead;
-    if (++ahead_off == BS) {
-      ahead_off = 0;
-      ++ahead_blk;
-    }
+    ahead_key.next(BS);
   };
   for (; ahead < std::min(end, start + kPrefetchRows); advance()) vec::prefetch_row(ahead_row(), D);
   const T* krow[kTile];
@@ -169,15 +157,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
         continue;
       }
     }
-    // Block and offset of key i, for the scales of a quantized cache.
-    int64_t blk = t0 / BS;
-    int off = static_cast<int>(t0 % BS);
-    auto next_key = [&] {
-      if (++off == BS) {
-        off = 0;
-        ++blk;
-      }
-    };
+    KeyCursor key(t0, BS);  // key i's block, for the scales of a quantized cache
     float o[G];
     for (int i = 0; i < n; ++i) {
       vec::prefetch_row(vrow[i], D);  // V of this tile is read right after the scores
@@ -187,21 +167,19 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
       }
       vec::dot_block<G, 1>(q, D, krow + i, D, o);
       if constexpr (kQuantized<T>) {
-        const float ks = block_scale(kbase, table[blk], cv);
+        const float ks = block_scale(kbase, table[key.blk], cv);
         for (int g = 0; g < G; ++g) o[g] *= ks;
-        next_key();
+        key.next(BS);
       }
       for (int g = 0; g < G; ++g) sc[g * kTile + i] = o[g];
     }
     for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
     // Each V row's block scale folded into its probabilities.
     if constexpr (kQuantized<T>) {
-      blk = t0 / BS;
-      off = static_cast<int>(t0 % BS);
-      for (int i = 0; i < n; ++i) {
-        const float vs = block_scale(vbase, table[blk], cv);
+      key = KeyCursor(t0, BS);
+      for (int i = 0; i < n; ++i, key.next(BS)) {
+        const float vs = block_scale(vbase, table[key.blk], cv);
         for (int g = 0; g < G; ++g) sc[g * kTile + i] *= vs;
-        next_key();
       }
     }
     accumulate_pv<G, T>(acc, sc, vrow, n, D);

@@ -185,18 +185,13 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
       close_partition(ws, rows, D);
       split = true;
     }
-    int64_t blk = t0 / BS;
-    int off = static_cast<int>(t0 % BS);
-    for (int i = 0; i < n; ++i) {
-      const int64_t row = (table[blk] * cv.rows + off) * D;
+    KeyCursor key(t0, BS);
+    for (int i = 0; i < n; ++i, key.next(BS)) {
+      const int64_t row = key.row(table, cv) * D;
       krow[i] = kbase + row;
       vrow[i] = vbase + row;
-      ws.kscale[i] = block_scale(kbase, table[blk], cv);
-      ws.vscale[i] = block_scale(vbase, table[blk], cv);
-      if (++off == BS) {
-        off = 0;
-        ++blk;
-      }
+      ws.kscale[i] = block_scale(kbase, table[key.blk], cv);
+      ws.vscale[i] = block_scale(vbase, table[key.blk], cv);
     }
     if constexpr (std::is_same_v<T, float>) {
       tile_scores(ws.q.data(), rows, krow, n, D, sc);
