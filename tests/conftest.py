@@ -181,21 +181,38 @@ def cpu_ops():
 
 
 @contextlib.contextmanager
-def attention_bf16_dot(ops, on: bool):
-    """Runs the block with the attention kernels' bf16 dot products (``CpuOps.attention_bf16_dot``)
-    on or off, then restores the setting; skips the test where ``on`` cannot be had (it needs
-    the avx512 kernel variant and the ``avx512_bf16`` CPU flag)."""
-    before = ops.attention_bf16_dot()
-    if ops.attention_bf16_dot(on) != on:
-        ops.attention_bf16_dot(before)
-        pytest.skip(
-            f"bf16 attention dot products need the avx512_bf16 CPU flag (missing here) and the "
-            f"avx512 kernel variant (this one: {ops.variant})"
-        )
+def _kernel_switch(switch, on: bool, cannot: str):
+    """Runs the block with the process-wide kernel setting ``switch`` (a ``CpuOps`` method:
+    ``switch(None)`` asks, ``switch(flag)`` sets and returns the new state) at ``on``, then
+    restores it; skips the test with reason ``cannot`` where ``on`` cannot be had."""
+    before = switch()
+    if switch(on) != on:
+        switch(before)
+        pytest.skip(cannot)
     try:
         yield
     finally:
-        ops.attention_bf16_dot(before)
+        switch(before)
+
+
+def attention_bf16_dot(ops, on: bool):
+    """The attention kernels' bf16 dot products (``CpuOps.attention_bf16_dot``) on or off for
+    the block (they need the avx512 kernel variant and the ``avx512_bf16`` CPU flag)."""
+    return _kernel_switch(
+        ops.attention_bf16_dot, on,
+        f"bf16 attention dot products need the avx512_bf16 CPU flag (missing here) and the "
+        f"avx512 kernel variant (this one: {ops.variant})",
+    )  # fmt: skip
+
+
+def attention_amx(ops, on: bool):
+    """The bf16 attention scores on AMX tiles (``CpuOps.attention_amx``) on or off for the block
+    (they need the avx512 kernel variant and the ``amx_bf16`` / ``amx_tile`` CPU flags)."""
+    return _kernel_switch(
+        ops.attention_amx, on,
+        f"AMX attention scores need the amx_bf16 and amx_tile CPU flags (missing here) and the "
+        f"avx512 kernel variant (this one: {ops.variant})",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,7 @@ class CpuOps:
         self._int8_gemm_isa = lib.int8_gemm_isa.default
         self._decoder_layers_ = lib.decoder_layers_.default
         self._attention_bf16_dot = lib.attention_bf16_dot.default
+        self._attention_amx = lib.attention_amx.default
         self._gemm_amx = lib.gemm_amx.default
         self._simd = str(self._simd_level())
 
@@ -163,6 +164,14 @@ class CpuOps:
         prefill stay bit-identical to each other). ``enable`` turns them on / off for the
         process first (no effect where they cannot run); ``None`` only asks."""
         return bool(self._attention_bf16_dot(-1 if enable is None else int(enable)))
+
+    def attention_amx(self, enable: bool | None = None) -> bool:
+        """Whether those bf16 dot products score q . k on AMX tiles (``TDPBF16PS`` over S^T = K
+        Q^T, fp32 sums; the avx512 variant on a CPU with ``amx_bf16`` / ``amx_tile``) instead
+        of ``vdpbf16ps`` lanes summed horizontally. Decode and prefill both score through them,
+        so they stay bit-identical to each other either way. ``enable`` turns them on / off for
+        the process first (no effect where they cannot run); ``None`` only asks."""
+        return bool(self._attention_amx(-1 if enable is None else int(enable)))
 
     # ---- fp32 GEMM over packed weight panels --------------------------------------------------
 

@@ -46,6 +46,9 @@ Environment:
         default where the CPU has avx512_bf16).
     PAGEDLLM_GEMM_AMX=0 (or false / no / off): bf16 GEMM panels run on vdpbf16ps instead of AMX
         tiles (:meth:`CpuOps.gemm_amx`; on by default where the CPU has amx_bf16).
+    PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products score on
+        vdpbf16ps instead of AMX tiles (:meth:`CpuOps.attention_amx`; on by default where the
+        CPU has amx_bf16).
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -82,13 +85,13 @@ logger = logging.getLogger(__name__)
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SOURCES = (
-    "paged_attention.cpp", "prefill_attention.cpp", "attention_bf16.cpp", "kv_cache_ops.cpp",
-    "layer_ops.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp",
+    "paged_attention.cpp", "prefill_attention.cpp", "attention_bf16.cpp", "attention_amx.cpp",
+    "kv_cache_ops.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp",
     "torch_bindings.cpp",
 )  # fmt: skip
 HEADERS = (
-    "vec.h", "kv_quant.h", "attention_common.h", "attention_bf16.h", "paged_attention.h",
-    "layer_ops.h", "gemm.h", "gemm_amx.h", "quant_gguf.h", "int8_gemm.h", "fused_layer.h",
+    "vec.h", "kv_quant.h", "attention_common.h", "attention_bf16.h", "attention_amx.h",
+    "amx_tiles.h", "paged_attention.h", "layer_ops.h", "gemm.h", "gemm_amx.h", "quant_gguf.h", "int8_gemm.h", "fused_layer.h",
 )  # fmt: skip
 
 _X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -292,6 +295,8 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
                 ops.attention_bf16_dot(False)
             if env_turns_off("PAGEDLLM_GEMM_AMX"):
                 ops.gemm_amx(False)
+            if env_turns_off("PAGEDLLM_ATTENTION_AMX"):
+                ops.attention_amx(False)
             seconds = time.perf_counter() - t0
             _build = KernelBuild(
                 variant=variant,
@@ -305,13 +310,14 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
             override = os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS", "").strip()
             logger.info(
                 "pagedllm C++ CPU kernels: variant %s (cpu flags: %s)%s, bf16 attention dot "
-                "products %s, AMX bf16 GEMM %s, ready in %.1f s from %s",
+                "products %s (AMX scores %s), AMX bf16 GEMM %s, ready in %.1f s from %s",
                 variant,
                 cpu_flags().summary(),
                 f", simd {_build.simd_level} from PAGEDLLM_CPU_ARCH_FLAGS={override!r}"
                 if override
                 else "",
                 "on" if ops.attention_bf16_dot() else "off",
+                "on" if ops.attention_amx() else "off",
                 "on" if ops.gemm_amx() else "off",
                 seconds,
                 directory,

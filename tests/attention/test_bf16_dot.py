@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.platform import cpu_flags
 from tests.attention.test_decode_prefill_identity import _cache_pair
-from tests.conftest import attention_bf16_dot
+from tests.conftest import attention_amx, attention_bf16_dot
 
 TILE = 128  # attn::kTile
 
@@ -70,11 +71,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kvh,hd,bs,ctx,new,window,psize", CASES)
-def test_bf16_dot_equals_emulation(cpu_ops, q_dtype, heads, kvh, hd, bs, ctx, new, window, psize):
+def test_bf16_dot_equals_emulation(
+    cpu_ops, amx, q_dtype, heads, kvh, hd, bs, ctx, new, window, psize
+):
     """Prefill and decode outputs equal the emulated bf16 arithmetic (up to fp32 sums in another
-    order and the kernels' own exp), while the fp32-arithmetic answer is ~1e-3 away."""
+    order and the kernels' own exp), while the fp32-arithmetic answer is ~1e-3 away; with the
+    scores summed by AMX tiles (csrc/cpu/attention_amx.h) or by vdpbf16ps lanes."""
     gen = torch.Generator().manual_seed(heads * 100 + ctx + new + hd)
     length = ctx + new
     kc, vc, table = _cache_pair(length, kvh, hd, bs, torch.bfloat16, gen)
@@ -83,7 +88,7 @@ def test_bf16_dot_equals_emulation(cpu_ops, q_dtype, heads, kvh, hd, bs, ctx, ne
     lens, starts = torch.tensor([length]), torch.tensor([0, new])
     outs = {}
     for on in (True, False):
-        with attention_bf16_dot(cpu_ops, on):
+        with attention_bf16_dot(cpu_ops, on), attention_amx(cpu_ops, amx and on):
             pre = torch.full_like(q, float("nan"))
             cpu_ops.paged_attention_prefill(
                 pre, q, kc, vc, table, lens, starts, 0, 1, scale, psize, window
@@ -137,3 +142,16 @@ def test_setting_is_reported_and_restored(cpu_ops):
     assert cpu_ops.attention_bf16_dot() is False
     cpu_ops.attention_bf16_dot(before)
     assert cpu_ops.attention_bf16_dot() == before
+
+
+def test_amx_setting_is_reported_and_restored(cpu_ops):
+    """``attention_amx(None)`` only asks; off is always possible; on only where the CPU has
+    amx_bf16 and amx_tile (the avx512 variant), as the loader's flags say."""
+    before = cpu_ops.attention_amx()
+    assert cpu_ops.attention_amx(None) == before
+    assert cpu_ops.attention_amx(False) is False
+    flags = cpu_flags()
+    can = cpu_ops.variant == "avx512" and flags.amx_bf16 and flags.has("amx_tile")
+    assert cpu_ops.attention_amx(True) is can
+    cpu_ops.attention_amx(before)
+    assert cpu_ops.attention_amx() == before

@@ -10,13 +10,14 @@ GGUF activation quantization turns into different greedy tokens, so the comparis
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
 from pagedllm.attention.kv_quant import cache_rows_per_block, is_quantized, write_quantized
-from tests.conftest import attention_bf16_dot
+from tests.conftest import attention_amx, attention_bf16_dot
 
 
 def _cache_pair(length, kvh, hd, block_size, dtype, gen):
@@ -62,22 +63,31 @@ CASES = [
     (8, 2, 64, 16, 300, 9, 37, 64),
 ]
 # Cache dtype, and for bf16 caches whether the kernels take bf16 dot products
-# (csrc/cpu/attention_bf16.h, CPUs with avx512_bf16) or fp32 arithmetic.
+# (csrc/cpu/attention_bf16.h, CPUs with avx512_bf16) or fp32 arithmetic, and whether those score
+# on AMX tiles (csrc/cpu/attention_amx.h, CPUs with amx_bf16) or on vdpbf16ps.
 DTYPES = [
-    pytest.param(torch.float32, None, id="float32"),
-    pytest.param(torch.bfloat16, True, id="bfloat16-dot"),
-    pytest.param(torch.bfloat16, False, id="bfloat16-fp32"),
-    pytest.param(torch.int8, None, id="int8"),
-    pytest.param(torch.float8_e4m3fn, None, id="float8_e4m3fn"),
+    pytest.param(torch.float32, None, None, id="float32"),
+    pytest.param(torch.bfloat16, True, True, id="bfloat16-dot-amx"),
+    pytest.param(torch.bfloat16, True, False, id="bfloat16-dot-vdpbf16ps"),
+    pytest.param(torch.bfloat16, False, None, id="bfloat16-fp32"),
+    pytest.param(torch.int8, None, None, id="int8"),
+    pytest.param(torch.float8_e4m3fn, None, None, id="float8_e4m3fn"),
 ]
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", DTYPES)
+@contextlib.contextmanager
+def _arithmetic(cpu_ops, bf16_dot, amx):
+    """The kernels' settings of one DTYPES entry (skips where the CPU lacks them)."""
+    with attention_bf16_dot(cpu_ops, bool(bf16_dot)), attention_amx(cpu_ops, bool(amx)):
+        yield
+
+
+@pytest.mark.parametrize("dtype,bf16_dot,amx", DTYPES)
 @pytest.mark.parametrize("heads,kvh,hd,bs,ctx,new,window,psize", CASES)
 def test_prefill_rows_equal_decode_bitwise(
-    cpu_ops, dtype, bf16_dot, heads, kvh, hd, bs, ctx, new, window, psize
+    cpu_ops, dtype, bf16_dot, amx, heads, kvh, hd, bs, ctx, new, window, psize
 ):
-    with attention_bf16_dot(cpu_ops, bool(bf16_dot)):
+    with _arithmetic(cpu_ops, bf16_dot, amx):
         _check_prefill_rows_equal_decode(
             cpu_ops, dtype, heads, kvh, hd, bs, ctx, new, window, psize
         )
@@ -145,8 +155,8 @@ def test_prefill_split_into_chunks_and_sequences_is_bitwise_the_same(cpu_ops, th
     assert torch.equal(pair[5:], whole) and torch.equal(pair[:5], whole[:5])
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", DTYPES[:3])
-def test_a_max_jump_that_underflows_the_rescale_drops_earlier_keys(cpu_ops, dtype, bf16_dot):
+@pytest.mark.parametrize("dtype,bf16_dot,amx", DTYPES[:4])
+def test_a_max_jump_that_underflows_the_rescale_drops_earlier_keys(cpu_ops, dtype, bf16_dot, amx):
     """Keys 0..127 (one tile) score 0 and key 128 (the next tile) scores 200: e^(0 - 200)
     underflows to 0, the softmax is one-hot on key 128, and both kernels return V[128] (they
     once kept the first tile's V sum, skipping the accumulator's rescale at a factor of 0)."""
@@ -163,7 +173,7 @@ def test_a_max_jump_that_underflows_the_rescale_drops_earlier_keys(cpu_ops, dtyp
     q[0, 0, 0] = 1.0
     table = torch.arange(nb).view(1, nb)
     want = vc.view(-1, hd)[128].to(dtype)
-    with attention_bf16_dot(cpu_ops, bool(bf16_dot)):
+    with _arithmetic(cpu_ops, bf16_dot, amx):
         dec, pre = torch.empty_like(q), torch.empty_like(q)
         cpu_ops.paged_attention_decode(dec, q, kc, vc, table, torch.tensor([length]), 1, 1.0)
         cpu_ops.paged_attention_prefill(

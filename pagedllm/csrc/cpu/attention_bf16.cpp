@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "attention_amx.h"
 #include "attention_common.h"
 
 namespace pagedllm {
@@ -123,6 +124,10 @@ void round_rows_bf16(const float* q, int rows, int D, vec::bf16* qb) {
 PAGEDLLM_BF16_TARGET void tile_scores_bf16(const vec::bf16* qb, int rows,
                                            const vec::bf16* const* krow, int n, int D, float* sc,
                                            int sc_stride, const vec::bf16* const* prefetch) {
+  if (amx_scores_active()) {  // the same scores, summed by the tiles (attention_amx.h)
+    tile_scores_amx(qb, rows, krow, n, D, sc, sc_stride, prefetch);
+    return;
+  }
   for (int i0 = 0; i0 < n; i0 += 8) {
     const int kb = std::min(8, n - i0);
     if (prefetch)

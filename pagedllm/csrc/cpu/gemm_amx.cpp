@@ -26,15 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "vec.h"
-
-#if defined(__x86_64__) && defined(__AVX512F__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDLLM_AMX 1
-#endif
 
 namespace pagedllm {
 namespace {
@@ -42,83 +35,16 @@ namespace {
 std::atomic<bool> amx_on{true};
 
 #if defined(PAGEDLLM_AMX)
-constexpr int kTileRows = 16;                 // rows of an A or C tile
-constexpr int kTileK = 32;                    // bf16 values of k per A row (64 bytes)
+using namespace amx;
 constexpr int kPanelCols = 16;                // columns of a panel (a B or C tile's width)
 constexpr int64_t kBTileBytes = 16 * 64;      // one B tile: 16 k pairs x 16 columns x 4 bytes
 constexpr int64_t kRowBlockBytes = 512 << 10; // bf16 x per pass over the panels (L2-resident)
-
-// The 64-byte operand of LDTILECFG (palette 1: 8 tiles of up to 16 rows x 64 bytes).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
-
-bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
-}
-
-// Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16+); the grant covers all threads.
-bool request_tile_state() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 // Tile numbers: C(m, n) = m NT + n (MT NT <= 4), A rows alternate between tiles 4 and 5, B(n)
 // = 6 + n. C(m, n) sits at rows 16m, columns 16n of its destination (row stride ld bytes): the
 // output c itself, or a [32][32] buffer for partial tiles and the SwiGLU epilogue.
 inline float* c_tile(float* dst, int64_t ld, int m, int n) {
   return dst + m * kTileRows * (ld / 4) + n * kPanelCols;
-}
-
-// GCC's AMX intrinsics paste the tile number into their assembly text, so it must be a literal:
-// these map a template constant onto the literal calls.
-template <int T>
-__attribute__((target("amx-tile"))) inline void zero_tile() {
-  if constexpr (T == 0) _tile_zero(0);
-  if constexpr (T == 1) _tile_zero(1);
-  if constexpr (T == 2) _tile_zero(2);
-  if constexpr (T == 3) _tile_zero(3);
-}
-
-template <int T>
-__attribute__((target("amx-tile"))) inline void load_tile(const void* p, int64_t stride) {
-  if constexpr (T == 0) _tile_loadd(0, p, stride);
-  if constexpr (T == 1) _tile_loadd(1, p, stride);
-  if constexpr (T == 2) _tile_loadd(2, p, stride);
-  if constexpr (T == 3) _tile_loadd(3, p, stride);
-  if constexpr (T == 4) _tile_loadd(4, p, stride);
-  if constexpr (T == 5) _tile_loadd(5, p, stride);
-  if constexpr (T == 6) _tile_loadd(6, p, stride);
-  if constexpr (T == 7) _tile_loadd(7, p, stride);
-}
-
-template <int T>
-__attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
-  if constexpr (T == 0) _tile_stored(0, p, stride);
-  if constexpr (T == 1) _tile_stored(1, p, stride);
-  if constexpr (T == 2) _tile_stored(2, p, stride);
-  if constexpr (T == 3) _tile_stored(3, p, stride);
-}
-
-// C (0-3) += A (4-5) . B (6-7)
-template <int C, int A, int B>
-__attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
-#define PAGEDLLM_DP(c, a, b) \
-  if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
-  PAGEDLLM_DP(0, 4, 6) PAGEDLLM_DP(0, 4, 7) PAGEDLLM_DP(0, 5, 6) PAGEDLLM_DP(0, 5, 7)
-  PAGEDLLM_DP(1, 4, 6) PAGEDLLM_DP(1, 4, 7) PAGEDLLM_DP(1, 5, 6) PAGEDLLM_DP(1, 5, 7)
-  PAGEDLLM_DP(2, 4, 6) PAGEDLLM_DP(2, 4, 7) PAGEDLLM_DP(2, 5, 6) PAGEDLLM_DP(2, 5, 7)
-  PAGEDLLM_DP(3, 4, 6) PAGEDLLM_DP(3, 4, 7) PAGEDLLM_DP(3, 5, 6) PAGEDLLM_DP(3, 5, 7)
-#undef PAGEDLLM_DP
 }
 
 // C tiles start from the destination's values (LOAD: the accumulate epilogue, x W^T added to c
@@ -171,19 +97,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int6
   }
   store_c<MT, NT>(dst, ld);
 }
-
-__attribute__((target("amx-tile"))) void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
-  }
-  // GCC 12 does not see LDTILECFG read cfg and drops the stores above without this barrier.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
-
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 constexpr int kBufCols = 2 * kPanelCols;  // the [32][32] fp32 buffer of a block's tiles
 
@@ -295,8 +208,7 @@ void round_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, 
 
 bool amx_available() {
 #if defined(PAGEDLLM_AMX)
-  static const bool ok = cpu_has_amx_bf16() && request_tile_state();
-  return ok;
+  return tiles_usable();
 #else
   return false;
 #endif

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_common.h"
 #include "paged_attention.h"
@@ -283,6 +284,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 #pragma omp parallel num_threads(nthreads)
   {
+    const AmxScoresScope tiles(bf16_dot);
     std::vector<float> qf(G * D), m(G), l(G), acc(G * D), sc(static_cast<size_t>(G) * kTile);
     std::vector<float> M(G), L(G), A(G * D);
     std::vector<vec::bf16> qb(bf16_dot ? G * D : 0);

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_common.h"
 #include "paged_attention.h"
@@ -304,6 +305,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 #pragma omp parallel num_threads(nthreads)
   {
+    const AmxScoresScope tiles(bf16_dot);
     const int rows = (kQueryTile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
     thread_local PrefillScratch ws;
     ws.reserve(rows, D);

@@ -2,13 +2,14 @@
 //
 // Each schema names its arguments and marks those written in place (Tensor(a!)), so the ops are
 // ordinary dispatcher ops (torch.ops.pagedllm.rms_norm, ...). The tensor ops get a CPU kernel;
-// simd_level, gemm_bf16_supported, gemm_amx, int8_gemm_isa and attention_bf16_dot have no tensor
-// argument and are registered for every backend. Typed Python wrappers:
+// simd_level, gemm_bf16_supported, gemm_amx, int8_gemm_isa, attention_bf16_dot and
+// attention_amx have no tensor argument and are registered for every backend. Typed Python wrappers:
 // pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
 // pagedllm/ops/loader.py), and a process loads exactly one of them.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "attention_amx.h"
 #include "attention_bf16.h"
 #include "fused_layer.h"
 #include "gemm.h"
@@ -39,6 +40,11 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("attention_bf16_dot(int mode) -> bool", [](int64_t mode) {
     if (mode >= 0) pagedllm::attn::set_bf16_dot(mode != 0);
     return pagedllm::attn::bf16_dot_enabled();
+  });
+  // mode 1 / 0 turns the AMX attention scores on / off, -1 leaves them; returns whether they run.
+  m.def("attention_amx(int mode) -> bool", [](int64_t mode) {
+    if (mode >= 0) pagedllm::attn::set_amx_scores(mode != 0);
+    return pagedllm::attn::amx_scores_enabled();
   });
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

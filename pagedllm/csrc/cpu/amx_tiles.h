@@ -1,0 +1,116 @@
+// Intel AMX tile plumbing shared by the bf16 GEMM (gemm_amx.cpp) and the attention scores
+// (attention_amx.cpp): the tile configuration, the CPU and kernel checks, and literal-number
+// wrappers of the tile intrinsics. Only the avx512 kernel variant on x86-64 defines
+// PAGEDLLM_AMX; elsewhere this header declares nothing.
+//
+// One configuration serves both users: palette 1 with all 8 tiles at 16 rows x 64 bytes (an A
+// tile is 16 rows x 32 bf16, a B tile 16 (k, k + 1) pair rows x 16 columns, a C tile 16 x 16
+// fp32). TDPBF16PS computes C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1]
+// in fp32 (Intel 64 and IA-32 Architectures Software Developer's Manual, TDPBF16PS): an element
+// depends only on its A row and B column, never on the other rows of the tile.
+#pragma once
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__AVX512F__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDLLM_AMX 1
+
+namespace pagedllm {
+namespace amx {
+
+constexpr int kTileRows = 16;  // rows of an A or C tile (and k pairs of a B tile)
+constexpr int kTileK = 32;     // bf16 values of k per A row (64 bytes)
+
+// The 64-byte operand of LDTILECFG (palette 1: 8 tiles of up to 16 rows x 64 bytes).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+inline bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+}
+
+// Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16+); the grant covers all threads.
+inline bool request_tile_state() {
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Whether this process may run AMX bf16 tiles: the CPU has them and the kernel granted the
+// tile state (asked once).
+inline bool tiles_usable() {
+  static const bool ok = cpu_has_amx_bf16() && request_tile_state();
+  return ok;
+}
+
+// Loads the shared configuration in the calling thread (all 8 tiles 16 rows x 64 bytes).
+__attribute__((target("amx-tile"))) inline void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  // GCC 12 does not see LDTILECFG read cfg and drops the stores above without this barrier.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
+
+// GCC's AMX intrinsics paste the tile number into their assembly text, so it must be a literal:
+// these map a template constant onto the literal calls.
+template <int T>
+__attribute__((target("amx-tile"))) inline void zero_tile() {
+  if constexpr (T == 0) _tile_zero(0);
+  if constexpr (T == 1) _tile_zero(1);
+  if constexpr (T == 2) _tile_zero(2);
+  if constexpr (T == 3) _tile_zero(3);
+}
+
+template <int T>
+__attribute__((target("amx-tile"))) inline void load_tile(const void* p, int64_t stride) {
+  if constexpr (T == 0) _tile_loadd(0, p, stride);
+  if constexpr (T == 1) _tile_loadd(1, p, stride);
+  if constexpr (T == 2) _tile_loadd(2, p, stride);
+  if constexpr (T == 3) _tile_loadd(3, p, stride);
+  if constexpr (T == 4) _tile_loadd(4, p, stride);
+  if constexpr (T == 5) _tile_loadd(5, p, stride);
+  if constexpr (T == 6) _tile_loadd(6, p, stride);
+  if constexpr (T == 7) _tile_loadd(7, p, stride);
+}
+
+template <int T>
+__attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
+  if constexpr (T == 0) _tile_stored(0, p, stride);
+  if constexpr (T == 1) _tile_stored(1, p, stride);
+  if constexpr (T == 2) _tile_stored(2, p, stride);
+  if constexpr (T == 3) _tile_stored(3, p, stride);
+}
+
+// C (0-3) += A (4-5) . B (6-7)
+template <int C, int A, int B>
+__attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
+#define PAGEDLLM_DP(c, a, b) \
+  if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
+  PAGEDLLM_DP(0, 4, 6) PAGEDLLM_DP(0, 4, 7) PAGEDLLM_DP(0, 5, 6) PAGEDLLM_DP(0, 5, 7)
+  PAGEDLLM_DP(1, 4, 6) PAGEDLLM_DP(1, 4, 7) PAGEDLLM_DP(1, 5, 6) PAGEDLLM_DP(1, 5, 7)
+  PAGEDLLM_DP(2, 4, 6) PAGEDLLM_DP(2, 4, 7) PAGEDLLM_DP(2, 5, 6) PAGEDLLM_DP(2, 5, 7)
+  PAGEDLLM_DP(3, 4, 6) PAGEDLLM_DP(3, 4, 7) PAGEDLLM_DP(3, 5, 6) PAGEDLLM_DP(3, 5, 7)
+#undef PAGEDLLM_DP
+}
+
+}  // namespace amx
+}  // namespace pagedllm
+#endif  // x86-64 with AVX-512

@@ -1,0 +1,177 @@
+// Attention scores on AMX tiles (attention_amx.h).
+//
+// Per call (one tile of up to kTile keys for `rows` query rows of one kv head):
+//   - Q^T is laid out as B tiles: for query rows [16 ct, 16 ct + 16) and head dimensions
+//     [32 kc, 32 kc + 32), B[p][c] is the bf16 pair (q[16 ct + c][32 kc + 2p], ... + 1), zero
+//     past the last row;
+//   - for every 16 keys, their K rows are the A tile of each 32 dimensions (TILELOADD reads them
+//     straight from the cache when they are consecutive rows of one block run, else from a copy),
+//     and up to 4 C tiles (64 query rows) take S^T[key][row] over the D / 32 steps;
+//   - each C tile is stored to a 1 KiB buffer and its columns (query rows) are gathered into sc.
+// The vdpbf16ps scores (attention_bf16.cpp) reduce 16 lanes per (row, key) pair horizontally;
+// here the tiles sum over the pairs themselves, a few instructions per 16 keys.
+#include "attention_amx.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "attention_bf16.h"
+
+namespace pagedllm {
+namespace attn {
+
+#if defined(PAGEDLLM_AMX)
+
+namespace {
+
+std::atomic<bool> g_amx_scores{true};
+
+using amx::kTileRows;
+using u32_alias = uint32_t __attribute__((may_alias));
+
+thread_local bool t_scope_active = false;
+
+// qt: the B tiles of Q^T, tile (ct, kc) at (ct * KC + kc) * 256 dwords (16 pair rows x 16
+// columns). Columns past the last row keep whatever an earlier call left: they only reach C
+// columns (query rows) that are never read.
+void layout_q(const vec::bf16* qb, int rows, int D, uint32_t* qt) {
+  const int KC = D / 32, half = D / 2;
+  const auto* q32 = reinterpret_cast<const u32_alias*>(qb);
+  for (int r = 0; r < rows; ++r) {
+    const int ct = r / kTileRows, c = r % kTileRows;
+    for (int kc = 0; kc < KC; ++kc) {
+      uint32_t* t = qt + (ct * KC + kc) * 256 + c;
+      const u32_alias* q = q32 + r * half + kc * 16;
+      for (int p = 0; p < 16; ++p) t[p * 16] = q[p];
+    }
+  }
+}
+
+// C tiles 0 .. NC - 1 <- the 16 keys at a (row stride lda bytes) . the B tiles of column tiles
+// ct0 .. ct0 + NC - 1; stored to cbuf (NC x 256 floats, [key][query row]).
+template <int NC>
+__attribute__((target("amx-tile,amx-bf16"))) void chunk_scores(const char* a, int64_t lda,
+                                                               const uint32_t* qt, int ct0,
+                                                               int KC, float* cbuf) {
+  amx::zero_tile<0>();
+  if constexpr (NC > 1) amx::zero_tile<1>();
+  if constexpr (NC > 2) amx::zero_tile<2>();
+  if constexpr (NC > 3) amx::zero_tile<3>();
+  for (int kc = 0; kc < KC; ++kc) {
+    amx::load_tile<4>(a + kc * 64, lda);
+    const uint32_t* b = qt + (ct0 * KC + kc) * 256;
+    amx::load_tile<6>(b, 64);
+    amx::dp_tile<0, 4, 6>();
+    if constexpr (NC > 1) {
+      amx::load_tile<7>(b + KC * 256, 64);
+      amx::dp_tile<1, 4, 7>();
+    }
+    if constexpr (NC > 2) {
+      amx::load_tile<6>(b + 2 * KC * 256, 64);
+      amx::dp_tile<2, 4, 6>();
+    }
+    if constexpr (NC > 3) {
+      amx::load_tile<7>(b + 3 * KC * 256, 64);
+      amx::dp_tile<3, 4, 7>();
+    }
+  }
+  amx::store_tile<0>(cbuf, 64);
+  if constexpr (NC > 1) amx::store_tile<1>(cbuf + 256, 64);
+  if constexpr (NC > 2) amx::store_tile<2>(cbuf + 512, 64);
+  if constexpr (NC > 3) amx::store_tile<3>(cbuf + 768, 64);
+}
+
+// Whether the m rows from krow[0] are consecutive rows of D values in memory.
+inline bool consecutive(const vec::bf16* const* krow, int m, int D) {
+  for (int j = 1; j < m; ++j)
+    if (krow[j] != krow[0] + static_cast<int64_t>(j) * D) return false;
+  return true;
+}
+
+}  // namespace
+
+bool amx_scores_enabled() {
+  return g_amx_scores.load(std::memory_order_relaxed) && amx::tiles_usable();
+}
+
+bool set_amx_scores(bool on) { return g_amx_scores.exchange(on); }
+
+AmxScoresScope::AmxScoresScope(bool on) : active_(on && amx_scores_enabled()) {
+  if (!active_) return;
+  amx::load_tile_config();
+  t_scope_active = true;
+}
+
+AmxScoresScope::~AmxScoresScope() {
+  if (!active_) return;
+  t_scope_active = false;
+  amx::release_tiles();
+}
+
+bool amx_scores_active() { return t_scope_active; }
+
+__attribute__((target("amx-tile,amx-bf16"))) void tile_scores_amx(
+    const vec::bf16* qb, int rows, const vec::bf16* const* krow, int n, int D, float* sc,
+    int sc_stride, const vec::bf16* const* prefetch) {
+  const int KC = D / 32, CT = (rows + kTileRows - 1) / kTileRows;
+  thread_local std::vector<uint32_t> qt;
+  thread_local std::vector<vec::bf16> kcopy(static_cast<size_t>(kTileRows) * kMaxHeadDim);
+  alignas(64) float cbuf[4 * 256];
+  if (qt.size() < static_cast<size_t>(CT) * KC * 256) qt.resize(static_cast<size_t>(CT) * KC * 256);
+  layout_q(qb, rows, D, qt.data());
+  const int64_t lda = static_cast<int64_t>(D) * sizeof(vec::bf16);
+  // Element i of a C tile's column c sits at cbuf[16 i + c].
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                             5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int i0 = 0; i0 < n; i0 += kTileRows) {
+    const int m = std::min(kTileRows, n - i0);
+    if (prefetch)
+      for (int i = 2 * i0; i < 2 * (i0 + m); ++i)
+        if (prefetch[i]) vec::prefetch_row(prefetch[i], D);
+    const char* a;
+    if (m == kTileRows && consecutive(krow + i0, m, D)) {
+      a = reinterpret_cast<const char*>(krow[i0]);
+    } else {  // rows from several blocks, or a last partial chunk (its other rows are ignored)
+      for (int j = 0; j < m; ++j)
+        std::memcpy(static_cast<void*>(kcopy.data() + static_cast<size_t>(j) * D), krow[i0 + j],
+                    lda);
+      a = reinterpret_cast<const char*>(kcopy.data());
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+    for (int ct0 = 0; ct0 < CT; ct0 += 4) {
+      const int nc = std::min(4, CT - ct0);
+      switch (nc) {
+        case 1: chunk_scores<1>(a, lda, qt.data(), ct0, KC, cbuf); break;
+        case 2: chunk_scores<2>(a, lda, qt.data(), ct0, KC, cbuf); break;
+        case 3: chunk_scores<3>(a, lda, qt.data(), ct0, KC, cbuf); break;
+        default: chunk_scores<4>(a, lda, qt.data(), ct0, KC, cbuf); break;
+      }
+      const int r1 = std::min(rows, (ct0 + nc) * kTileRows);
+      for (int r = ct0 * kTileRows; r < r1; ++r) {
+        const int t = r / kTileRows - ct0, c = r % kTileRows;
+        const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, column,
+                                                  cbuf + t * 256 + c, 4);
+        _mm512_mask_storeu_ps(sc + static_cast<int64_t>(r) * sc_stride + i0, mask, v);
+      }
+    }
+  }
+}
+
+#else  // no AMX in this kernel variant: never enabled
+
+bool amx_scores_enabled() { return false; }
+bool set_amx_scores(bool) { return false; }
+AmxScoresScope::AmxScoresScope(bool) : active_(false) {}
+AmxScoresScope::~AmxScoresScope() {}
+bool amx_scores_active() { return false; }
+void tile_scores_amx(const vec::bf16*, int, const vec::bf16* const*, int, int, float*, int,
+                     const vec::bf16* const*) {}
+
+#endif
+
+}  // namespace attn
+}  // namespace pagedllm
