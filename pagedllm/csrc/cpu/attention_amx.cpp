@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -113,49 +112,133 @@ AmxScoresScope::~AmxScoresScope() {
 
 bool amx_scores_active() { return t_scope_active; }
 
+namespace {
+
+// The A operand of keys [i0, i0 + m): their rows in place when they are 16 consecutive rows,
+// else copied to kcopy (rows from several blocks, or a last partial chunk whose other rows are
+// ignored).
+inline const char* chunk_keys(const vec::bf16* const* krow, int i0, int m, int D,
+                              vec::bf16* kcopy) {
+  if (m == kTileRows && consecutive(krow + i0, m, D)) return reinterpret_cast<const char*>(krow[i0]);
+  // Inline 64-byte moves: a decode's last partial chunk per item is copied, and memcpy calls for
+  // 128-byte rows cost about as much as the chunk's scores.
+  for (int j = 0; j < m; ++j) {
+    const vec::bf16* src = krow[i0 + j];
+    vec::bf16* dst = kcopy + static_cast<size_t>(j) * D;
+    for (int d = 0; d < D; d += 32) _mm512_store_si512(dst + d, _mm512_loadu_si512(src + d));
+  }
+  return reinterpret_cast<const char*>(kcopy);
+}
+
+// The prefetches of keys [i0, i1) (two rows each; prefetch may be null).
+inline void prefetch_keys(const vec::bf16* const* prefetch, int i0, int i1, int D) {
+  if (prefetch)
+    for (int i = 2 * i0; i < 2 * i1; ++i)
+      if (prefetch[i]) vec::prefetch_row(prefetch[i], D);
+}
+
+// sc rows [r0, r1) at keys [i0, i0 + m) <- the columns r - c0 of a stored C tile (element i of
+// column c at tile[16 i + c]).
+inline void gather_columns(const float* tile, int c0, int r0, int r1, int i0, int m, float* sc,
+                           int sc_stride) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(16));
+  const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+  for (int r = r0; r < r1; ++r) {
+    const __m512 v =
+        _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, column, tile + (r - c0), 4);
+    _mm512_mask_storeu_ps(sc + static_cast<int64_t>(r) * sc_stride + i0, mask, v);
+  }
+}
+
+// One chunk of up to 32 head dimensions' worth of pairs into C tile CT from A tiles 4 / 5 and
+// the resident B tiles 6 / 7 (KC <= 2), stored to cbuf.
+template <int CT, int KC>
+__attribute__((target("amx-tile,amx-bf16"))) inline void resident_chunk(const char* a,
+                                                                         int64_t lda,
+                                                                         float* cbuf) {
+  amx::zero_tile<CT>();
+  amx::load_tile<4>(a, lda);
+  amx::dp_tile<CT, 4, 6>();
+  if constexpr (KC > 1) {
+    amx::load_tile<5>(a + 64, lda);
+    amx::dp_tile<CT, 5, 7>();
+  }
+  amx::store_tile<CT>(cbuf, 64);
+}
+
+// rows <= 16 and D <= 64 (a decode's G query heads, a short verify): Q^T stays in B tiles 6 / 7
+// for the call, and chunks alternate between C tiles 0 and 1 so that one chunk's scores are
+// gathered while the tiles compute the next (a gather right after its own TILESTORED waited on
+// the store: the decode kernel was 5-10 % slower than with vdpbf16ps).
+template <int KC>
+__attribute__((target("amx-tile,amx-bf16"))) void scores_resident(
+    const uint32_t* qt, int rows, const vec::bf16* const* krow, int n, int D, float* sc,
+    int sc_stride, const vec::bf16* const* prefetch, vec::bf16* kcopy) {
+  const int64_t lda = static_cast<int64_t>(D) * sizeof(vec::bf16);
+  alignas(64) float cbuf[2][256];
+  amx::load_tile<6>(qt, 64);
+  if constexpr (KC > 1) amx::load_tile<7>(qt + 256, 64);
+  int pending = -1;  // the chunk whose scores wait in cbuf[pending / 16 % 2]
+  for (int i0 = 0; i0 < n; i0 += kTileRows) {
+    const int m = std::min(kTileRows, n - i0);
+    // Half the chunk's prefetches before its tiles and half after: all 32 rows at once filled
+    // the line-fill buffers, and the tile load then waited behind them.
+    prefetch_keys(prefetch, i0, i0 + m / 2, D);
+    const char* a = chunk_keys(krow, i0, m, D, kcopy);
+    if (i0 / kTileRows % 2 == 0)
+      resident_chunk<0, KC>(a, lda, cbuf[0]);
+    else
+      resident_chunk<1, KC>(a, lda, cbuf[1]);
+    if (pending >= 0)
+      gather_columns(cbuf[pending / kTileRows % 2], 0, 0, rows, pending, kTileRows, sc,
+                     sc_stride);
+    prefetch_keys(prefetch, i0 + m / 2, i0 + m, D);
+    pending = i0;
+  }
+  if (pending >= 0)
+    gather_columns(cbuf[pending / kTileRows % 2], 0, 0, rows, pending,
+                   std::min(kTileRows, n - pending), sc, sc_stride);
+}
+
+}  // namespace
+
 __attribute__((target("amx-tile,amx-bf16"))) void tile_scores_amx(
     const vec::bf16* qb, int rows, const vec::bf16* const* krow, int n, int D, float* sc,
     int sc_stride, const vec::bf16* const* prefetch) {
   const int KC = D / 32, CT = (rows + kTileRows - 1) / kTileRows;
-  thread_local std::vector<uint32_t> qt;
-  thread_local std::vector<vec::bf16> kcopy(static_cast<size_t>(kTileRows) * kMaxHeadDim);
-  alignas(64) float cbuf[4 * 256];
-  if (qt.size() < static_cast<size_t>(CT) * KC * 256) qt.resize(static_cast<size_t>(CT) * KC * 256);
-  layout_q(qb, rows, D, qt.data());
+  thread_local std::vector<uint32_t> qt_buffer;
+  thread_local std::vector<vec::bf16> kcopy_buffer;
+  uint32_t* const qt = amx::aligned_scratch(qt_buffer, static_cast<size_t>(CT) * KC * 256);
+  vec::bf16* const kcopy =
+      amx::aligned_scratch(kcopy_buffer, static_cast<size_t>(kTileRows) * kMaxHeadDim);
+  layout_q(qb, rows, D, qt);
+  if (CT == 1 && KC <= 2) {
+    if (KC == 1)
+      scores_resident<1>(qt, rows, krow, n, D, sc, sc_stride, prefetch, kcopy);
+    else
+      scores_resident<2>(qt, rows, krow, n, D, sc, sc_stride, prefetch, kcopy);
+    return;
+  }
   const int64_t lda = static_cast<int64_t>(D) * sizeof(vec::bf16);
-  // Element i of a C tile's column c sits at cbuf[16 i + c].
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                             5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
+  alignas(64) float cbuf[4 * 256];
   for (int i0 = 0; i0 < n; i0 += kTileRows) {
     const int m = std::min(kTileRows, n - i0);
-    if (prefetch)
-      for (int i = 2 * i0; i < 2 * (i0 + m); ++i)
-        if (prefetch[i]) vec::prefetch_row(prefetch[i], D);
-    const char* a;
-    if (m == kTileRows && consecutive(krow + i0, m, D)) {
-      a = reinterpret_cast<const char*>(krow[i0]);
-    } else {  // rows from several blocks, or a last partial chunk (its other rows are ignored)
-      for (int j = 0; j < m; ++j)
-        std::memcpy(static_cast<void*>(kcopy.data() + static_cast<size_t>(j) * D), krow[i0 + j],
-                    lda);
-      a = reinterpret_cast<const char*>(kcopy.data());
-    }
-    const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+    prefetch_keys(prefetch, i0, i0 + m, D);
+    const char* a = chunk_keys(krow, i0, m, D, kcopy);
     for (int ct0 = 0; ct0 < CT; ct0 += 4) {
       const int nc = std::min(4, CT - ct0);
       switch (nc) {
-        case 1: chunk_scores<1>(a, lda, qt.data(), ct0, KC, cbuf); break;
-        case 2: chunk_scores<2>(a, lda, qt.data(), ct0, KC, cbuf); break;
-        case 3: chunk_scores<3>(a, lda, qt.data(), ct0, KC, cbuf); break;
-        default: chunk_scores<4>(a, lda, qt.data(), ct0, KC, cbuf); break;
+        case 1: chunk_scores<1>(a, lda, qt, ct0, KC, cbuf); break;
+        case 2: chunk_scores<2>(a, lda, qt, ct0, KC, cbuf); break;
+        case 3: chunk_scores<3>(a, lda, qt, ct0, KC, cbuf); break;
+        default: chunk_scores<4>(a, lda, qt, ct0, KC, cbuf); break;
       }
-      const int r1 = std::min(rows, (ct0 + nc) * kTileRows);
-      for (int r = ct0 * kTileRows; r < r1; ++r) {
-        const int t = r / kTileRows - ct0, c = r % kTileRows;
-        const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, column,
-                                                  cbuf + t * 256 + c, 4);
-        _mm512_mask_storeu_ps(sc + static_cast<int64_t>(r) * sc_stride + i0, mask, v);
+      for (int t = 0; t < nc; ++t) {
+        const int c0 = (ct0 + t) * kTileRows;
+        gather_columns(cbuf + t * 256, c0, c0, std::min(rows, c0 + kTileRows), i0, m, sc,
+                       sc_stride);
       }
     }
   }

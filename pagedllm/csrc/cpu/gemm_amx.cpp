@@ -236,8 +236,8 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   // One block of x rows in bf16, kept between calls (a fresh allocation's page faults cost as
   // much as the rounding).
   thread_local std::vector<vec::bf16> buffer;
-  if (static_cast<int64_t>(buffer.size()) < block * K) buffer.resize(block * K);
-  vec::bf16* const xb = buffer.data();  // the workers below must not name their own buffer
+  // (the workers below must not name their own thread's buffer)
+  vec::bf16* const xb = aligned_scratch(buffer, static_cast<size_t>(block * K));
   const auto* b = reinterpret_cast<const char*>(panels);
   for (int64_t m0 = 0; m0 < Mp; m0 += block) {
     const int64_t m1 = std::min(Mp, m0 + block);
