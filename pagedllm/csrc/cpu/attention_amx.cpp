@@ -2,8 +2,8 @@
 //
 // Per call (one tile of up to kTile keys for `rows` query rows of one kv head):
 //   - Q^T is laid out as B tiles: for query rows [16 ct, 16 ct + 16) and head dimensions
-//     [32 kc, 32 kc + 32), B[p][c] is the bf16 pair (q[16 ct + c][32 kc + 2p], ... + 1), zero
-//     past the last row;
+//     [32 kc, 32 kc + 32), B[p][c] is the bf16 pair (q[16 ct + c][32 kc + 2p], ... + 1) (the
+//     columns past the last row are stale and only reach C columns that are never read);
 //   - for every 16 keys, their K rows are the A tile of each 32 dimensions (TILELOADD reads them
 //     straight from the cache when they are consecutive rows of one block run, else from a copy),
 //     and up to 4 C tiles (64 query rows) take S^T[key][row] over the D / 32 steps;
@@ -90,38 +90,14 @@ inline bool consecutive(const vec::bf16* const* krow, int m, int D) {
   return true;
 }
 
-}  // namespace
-
-bool amx_scores_enabled() {
-  return g_amx_scores.load(std::memory_order_relaxed) && amx::tiles_usable();
-}
-
-bool set_amx_scores(bool on) { return g_amx_scores.exchange(on); }
-
-AmxScoresScope::AmxScoresScope(bool on) : active_(on && amx_scores_enabled()) {
-  if (!active_) return;
-  amx::load_tile_config();
-  t_scope_active = true;
-}
-
-AmxScoresScope::~AmxScoresScope() {
-  if (!active_) return;
-  t_scope_active = false;
-  amx::release_tiles();
-}
-
-bool amx_scores_active() { return t_scope_active; }
-
-namespace {
-
 // The A operand of keys [i0, i0 + m): their rows in place when they are 16 consecutive rows,
 // else copied to kcopy (rows from several blocks, or a last partial chunk whose other rows are
 // ignored).
 inline const char* chunk_keys(const vec::bf16* const* krow, int i0, int m, int D,
                               vec::bf16* kcopy) {
   if (m == kTileRows && consecutive(krow + i0, m, D)) return reinterpret_cast<const char*>(krow[i0]);
-  // Inline 64-byte moves: a decode's last partial chunk per item is copied, and memcpy calls for
-  // 128-byte rows cost about as much as the chunk's scores.
+  // 64-byte moves (D is a multiple of 32) into the aligned copy; a decode copies the last,
+  // partial chunk of every item.
   for (int j = 0; j < m; ++j) {
     const vec::bf16* src = krow[i0 + j];
     vec::bf16* dst = kcopy + static_cast<size_t>(j) * D;
@@ -203,6 +179,26 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_resident(
 }
 
 }  // namespace
+
+bool amx_scores_enabled() {
+  return g_amx_scores.load(std::memory_order_relaxed) && amx::tiles_usable();
+}
+
+bool set_amx_scores(bool on) { return g_amx_scores.exchange(on); }
+
+AmxScoresScope::AmxScoresScope(bool on) : active_(on && amx_scores_enabled()) {
+  if (!active_) return;
+  amx::load_tile_config();
+  t_scope_active = true;
+}
+
+AmxScoresScope::~AmxScoresScope() {
+  if (!active_) return;
+  t_scope_active = false;
+  amx::release_tiles();
+}
+
+bool amx_scores_active() { return t_scope_active; }
 
 __attribute__((target("amx-tile,amx-bf16"))) void tile_scores_amx(
     const vec::bf16* qb, int rows, const vec::bf16* const* krow, int n, int D, float* sc,
