@@ -95,7 +95,8 @@ inline bool consecutive(const vec::bf16* const* krow, int m, int D) {
 // ignored).
 inline const char* chunk_keys(const vec::bf16* const* krow, int i0, int m, int D,
                               vec::bf16* kcopy) {
-  if (m == kTileRows && consecutive(krow + i0, m, D)) return reinterpret_cast<const char*>(krow[i0]);
+  if (m == kTileRows && consecutive(krow + i0, m, D))
+    return reinterpret_cast<const char*>(krow[i0]);
   // 64-byte moves (D is a multiple of 32) into the aligned copy; a decode copies the last,
   // partial chunk of every item.
   for (int j = 0; j < m; ++j) {

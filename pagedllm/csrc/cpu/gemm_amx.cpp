@@ -9,13 +9,14 @@
 //
 // Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
 // tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. x is
-// rounded to a bf16 copy padded to a multiple of 16 rows (the pad rows are zero; at decode sizes
-// the tiles are far from the bottleneck, which is streaming the weights). Threads split the
-// panels, so each weight byte is read from memory once per block of rows and reused from L1/L2
-// by the block's other row tiles, as in gemm.cpp. Rows come in blocks of about kRowBlockBytes of
-// bf16 x, so prefill-sized x stays in L2 across the panels. Whole C tiles of a store go straight
-// to the output and those of an accumulate start from it (the residual add costs no pass); edge
-// tiles and SwiGLU go through a small buffer and a vector epilogue.
+// rounded to a bf16 copy on a 64-byte boundary, padded to a multiple of 16 rows (the pad rows
+// are zero; at decode sizes the tiles are far from the bottleneck, which is streaming the
+// weights). Threads split the panels, so each weight byte is read from memory once per block of
+// rows and reused from L1/L2 by the block's other row tiles, as in gemm.cpp. Rows come in blocks
+// of about kRowBlockBytes of bf16 x, so prefill-sized x stays in L2 across the panels. Whole C
+// tiles of a store go straight to the output and those of an accumulate start from it (the
+// residual add costs no pass); edge tiles and SwiGLU go through a small buffer and a vector
+// epilogue.
 #include "gemm_amx.h"
 
 #include <ATen/Parallel.h>
