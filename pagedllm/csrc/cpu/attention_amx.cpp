@@ -187,7 +187,7 @@ bool amx_scores_enabled() {
 
 bool set_amx_scores(bool on) { return g_amx_scores.exchange(on); }
 
-AmxScoresScope::AmxScoresScope(bool on) : active_(on && amx_scores_enabled()) {
+AmxScoresScope::AmxScoresScope(bool on) : active_(on && amx::tiles_usable()) {
   if (!active_) return;
   amx::load_tile_config();
   t_scope_active = true;

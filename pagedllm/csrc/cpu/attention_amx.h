@@ -16,11 +16,11 @@ bool amx_scores_enabled();
 // previous setting. For tests and A/B benchmarks of the vdpbf16ps scores on the same CPU.
 bool set_amx_scores(bool on);
 
-// The tiles of one attention kernel call in the calling thread: when `on` (and
-// amx_scores_enabled()), loads the tile configuration and routes tile_scores_bf16 to
-// tile_scores_amx until destroyed, then releases the tiles. One per thread per parallel region
-// (a configuration per 128-key tile cost ~10 % of a decode); other code that configures tiles
-// (the GEMM, oneDNN) never runs inside it.
+// The tiles of one attention kernel call in the calling thread: when `on` (the caller read
+// amx_scores_enabled() once for the whole call, so that all its threads score alike), loads the
+// tile configuration and routes tile_scores_bf16 to tile_scores_amx until destroyed, then
+// releases the tiles. One per thread per parallel region, rather than a configuration per
+// 128-key tile; other code that configures tiles (the GEMM, oneDNN) never runs inside it.
 class AmxScoresScope {
  public:
   explicit AmxScoresScope(bool on);

@@ -247,6 +247,8 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int64_t* sl = a.seq_lens;
   const int nthreads = at::get_num_threads();
   const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
+  // Read once for the call: every thread scores the same way even if the switch flips meanwhile.
+  const bool amx_scores = bf16_dot && amx_scores_enabled();
   auto partitions = [&](int64_t s) {
     const int64_t len = sl[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     return Partitions{first, len, partition_size};
@@ -284,7 +286,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const AmxScoresScope tiles(bf16_dot);
+    const AmxScoresScope tiles(amx_scores);
     std::vector<float> qf(G * D), m(G), l(G), acc(G * D), sc(static_cast<size_t>(G) * kTile);
     std::vector<float> M(G), L(G), A(G * D);
     std::vector<vec::bf16> qb(bf16_dot ? G * D : 0);

@@ -264,6 +264,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int nthreads = at::get_num_threads();
   const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
+  // Read once for the call: every thread scores the same way even if the switch flips meanwhile.
+  const bool amx_scores = bf16_dot && amx_scores_enabled();
 
   // Work items: (sequence, query tile, kv head).
   struct Item {
@@ -305,7 +307,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const AmxScoresScope tiles(bf16_dot);
+    const AmxScoresScope tiles(amx_scores);
     const int rows = (kQueryTile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
     thread_local PrefillScratch ws;
     ws.reserve(rows, D);
