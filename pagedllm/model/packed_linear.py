@@ -124,7 +124,7 @@ def bf16_gemm_choice(cpu_ops: CpuOps | None = None) -> str:
             f"PAGEDLLM_BF16_GEMM={choice!r}: expected one of {', '.join(BF16_GEMM_CHOICES)}"
         )
     if choice == "auto":
-        own_tiles = cpu_ops is not None and hasattr(cpu_ops, "gemm_amx") and cpu_ops.gemm_amx()
+        own_tiles = cpu_ops is not None and cpu_ops.gemm_amx()
         return "onednn" if bf16_tiles() and not own_tiles else "own"
     return choice
 

@@ -86,12 +86,13 @@ logger = logging.getLogger(__name__)
 SRC_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SOURCES = (
     "paged_attention.cpp", "prefill_attention.cpp", "attention_bf16.cpp", "attention_amx.cpp",
-    "kv_cache_ops.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gguf.cpp", "int8_gemm.cpp", "fused_layer.cpp",
-    "torch_bindings.cpp",
+    "kv_cache_ops.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gguf.cpp",
+    "int8_gemm.cpp", "fused_layer.cpp", "torch_bindings.cpp",
 )  # fmt: skip
 HEADERS = (
     "vec.h", "kv_quant.h", "attention_common.h", "attention_bf16.h", "attention_amx.h",
-    "amx_tiles.h", "paged_attention.h", "layer_ops.h", "gemm.h", "gemm_amx.h", "quant_gguf.h", "int8_gemm.h", "fused_layer.h",
+    "amx_tiles.h", "paged_attention.h", "layer_ops.h", "gemm.h", "gemm_amx.h", "quant_gguf.h",
+    "int8_gemm.h", "fused_layer.h",
 )  # fmt: skip
 
 _X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -236,6 +237,12 @@ def _check_buildable() -> None:
 
 
 _OFF_WORDS = ("0", "false", "no", "off")
+# Default-on kernel features and the CpuOps switch each environment variable turns off.
+_KERNEL_SWITCHES = (
+    ("PAGEDLLM_ATTENTION_BF16_DOT", "attention_bf16_dot"),
+    ("PAGEDLLM_GEMM_AMX", "gemm_amx"),
+    ("PAGEDLLM_ATTENTION_AMX", "attention_amx"),
+)
 
 
 def env_turns_off(name: str) -> bool:
@@ -291,12 +298,9 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
                     is_python_module=False,  # torch.ops.load_library: registers torch.ops.pagedllm
                 )
             ops = CpuOps(variant)
-            if env_turns_off("PAGEDLLM_ATTENTION_BF16_DOT"):
-                ops.attention_bf16_dot(False)
-            if env_turns_off("PAGEDLLM_GEMM_AMX"):
-                ops.gemm_amx(False)
-            if env_turns_off("PAGEDLLM_ATTENTION_AMX"):
-                ops.attention_amx(False)
+            for variable, switch in _KERNEL_SWITCHES:
+                if env_turns_off(variable):
+                    getattr(ops, switch)(False)
             seconds = time.perf_counter() - t0
             _build = KernelBuild(
                 variant=variant,

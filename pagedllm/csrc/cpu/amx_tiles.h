@@ -1,7 +1,7 @@
 // Intel AMX tile plumbing shared by the bf16 GEMM (gemm_amx.cpp) and the attention scores
 // (attention_amx.cpp): the tile configuration, the CPU and kernel checks, and literal-number
 // wrappers of the tile intrinsics. Only the avx512 kernel variant on x86-64 defines
-// PAGEDLLM_AMX; elsewhere this header declares nothing.
+// PAGEDLLM_AMX; elsewhere this header declares only tiles_usable(), always false.
 //
 // One configuration serves both users: palette 1 with all 8 tiles at 16 rows x 64 bytes (an A
 // tile is 16 rows x 32 bf16, a B tile 16 (k, k + 1) pair rows x 16 columns, a C tile 16 x 16
@@ -123,6 +123,12 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
 #undef PAGEDLLM_DP
 }
 
+}  // namespace amx
+}  // namespace pagedllm
+#else   // no AMX in this kernel variant
+namespace pagedllm {
+namespace amx {
+inline bool tiles_usable() { return false; }
 }  // namespace amx
 }  // namespace pagedllm
 #endif  // x86-64 with AVX-512

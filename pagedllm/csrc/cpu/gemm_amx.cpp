@@ -207,17 +207,9 @@ void round_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, 
 }
 #endif  // PAGEDLLM_AMX
 
-bool amx_available() {
-#if defined(PAGEDLLM_AMX)
-  return tiles_usable();
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
-bool gemm_amx_enabled() { return amx_on.load(std::memory_order_relaxed) && amx_available(); }
+bool gemm_amx_enabled() { return amx_on.load(std::memory_order_relaxed) && amx::tiles_usable(); }
 
 bool set_gemm_amx(bool on) {
   amx_on.store(on, std::memory_order_relaxed);
