@@ -223,16 +223,29 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_tokenizer):
     """A ``LoadedModel`` with a tiny random Llama (2 layers, 4 heads / 2 KV heads, GQA)."""
+    return make_tiny_loaded(tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded_hd64(tiny_tokenizer):
+    """The tiny random Llama with head_dim 64 (a multiple of 32: bf16 KV caches then take the bf16
+    dot-product attention, and its AMX scores on AMX CPUs)."""
+    return make_tiny_loaded(tiny_tokenizer, hidden_size=128, head_dim=64)
+
+
+def make_tiny_loaded(tokenizer, **over):
+    """A ``LoadedModel`` of :func:`make_tiny_config` (``over`` replaces its fields) with
+    :func:`make_random_state_dict` weights."""
     from pathlib import Path
 
     from pagedllm.model.loader import LoadedModel
 
-    cfg = make_tiny_config(len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    cfg = make_tiny_config(len(tokenizer), tokenizer.eos_token_id, **over)
     sd = make_random_state_dict(cfg)
     return LoadedModel(
         config=cfg,
         state_dict=sd,
-        tokenizer=tiny_tokenizer,
+        tokenizer=tokenizer,
         source=Path("<tiny-random-llama>"),
         weight_bytes=sum(t.numel() * t.element_size() for t in sd.values()),
     )
@@ -274,7 +287,8 @@ def smollm():
 
 @pytest.fixture
 def tiny_llm_factory(tiny_loaded):
-    """Build an ``LLM`` on the tiny model with invariant checks after every step."""
+    """Build an ``LLM`` on the tiny model (or the ``loaded=`` one) with invariant checks after
+    every step."""
     from pagedllm.entrypoints.llm import LLM
 
     made = []
@@ -283,7 +297,8 @@ def tiny_llm_factory(tiny_loaded):
         kw.setdefault("check_invariants", True)
         kw.setdefault("max_model_len", 256)
         kw.setdefault("kv_cache_memory", 1 << 22)
-        llm = LLM(loaded=tiny_loaded, **kw)
+        kw.setdefault("loaded", tiny_loaded)
+        llm = LLM(**kw)
         made.append(llm)
         return llm
 

@@ -1,5 +1,6 @@
 """The engine-side cases of /work/shared/cases (C15, C19, C20, C21) replayed under each opt-in
-engine feature on the tiny model: speculative decoding, int8 weights (W8A8), an int8 KV cache.
+engine feature on the tiny model: speculative decoding, int8 weights (W8A8), an int8 KV cache,
+bf16 weights and KV cache with speculative decoding.
 Outputs under a feature never depend on the batch, on chunked prefill or on preemption: each
 request equals itself run alone *with the same feature* (the lossy formats change the tokens, not
 this property), and every KV block is free at idle."""
@@ -22,6 +23,18 @@ FEATURES: dict[str, dict[str, Any]] = {
     },
     "int8_weights": {"quantization": "int8"},
     "int8_kv": {"kv_cache_dtype": "int8"},
+    # bf16 weights and KV cache on the head_dim-64 model: on AVX512-BF16 CPUs the bf16
+    # dot-product attention, on AMX CPUs with its scores on AMX tiles (csrc/cpu/attention_amx.h),
+    # and speculation on top of it.
+    "bf16_ngram_spec": {
+        "loaded": "hd64",
+        "dtype": "bfloat16",
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+        },
+    },
 }
 # A 32-token shared prefix (two blocks of 16) and an 8-token suffix per request; repeated n-grams
 # give the n-gram proposer something to propose.
@@ -32,6 +45,14 @@ SEEDED = SamplingParams(
     ignore_eos=True,
 )  # fmt: skip
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def feature_args(feature: str, hd64: Any) -> dict[str, Any]:
+    """The LLM arguments of ``feature``, its ``"hd64"`` model marker replaced by ``hd64``."""
+    args = dict(FEATURES[feature])
+    if args.get("loaded") == "hd64":
+        args["loaded"] = hd64
+    return args
 
 
 def token_ids(llm: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -47,10 +68,13 @@ def assert_idle_and_free(llm: Any) -> None:
 
 @pytest.mark.slow  # > 20 s on 2 shared cores
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_c20_c21_preemption_under_feature(tiny_llm_factory, feature):
+def test_c20_c21_preemption_under_feature(tiny_llm_factory, tiny_loaded_hd64, feature):
     """C20 (greedy, shared prefixes, caching on) and C21 (seeded sampling with penalties): a pool
     of 8 blocks of 16 with 4 requests preempts; each output equals the request alone."""
-    args = {"block_size": 16, "max_model_len": 96, "kv_cache_memory": 1 << 22, **FEATURES[feature]}
+    args = {
+        "block_size": 16, "max_model_len": 96, "kv_cache_memory": 1 << 22,
+        **feature_args(feature, tiny_loaded_hd64),
+    }  # fmt: skip
     big = tiny_llm_factory(**args)
     small = tiny_llm_factory(
         num_gpu_blocks_override=8, max_num_seqs=4, enable_prefix_caching=True, **args
@@ -65,10 +89,15 @@ def test_c20_c21_preemption_under_feature(tiny_llm_factory, feature):
 
 @pytest.mark.slow  # > 20 s on 2 shared cores
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_c15_greedy_independent_of_batch_under_feature(tiny_llm_factory, feature):
+def test_c15_greedy_independent_of_batch_under_feature(
+    tiny_llm_factory, tiny_loaded_hd64, feature
+):
     """C15: a prompt alone, among 7 others, and under a token budget that forces chunked prefill
     gives identical greedy token ids (float32, CPU)."""
-    args = {"block_size": 4, "max_model_len": 96, "kv_cache_memory": 1 << 22, **FEATURES[feature]}
+    args = {
+        "block_size": 4, "max_model_len": 96, "kv_cache_memory": 1 << 22,
+        **feature_args(feature, tiny_loaded_hd64),
+    }  # fmt: skip
     prompts = [[5 + i + j for j in range(10 + 2 * i)] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     plain = tiny_llm_factory(**args)
@@ -80,10 +109,15 @@ def test_c15_greedy_independent_of_batch_under_feature(tiny_llm_factory, feature
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_c19_no_prefix_cache_collision_under_feature(tiny_llm_factory, feature):
+def test_c19_no_prefix_cache_collision_under_feature(
+    tiny_llm_factory, tiny_loaded_hd64, feature
+):
     """C19: [65]*32 then [321]*32, block size 16: the second reports 0 cached tokens and equals
     its caching-off output; repeating the first hits the cache (16 tokens) with the same output."""
-    args = {"block_size": 16, "max_model_len": 96, "kv_cache_memory": 1 << 22, **FEATURES[feature]}
+    args = {
+        "block_size": 16, "max_model_len": 96, "kv_cache_memory": 1 << 22,
+        **feature_args(feature, tiny_loaded_hd64),
+    }  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     cached = tiny_llm_factory(enable_prefix_caching=True, **args)
     uncached = tiny_llm_factory(enable_prefix_caching=False, **args)
