@@ -33,6 +33,11 @@ namespace attn {
 constexpr int kTile = 128;      // keys per online-softmax step
 constexpr int kQueryTile = 16;  // query tokens per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// How many rows ahead of the row being scored its K row is prefetched (both kernels' bf16 tiles):
+// one K row per row scored, a steady trickle. It read bf16 KV 8-15 % faster on Zen 4 (8-256
+// sequences x 300-1500 keys, 2 threads) than prefetching the next tile's K rows in one burst
+// before summing V, which filled the line-fill buffers and stalled on the prefetches themselves.
+constexpr int kPrefetchRows = 32;
 
 using kvq::block_scale;
 using kvq::CacheView;

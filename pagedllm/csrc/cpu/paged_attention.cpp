@@ -50,12 +50,6 @@ namespace {
 
 using namespace attn;
 
-// How many rows ahead of the row being scored its K row is prefetched: one K row per row scored,
-// a steady trickle. It read bf16 KV 8-15 % faster on Zen 4 (8-256 sequences x 300-1500 keys,
-// 2 threads) than prefetching the next tile's K rows in one burst before summing V, which filled
-// the line-fill buffers and stalled on the prefetches themselves.
-constexpr int kPrefetchRows = 32;
-
 // acc[g] += sum_i p[g][i] * v_i over a tile's n V rows (p[g][i] = sc[g * kTile + i]). With SIMD
 // the head dimension is walked in chunks whose G accumulators stay in registers across all n
 // rows (two vectors per head while 2G of them fit the register file, else one): no accumulator

@@ -179,6 +179,14 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
   const T* krow[kTile];
   const T* vrow[kTile];
   constexpr bool kBf16 = std::is_same_v<T, vec::bf16>;
+  // The bf16 tiles prefetch as the decode kernel does: each tile's V rows, and K rows
+  // kPrefetchRows ahead of the key being scored (ahead: the next K row to prefetch). Without
+  // them a verify of 8 sequences x 9 tokens waited on its V loads (10 % slower, AMX Xeon).
+  int64_t ahead = begin;
+  KeyCursor ahead_key(begin, BS);
+  if (kBf16 && bf16_dot)
+    for (; ahead < std::min(end, begin + kPrefetchRows); ++ahead, ahead_key.next(BS))
+      vec::prefetch_row(kbase + ahead_key.row(table, cv) * D, D);
   for (int64_t t0 = begin, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
@@ -197,8 +205,19 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     if constexpr (std::is_same_v<T, float>) {
       tile_scores(ws.q.data(), rows, krow, n, D, sc);
     } else if (kBf16 && bf16_dot) {
-      if constexpr (kBf16)  // (krow is bf16 only here)
-        tile_scores_bf16(ws.qb.data(), R, krow, n, D, sc, kTile, nullptr);
+      if constexpr (kBf16) {  // (krow is bf16 only here)
+        const vec::bf16* pf[2 * kTile];  // two per key: its V row, the K row ahead (or null)
+        for (int i = 0; i < n; ++i) {
+          pf[2 * i] = vrow[i];
+          pf[2 * i + 1] = nullptr;
+          if (ahead < end) {
+            pf[2 * i + 1] = kbase + ahead_key.row(table, cv) * D;
+            ++ahead;
+            ahead_key.next(BS);
+          }
+        }
+        tile_scores_bf16(ws.qb.data(), R, krow, n, D, sc, kTile, pf);
+      }
     } else {
       // Every row pair and row block would convert the same K / V rows again: convert the tile
       // once (exactly: bf16, int8 and fp8 values are all fp32 values), then run the fp32 loops.
