@@ -206,11 +206,12 @@ def attention_bf16_dot(ops, on: bool):
 
 
 def attention_amx(ops, on: bool):
-    """The bf16 attention scores on AMX tiles (``CpuOps.attention_amx``) on or off for the block
-    (they need the avx512 kernel variant and the ``amx_bf16`` / ``amx_tile`` CPU flags)."""
+    """The bf16 attention dot products on AMX tiles (``CpuOps.attention_amx``: scores and p . V)
+    on or off for the block (they need the avx512 kernel variant and the ``amx_bf16`` /
+    ``amx_tile`` CPU flags)."""
     return _kernel_switch(
         ops.attention_amx, on,
-        f"AMX attention scores need the amx_bf16 and amx_tile CPU flags (missing here) and the "
+        f"AMX attention tiles need the amx_bf16 and amx_tile CPU flags (missing here) and the "
         f"avx512 kernel variant (this one: {ops.variant})",
     )  # fmt: skip
 
@@ -229,7 +230,7 @@ def tiny_loaded(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_loaded_hd64(tiny_tokenizer):
     """The tiny random Llama with head_dim 64 (a multiple of 32: bf16 KV caches then take the bf16
-    dot-product attention, and its AMX scores on AMX CPUs)."""
+    dot-product attention, on AMX tiles on AMX CPUs)."""
     return make_tiny_loaded(tiny_tokenizer, hidden_size=128, head_dim=64)
 
 

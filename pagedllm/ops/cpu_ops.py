@@ -166,10 +166,11 @@ class CpuOps:
         return bool(self._attention_bf16_dot(-1 if enable is None else int(enable)))
 
     def attention_amx(self, enable: bool | None = None) -> bool:
-        """Whether those bf16 dot products score q . k on AMX tiles (``TDPBF16PS`` over S^T = K
-        Q^T, fp32 sums; the avx512 variant on a CPU with ``amx_bf16`` / ``amx_tile``) instead
-        of ``vdpbf16ps`` lanes summed horizontally. Decode and prefill both score through them,
-        so they stay bit-identical to each other either way. ``enable`` turns them on / off for
+        """Whether those bf16 dot products run on AMX tiles (``TDPBF16PS``, fp32 sums; the avx512
+        variant on a CPU with ``amx_bf16`` / ``amx_tile``) instead of ``vdpbf16ps``: the scores
+        q . k as S^T = K Q^T, and p . V with the probabilities as A tiles and V's key pairs as
+        B tiles. Decode and prefill both go through them, so they stay bit-identical to each
+        other either way. ``enable`` turns them on / off for
         the process first (no effect where they cannot run); ``None`` only asks."""
         return bool(self._attention_amx(-1 if enable is None else int(enable)))
 

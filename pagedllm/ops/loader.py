@@ -46,9 +46,9 @@ Environment:
         default where the CPU has avx512_bf16).
     PAGEDLLM_GEMM_AMX=0 (or false / no / off): bf16 GEMM panels run on vdpbf16ps instead of AMX
         tiles (:meth:`CpuOps.gemm_amx`; on by default where the CPU has amx_bf16).
-    PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products score on
-        vdpbf16ps instead of AMX tiles (:meth:`CpuOps.attention_amx`; on by default where the
-        CPU has amx_bf16).
+    PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products (scores and
+        p . V) run on vdpbf16ps instead of AMX tiles (:meth:`CpuOps.attention_amx`; on by
+        default where the CPU has amx_bf16).
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -314,7 +314,7 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
             override = os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS", "").strip()
             logger.info(
                 "pagedllm C++ CPU kernels: variant %s (cpu flags: %s)%s, bf16 attention dot "
-                "products %s (AMX scores %s), AMX bf16 GEMM %s, ready in %.1f s from %s",
+                "products %s (on AMX tiles %s), AMX bf16 GEMM %s, ready in %.1f s from %s",
                 variant,
                 cpu_flags().summary(),
                 f", simd {_build.simd_level} from PAGEDLLM_CPU_ARCH_FLAGS={override!r}"

@@ -79,7 +79,7 @@ def test_bf16_dot_equals_emulation(
 ):
     """Prefill and decode outputs equal the emulated bf16 arithmetic (up to fp32 sums in another
     order and the kernels' own exp), while the fp32-arithmetic answer is ~1e-3 away; with the
-    scores summed by AMX tiles (csrc/cpu/attention_amx.h) or by vdpbf16ps lanes."""
+    scores and p . V summed by AMX tiles (csrc/cpu/attention_amx.h) or by vdpbf16ps lanes."""
     gen = torch.Generator().manual_seed(heads * 100 + ctx + new + hd)
     length = ctx + new
     kc, vc, table = _cache_pair(length, kvh, hd, bs, torch.bfloat16, gen)

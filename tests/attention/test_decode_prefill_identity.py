@@ -63,8 +63,8 @@ CASES = [
     (8, 2, 64, 16, 300, 9, 37, 64),
 ]
 # Cache dtype, and for bf16 caches whether the kernels take bf16 dot products
-# (csrc/cpu/attention_bf16.h, CPUs with avx512_bf16) or fp32 arithmetic, and whether those score
-# on AMX tiles (csrc/cpu/attention_amx.h, CPUs with amx_bf16) or on vdpbf16ps.
+# (csrc/cpu/attention_bf16.h, CPUs with avx512_bf16) or fp32 arithmetic, and whether those run
+# on AMX tiles (scores and p . V, csrc/cpu/attention_amx.h, CPUs with amx_bf16) or on vdpbf16ps.
 DTYPES = [
     pytest.param(torch.float32, None, None, id="float32"),
     pytest.param(torch.bfloat16, True, True, id="bfloat16-dot-amx"),

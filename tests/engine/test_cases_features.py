@@ -24,7 +24,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "int8_weights": {"quantization": "int8"},
     "int8_kv": {"kv_cache_dtype": "int8"},
     # bf16 weights and KV cache on the head_dim-64 model: on AVX512-BF16 CPUs the bf16
-    # dot-product attention, on AMX CPUs with its scores on AMX tiles (csrc/cpu/attention_amx.h),
+    # dot-product attention, on AMX CPUs on AMX tiles (csrc/cpu/attention_amx.h),
     # and speculation on top of it.
     "bf16_ngram_spec": {
         "loaded": "hd64",

@@ -1,6 +1,6 @@
-// Attention scores on AMX tiles (attention_amx.h).
+// Attention on AMX tiles (attention_amx.h).
 //
-// Per call (one tile of up to kTile keys for `rows` query rows of one kv head):
+// Scores, per call (one tile of up to kTile keys for `rows` query rows of one kv head):
 //   - Q^T is laid out as B tiles: for query rows [16 ct, 16 ct + 16) and head dimensions
 //     [32 kc, 32 kc + 32), B[p][c] is the bf16 pair (q[16 ct + c][32 kc + 2p], ... + 1) (the
 //     columns past the last row are stale and only reach C columns that are never read);
@@ -10,10 +10,17 @@
 //   - each C tile is stored to a 1 KiB buffer and its columns (query rows) are gathered into sc.
 // The vdpbf16ps scores (attention_bf16.cpp) reduce 16 lanes per (row, key) pair horizontally;
 // here the tiles sum over the pairs themselves, a few instructions per 16 keys.
+//
+// p . V, per call: the probabilities rounded to bf16 pairs are the A tiles (16 query rows x 16
+// key pairs, one 64-byte chunk per 32 keys), V's key pairs interleaved once per call are the B
+// tiles, and the fp32 accumulators go through C tiles of 16 rows x 16 dimensions (up to 4 per
+// pass). vdpbf16ps re-interleaved V for every 4 query rows and issued one instruction per key
+// pair, 16 dimensions and row; here one TDPBF16PS covers 16 rows x 32 keys x 16 dimensions.
 #include "attention_amx.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -26,7 +33,7 @@ namespace attn {
 
 namespace {
 
-std::atomic<bool> g_amx_scores{true};
+std::atomic<bool> g_amx_attention{true};
 
 using amx::kTileRows;
 using u32_alias = uint32_t __attribute__((may_alias));
@@ -179,27 +186,86 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_resident(
                    std::min(kTileRows, n - pending), sc, sc_stride);
 }
 
-}  // namespace
-
-bool amx_scores_enabled() {
-  return g_amx_scores.load(std::memory_order_relaxed) && amx::tiles_usable();
+// The B tiles of V for tile_pv_amx: chunk c of 16 key pairs and column group j (16 head
+// dimensions in tile_pv_bf16's permuted order) at vt + (c * J + j) * 256 dwords; row t holds
+// pair T = 16 c + t, the tile's pair u = T - lead, as the (v[2u][x], v[2u + 1][x]) words that
+// unpacklo / unpackhi_epi16 give (so the C columns land in the accumulators' order). The lead
+// pairs before the tile's first and those from np on are zero.
+void layout_v(const vec::bf16* const* v, int lead, int np, int chunks, int D, uint32_t* vt) {
+  const int J = D / 16;
+  for (int T = 0; T < chunks * kTileRows; ++T) {
+    uint32_t* row = vt + static_cast<size_t>(T / kTileRows) * J * 256 + (T % kTileRows) * 16;
+    const int u = T - lead;
+    for (int d = 0; d < D; d += 32) {
+      __m512i lo = _mm512_setzero_si512(), hi = lo;
+      if (u >= 0 && u < np) {
+        const __m512i v0 = _mm512_loadu_si512(v[2 * u] + d);
+        const __m512i v1 = _mm512_loadu_si512(v[2 * u + 1] + d);
+        lo = _mm512_unpacklo_epi16(v0, v1);
+        hi = _mm512_unpackhi_epi16(v0, v1);
+      }
+      _mm512_store_si512(row + (d / 16) * 256, lo);
+      _mm512_store_si512(row + (d / 16 + 1) * 256, hi);
+    }
+  }
 }
 
-bool set_amx_scores(bool on) { return g_amx_scores.exchange(on); }
+// 16 accumulator rows at c (row stride ldc bytes), column groups j0 .. j0 + NJ - 1, += the P
+// rows at a (row stride lda bytes, 64 bytes per chunk) . V's B tiles vt over `chunks` chunks:
+// C tiles 0 .. NJ - 1, A tile 4, B tiles alternating 6 / 7.
+template <int NJ>
+__attribute__((target("amx-tile,amx-bf16"))) void pv_block(const char* a, int64_t lda,
+                                                           const uint32_t* vt, int chunks, int J,
+                                                           int j0, float* c, int64_t ldc) {
+  amx::load_tile<0>(c + j0 * 16, ldc);
+  if constexpr (NJ > 1) amx::load_tile<1>(c + (j0 + 1) * 16, ldc);
+  if constexpr (NJ > 2) amx::load_tile<2>(c + (j0 + 2) * 16, ldc);
+  if constexpr (NJ > 3) amx::load_tile<3>(c + (j0 + 3) * 16, ldc);
+  for (int ch = 0; ch < chunks; ++ch) {
+    amx::load_tile<4>(a + ch * 64, lda);
+    const uint32_t* b = vt + static_cast<size_t>(ch * J + j0) * 256;
+    amx::load_tile<6>(b, 64);
+    amx::dp_tile<0, 4, 6>();
+    if constexpr (NJ > 1) {
+      amx::load_tile<7>(b + 256, 64);
+      amx::dp_tile<1, 4, 7>();
+    }
+    if constexpr (NJ > 2) {
+      amx::load_tile<6>(b + 512, 64);
+      amx::dp_tile<2, 4, 6>();
+    }
+    if constexpr (NJ > 3) {
+      amx::load_tile<7>(b + 768, 64);
+      amx::dp_tile<3, 4, 7>();
+    }
+  }
+  amx::store_tile<0>(c + j0 * 16, ldc);
+  if constexpr (NJ > 1) amx::store_tile<1>(c + (j0 + 1) * 16, ldc);
+  if constexpr (NJ > 2) amx::store_tile<2>(c + (j0 + 2) * 16, ldc);
+  if constexpr (NJ > 3) amx::store_tile<3>(c + (j0 + 3) * 16, ldc);
+}
 
-AmxScoresScope::AmxScoresScope(bool on) : active_(on && amx::tiles_usable()) {
+}  // namespace
+
+bool amx_attention_enabled() {
+  return g_amx_attention.load(std::memory_order_relaxed) && amx::tiles_usable();
+}
+
+bool set_amx_attention(bool on) { return g_amx_attention.exchange(on); }
+
+AmxAttentionScope::AmxAttentionScope(bool on) : active_(on && amx::tiles_usable()) {
   if (!active_) return;
   amx::load_tile_config();
   t_scope_active = true;
 }
 
-AmxScoresScope::~AmxScoresScope() {
+AmxAttentionScope::~AmxAttentionScope() {
   if (!active_) return;
   t_scope_active = false;
   amx::release_tiles();
 }
 
-bool amx_scores_active() { return t_scope_active; }
+bool amx_attention_active() { return t_scope_active; }
 
 __attribute__((target("amx-tile,amx-bf16"))) void tile_scores_amx(
     const vec::bf16* qb, int rows, const vec::bf16* const* krow, int n, int D, float* sc,
@@ -241,15 +307,64 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_scores_amx(
   }
 }
 
+void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* const* v, int np,
+                 int n, int64_t first, int D, float* acc) {
+  // Chunks sit at absolute multiples of 32 keys, whatever key the tile starts at: a decode tile
+  // starting at a query's window start and the prefill tile of the same keys starting earlier
+  // (its extra keys masked to zero) then sum every key in the same chunk and lane, as the bit
+  // identity of the two kernels needs (a TDPBF16PS result depends on where its zeros sit).
+  const bool odd = first % 2 != 0;
+  const int lead = static_cast<int>(first / 2 % kTileRows);  // zero pairs before the first
+  const int chunks = (lead + np + kTileRows - 1) / kTileRows, J = D / 16;
+  const int row_tiles = (rows + kTileRows - 1) / kTileRows;
+  // P rows: chunks x 16 pairs, then 16 spare dwords for the zero round_pairs_bf16 writes past
+  // an unpaired last key (a row stays a whole number of 64-byte lines).
+  const int pstride = (chunks + 1) * kTileRows;
+  thread_local std::vector<uint32_t> p_buffer, v_buffer;
+  thread_local std::vector<float> c_buffer;
+  uint32_t* const P = amx::aligned_scratch(p_buffer, static_cast<size_t>(row_tiles) * kTileRows * pstride);
+  uint32_t* const vt = amx::aligned_scratch(v_buffer, static_cast<size_t>(chunks) * J * 256);
+  // (P rows past the last, and the C rows they reach, keep whatever they hold: a C row depends
+  // only on its own P row, and those rows are never copied out.)
+  for (int r = 0; r < rows; ++r) {
+    uint32_t* row = P + static_cast<size_t>(r) * pstride;
+    std::fill(row, row + lead, 0u);
+    round_pairs_bf16(sc + static_cast<int64_t>(r) * sc_stride, n, odd, row + lead);
+    std::fill(row + lead + np, row + chunks * kTileRows, 0u);  // the last chunk's missing pairs
+  }
+  layout_v(v, lead, np, chunks, D, vt);
+  const int64_t lda = static_cast<int64_t>(pstride) * 4;
+  for (int rt = 0; rt < row_tiles; ++rt) {
+    const int r0 = rt * kTileRows, valid = std::min(kTileRows, rows - r0);
+    float* c = acc + static_cast<int64_t>(r0) * D;
+    if (valid < kTileRows) {  // a partial row tile goes through 16 rows of scratch
+      float* buf = amx::aligned_scratch(c_buffer, static_cast<size_t>(kTileRows) * D);
+      std::memcpy(buf, c, sizeof(float) * valid * D);
+      c = buf;
+    }
+    const char* a = reinterpret_cast<const char*>(P + static_cast<size_t>(r0) * pstride);
+    for (int j0 = 0; j0 < J; j0 += 4) {
+      switch (std::min(4, J - j0)) {
+        case 1: pv_block<1>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
+        case 2: pv_block<2>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
+        case 3: pv_block<3>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
+        default: pv_block<4>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
+      }
+    }
+    if (valid < kTileRows) std::memcpy(acc + static_cast<int64_t>(r0) * D, c, sizeof(float) * valid * D);
+  }
+}
+
 #else  // no AMX in this kernel variant: never enabled
 
-bool amx_scores_enabled() { return false; }
-bool set_amx_scores(bool) { return false; }
-AmxScoresScope::AmxScoresScope(bool) : active_(false) {}
-AmxScoresScope::~AmxScoresScope() {}
-bool amx_scores_active() { return false; }
+bool amx_attention_enabled() { return false; }
+bool set_amx_attention(bool) { return false; }
+AmxAttentionScope::AmxAttentionScope(bool) : active_(false) {}
+AmxAttentionScope::~AmxAttentionScope() {}
+bool amx_attention_active() { return false; }
 void tile_scores_amx(const vec::bf16*, int, const vec::bf16* const*, int, int, float*, int,
                      const vec::bf16* const*) {}
+void tile_pv_amx(const float*, int, int, const vec::bf16* const*, int, int, int64_t, int, float*) {}
 
 #endif
 

@@ -64,20 +64,6 @@ PAGEDLLM_BF16_TARGET inline void score_rows(const vec::bf16* qb, int r, const ve
   }
 }
 
-// The tile's probabilities of one row as bf16 pairs of keys at even absolute positions:
-// element odd + i of the row is p_i, the elements before and after are zeros.
-PAGEDLLM_BF16_TARGET inline void round_pairs(const float* p, int n, bool odd, uint32_t* pairs) {
-  auto* e = reinterpret_cast<uint16_t*>(pairs);
-  const int start = odd ? 1 : 0;
-  e[0] = 0;
-  e[start + n] = 0;  // the partner of an unpaired last key (or unused)
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i));
-    _mm256_mask_storeu_epi16(e + start + i, m, (__m256i)b);
-  }
-}
-
 // acc rows [r, r + RB), dimensions [d, d + 32): += the tile's np key pairs. Pair t's V rows
 // (v[2t], v[2t + 1]) are interleaved by unpacklo / unpackhi_epi16 into (v[2t][x], v[2t + 1][x])
 // words; vdpbf16ps with the broadcast (p[2t], p[2t + 1]) adds both products to lane x.
@@ -124,7 +110,7 @@ void round_rows_bf16(const float* q, int rows, int D, vec::bf16* qb) {
 PAGEDLLM_BF16_TARGET void tile_scores_bf16(const vec::bf16* qb, int rows,
                                            const vec::bf16* const* krow, int n, int D, float* sc,
                                            int sc_stride, const vec::bf16* const* prefetch) {
-  if (amx_scores_active()) {  // the same scores, summed by the tiles (attention_amx.h)
+  if (amx_attention_active()) {  // the same scores, summed by the tiles (attention_amx.h)
     tile_scores_amx(qb, rows, krow, n, D, sc, sc_stride, prefetch);
     return;
   }
@@ -139,16 +125,34 @@ PAGEDLLM_BF16_TARGET void tile_scores_bf16(const vec::bf16* qb, int rows,
   }
 }
 
+PAGEDLLM_BF16_TARGET void round_pairs_bf16(const float* p, int n, bool odd, uint32_t* pairs) {
+  auto* e = reinterpret_cast<uint16_t*>(pairs);
+  const int start = odd ? 1 : 0;
+  e[0] = 0;
+  e[start + n] = 0;  // the partner of an unpaired last key (or unused)
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i));
+    _mm256_mask_storeu_epi16(e + start + i, m, (__m256i)b);
+  }
+}
+
 PAGEDLLM_BF16_TARGET void tile_pv_bf16(const float* sc, int rows, int sc_stride,
-                                       const vec::bf16* const* vrow, int n, bool odd, int D,
+                                       const vec::bf16* const* vrow, int n, int64_t first, int D,
                                        float* acc, uint32_t* pairs) {
   constexpr int kPairStride = kTile / 2 + 1;
+  const bool odd = first % 2 != 0;
   const int np = (n + (odd ? 1 : 0) + 1) / 2;
-  for (int r = 0; r < rows; ++r) round_pairs(sc + r * sc_stride, n, odd, pairs + r * kPairStride);
   // The tile's V rows in pair order, zero rows for the partners of unpaired keys.
   const vec::bf16* v[kTile + 2];
   v[0] = v[2 * np - 1] = kZeroRow;
   std::copy(vrow, vrow + n, v + (odd ? 1 : 0));
+  if (amx_attention_active()) {  // the same sums on the tiles (attention_amx.h)
+    tile_pv_amx(sc, rows, sc_stride, v, np, n, first, D, acc);
+    return;
+  }
+  for (int r = 0; r < rows; ++r)
+    round_pairs_bf16(sc + r * sc_stride, n, odd, pairs + r * kPairStride);
   for (int d = 0; d < D; d += 32) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) pv_rows<4>(pairs, kPairStride, r, v, np, d, D, acc);
@@ -168,8 +172,9 @@ bool set_bf16_dot(bool) { return false; }
 void round_rows_bf16(const float*, int, int, vec::bf16*) {}
 void tile_scores_bf16(const vec::bf16*, int, const vec::bf16* const*, int, int, float*, int,
                       const vec::bf16* const*) {}
-void tile_pv_bf16(const float*, int, int, const vec::bf16* const*, int, bool, int, float*,
+void tile_pv_bf16(const float*, int, int, const vec::bf16* const*, int, int64_t, int, float*,
                   uint32_t*) {}
+void round_pairs_bf16(const float*, int, bool, uint32_t*) {}
 
 #endif
 

@@ -42,10 +42,15 @@ void tile_scores_bf16(const vec::bf16* qb, int rows, const vec::bf16* const* kro
                       float* sc, int sc_stride, const vec::bf16* const* prefetch);
 
 // acc[r] += sum_i p[r][i] * vrow[i] for rows r < rows, p[r][i] = sc[r * sc_stride + i] rounded
-// to bf16, keys i < n of a tile whose first key sits at an odd absolute position when `odd`;
-// acc [rows, D] in the permuted order. pairs: scratch of rows * (kTile / 2 + 1) words.
+// to bf16, keys i < n of a tile whose first key sits at absolute position `first`; acc [rows,
+// D] in the permuted order. pairs: scratch of rows * (kTile / 2 + 1) words.
 void tile_pv_bf16(const float* sc, int rows, int sc_stride, const vec::bf16* const* vrow, int n,
-                  bool odd, int D, float* acc, uint32_t* pairs);
+                  int64_t first, int D, float* acc, uint32_t* pairs);
+
+// One row's probabilities p[0, n) of a tile as bf16 pairs of keys at even absolute positions
+// (round to nearest even): element odd + i of `pairs` is p_i, element 0 and element odd + n are
+// zeros (the partners of unpaired keys); writes up to element n + 1.
+void round_pairs_bf16(const float* p, int n, bool odd, uint32_t* pairs);
 
 // row [D] from the permuted accumulator order of tile_pv_bf16 back to head-dimension order.
 void unpermute_row(float* row, int D);

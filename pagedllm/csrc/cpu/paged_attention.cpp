@@ -148,7 +148,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
         }
         tile_scores_bf16(qb, G, krow, n, D, sc, kTile, pf);
         for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
-        tile_pv_bf16(sc, G, kTile, vrow, n, t0 % 2 != 0, D, acc, pairs);
+        tile_pv_bf16(sc, G, kTile, vrow, n, t0, D, acc, pairs);
         continue;
       }
     }
@@ -242,7 +242,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int nthreads = at::get_num_threads();
   const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
   // Read once for the call: every thread scores the same way even if the switch flips meanwhile.
-  const bool amx_scores = bf16_dot && amx_scores_enabled();
+  const bool amx_tiles = bf16_dot && amx_attention_enabled();
   auto partitions = [&](int64_t s) {
     const int64_t len = sl[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     return Partitions{first, len, partition_size};
@@ -280,7 +280,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const AmxScoresScope tiles(amx_scores);
+    const AmxAttentionScope tiles(amx_tiles);
     std::vector<float> qf(G * D), m(G), l(G), acc(G * D), sc(static_cast<size_t>(G) * kTile);
     std::vector<float> M(G), L(G), A(G * D);
     std::vector<vec::bf16> qb(bf16_dot ? G * D : 0);

@@ -257,7 +257,7 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
       tile_pv<T>(sc, rows, vrow, n, D, acc);
     } else if (kBf16 && bf16_dot) {
       if constexpr (kBf16)
-        tile_pv_bf16(sc, R, kTile, vrow, n, t0 % 2 != 0, D, acc, ws.pairs.data());
+        tile_pv_bf16(sc, R, kTile, vrow, n, t0, D, acc, ws.pairs.data());
     } else {
       const float* vrow32[kTile];
       for (int i = 0; i < n; ++i) vrow32[i] = ws.vf.data() + static_cast<size_t>(i) * D;
@@ -284,7 +284,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int nthreads = at::get_num_threads();
   const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
   // Read once for the call: every thread scores the same way even if the switch flips meanwhile.
-  const bool amx_scores = bf16_dot && amx_scores_enabled();
+  const bool amx_tiles = bf16_dot && amx_attention_enabled();
 
   // Work items: (sequence, query tile, kv head).
   struct Item {
@@ -326,7 +326,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const AmxScoresScope tiles(amx_scores);
+    const AmxAttentionScope tiles(amx_tiles);
     const int rows = (kQueryTile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
     thread_local PrefillScratch ws;
     ws.reserve(rows, D);

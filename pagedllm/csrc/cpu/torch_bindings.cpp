@@ -43,8 +43,8 @@ TORCH_LIBRARY(pagedllm, m) {
   });
   // mode 1 / 0 turns the AMX attention scores on / off, -1 leaves them; returns whether they run.
   m.def("attention_amx(int mode) -> bool", [](int64_t mode) {
-    if (mode >= 0) pagedllm::attn::set_amx_scores(mode != 0);
-    return pagedllm::attn::amx_scores_enabled();
+    if (mode >= 0) pagedllm::attn::set_amx_attention(mode != 0);
+    return pagedllm::attn::amx_attention_enabled();
   });
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
