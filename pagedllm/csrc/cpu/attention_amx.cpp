@@ -322,7 +322,8 @@ void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* cons
   const int pstride = (chunks + 1) * kTileRows;
   thread_local std::vector<uint32_t> p_buffer, v_buffer;
   thread_local std::vector<float> c_buffer;
-  uint32_t* const P = amx::aligned_scratch(p_buffer, static_cast<size_t>(row_tiles) * kTileRows * pstride);
+  uint32_t* const P =
+      amx::aligned_scratch(p_buffer, static_cast<size_t>(row_tiles) * kTileRows * pstride);
   uint32_t* const vt = amx::aligned_scratch(v_buffer, static_cast<size_t>(chunks) * J * 256);
   // (P rows past the last, and the C rows they reach, keep whatever they hold: a C row depends
   // only on its own P row, and those rows are never copied out.)
@@ -351,7 +352,8 @@ void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* cons
         default: pv_block<4>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
       }
     }
-    if (valid < kTileRows) std::memcpy(acc + static_cast<int64_t>(r0) * D, c, sizeof(float) * valid * D);
+    if (valid < kTileRows)
+      std::memcpy(acc + static_cast<int64_t>(r0) * D, c, sizeof(float) * valid * D);
   }
 }
 
