@@ -70,6 +70,43 @@ struct KeyCursor {
   }
 };
 
+// The K rows ahead of the key being scored, prefetched one per key scored (kPrefetchRows
+// ahead): both kernels walk their keys [begin, end) through one of these. The constructor asks
+// for the first kPrefetchRows rows; next() gives the following row to ask for, or null past end.
+template <typename T>
+class KeyPrefetch {
+ public:
+  KeyPrefetch(const T* kbase, const int64_t* table, const CacheView& cv, int64_t begin,
+              int64_t end)
+      : kbase_(kbase), table_(table), cv_(cv), ahead_(begin), end_(end),
+        key_(begin, cv.block_size) {
+    for (int64_t stop = std::min(end, begin + kPrefetchRows); ahead_ < stop;)
+      vec::prefetch_row(next(), cv.D);
+  }
+  const T* next() {
+    if (ahead_ >= end_) return nullptr;
+    const T* row = kbase_ + key_.row(table_, cv_) * cv_.D;
+    ++ahead_;
+    key_.next(cv_.block_size);
+    return row;
+  }
+  // pf[2 i] = vrow[i] (the tile's V rows, read right after its scores), pf[2 i + 1] = next():
+  // the prefetch list of a tile of n keys for tile_scores_bf16.
+  void tile(const T* const* vrow, int n, const T** pf) {
+    for (int i = 0; i < n; ++i) {
+      pf[2 * i] = vrow[i];
+      pf[2 * i + 1] = next();
+    }
+  }
+
+ private:
+  const T* kbase_;
+  const int64_t* table_;
+  CacheView cv_;
+  int64_t ahead_, end_;
+  KeyCursor key_;
+};
+
 // Folds one partition's unnormalised softmax state (max m, sum l, acc[D]) into a running merge
 // (M, L, A[D]); partitions come in position order, an empty one (m = -inf) is skipped, and the
 // first is copied (so one partition alone is its own result, bit for bit). Flash-decoding's

@@ -122,14 +122,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
-  int64_t ahead = start;  // the next K row to prefetch
-  KeyCursor ahead_key(start, BS);
-  auto ahead_row = [&] { return kbase + ahead_key.row(table, cv) * D; };
-  auto advance = [&] {
-    ++ahead;
-    ahead_key.next(BS);
-  };
-  for (; ahead < std::min(end, start + kPrefetchRows); advance()) vec::prefetch_row(ahead_row(), D);
+  KeyPrefetch<T> ahead(kbase, table, cv, start, end);
   const T* krow[kTile];
   const T* vrow[kTile];
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
@@ -141,11 +134,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
       if (qb) {
         // The same prefetches as below, two per key: its V row and the K row kPrefetchRows on.
         const vec::bf16* pf[2 * kTile];
-        for (int i = 0; i < n; ++i) {
-          pf[2 * i] = vrow[i];
-          pf[2 * i + 1] = ahead < end ? ahead_row() : nullptr;
-          if (ahead < end) advance();
-        }
+        ahead.tile(vrow, n, pf);
         tile_scores_bf16(qb, G, krow, n, D, sc, kTile, pf);
         for (int g = 0; g < G; ++g) softmax_step(sc + g * kTile, n, m[g], l[g], acc + g * D, D);
         tile_pv_bf16(sc, G, kTile, vrow, n, t0, D, acc, pairs);
@@ -156,10 +145,7 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
     float o[G];
     for (int i = 0; i < n; ++i) {
       vec::prefetch_row(vrow[i], D);  // V of this tile is read right after the scores
-      if (ahead < end) {
-        vec::prefetch_row(ahead_row(), D);
-        advance();
-      }
+      if (const T* k = ahead.next()) vec::prefetch_row(k, D);
       vec::dot_block<G, 1>(q, D, krow + i, D, o);
       if constexpr (kQuantized<T>) {
         const float ks = block_scale(kbase, table[key.blk], cv);
@@ -241,7 +227,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int64_t* sl = a.seq_lens;
   const int nthreads = at::get_num_threads();
   const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
-  // Read once for the call: every thread scores the same way even if the switch flips meanwhile.
+  // Read once for the call: every thread takes the same tiles even if the switch flips meanwhile.
   const bool amx_tiles = bf16_dot && amx_attention_enabled();
   auto partitions = [&](int64_t s) {
     const int64_t len = sl[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;

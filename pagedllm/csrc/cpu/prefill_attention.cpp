@@ -180,13 +180,9 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
   const T* vrow[kTile];
   constexpr bool kBf16 = std::is_same_v<T, vec::bf16>;
   // The bf16 tiles prefetch as the decode kernel does: each tile's V rows, and K rows
-  // kPrefetchRows ahead of the key being scored (ahead: the next K row to prefetch). Without
-  // them a verify of 8 sequences x 9 tokens waited on its V loads (10 % slower, AMX Xeon).
-  int64_t ahead = begin;
-  KeyCursor ahead_key(begin, BS);
-  if (kBf16 && bf16_dot)
-    for (; ahead < std::min(end, begin + kPrefetchRows); ++ahead, ahead_key.next(BS))
-      vec::prefetch_row(kbase + ahead_key.row(table, cv) * D, D);
+  // kPrefetchRows ahead of the key being scored. Without them a verify of 8 sequences x 9 tokens
+  // waited on its V loads (10 % slower, AMX Xeon). (The fp32 loops do not prefetch.)
+  KeyPrefetch<T> ahead(kbase, table, cv, begin, kBf16 && bf16_dot ? end : begin);
   for (int64_t t0 = begin, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
@@ -207,15 +203,7 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
     } else if (kBf16 && bf16_dot) {
       if constexpr (kBf16) {  // (krow is bf16 only here)
         const vec::bf16* pf[2 * kTile];  // two per key: its V row, the K row ahead (or null)
-        for (int i = 0; i < n; ++i) {
-          pf[2 * i] = vrow[i];
-          pf[2 * i + 1] = nullptr;
-          if (ahead < end) {
-            pf[2 * i + 1] = kbase + ahead_key.row(table, cv) * D;
-            ++ahead;
-            ahead_key.next(BS);
-          }
-        }
+        ahead.tile(vrow, n, pf);
         tile_scores_bf16(ws.qb.data(), R, krow, n, D, sc, kTile, pf);
       }
     } else {
@@ -283,7 +271,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int nthreads = at::get_num_threads();
   const bool bf16_dot = std::is_same_v<C, vec::bf16> && use_bf16_dot(D);
-  // Read once for the call: every thread scores the same way even if the switch flips meanwhile.
+  // Read once for the call: every thread takes the same tiles even if the switch flips meanwhile.
   const bool amx_tiles = bf16_dot && amx_attention_enabled();
 
   // Work items: (sequence, query tile, kv head).
