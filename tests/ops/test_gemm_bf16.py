@@ -56,7 +56,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
     ("m", "n", "k"),
     [(1, 16, 2), (1, 40, 24), (5, 64, 33), (6, 100, 64), (7, 129, 1), (10, 200, 576),
      (12, 72, 63), (13, 256, 96), (25, 200, 576), (64, 144, 31), (97, 512, 130),
-     (16, 48, 32), (17, 33, 64), (33, 80, 128), (48, 32, 32), (64, 576, 576), (500, 72, 576)],
+     (16, 48, 32), (17, 33, 64), (33, 80, 128), (48, 32, 32), (64, 576, 576), (500, 72, 576),
+     (400, 1000, 576), (390, 24, 1536)],
 )  # fmt: skip
 def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
     ops = bf16_ops
@@ -79,7 +80,8 @@ def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
 
 
 @pytest.mark.parametrize(
-    ("m", "inter", "k"), [(1, 8, 16), (7, 64, 45), (30, 136, 64), (40, 24, 96), (3, 64, 1536)]
+    ("m", "inter", "k"),
+    [(1, 8, 16), (7, 64, 45), (30, 136, 64), (40, 24, 96), (3, 64, 1536), (450, 264, 576)],
 )
 def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
     g = torch.Generator().manual_seed(inter)
@@ -93,20 +95,23 @@ def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
 
 def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
     """Rows are independent: a row's output is the same float alone, in a tile of up to 6 rows,
-    a balanced tile of 6-12 rows or a 100-row batch, for a store and for the accumulate (residual
+    a balanced tile of 6-12 rows or a 450-row batch, for a store and for the accumulate (residual
     add) epilogue, whose AMX tiles start from the residual in whole and edge tiles alike (what
-    lets decode, prefill and speculation agree bit for bit)."""
+    lets decode, prefill and speculation agree bit for bit). On AMX the 450 and 400 rows run on
+    the row split of prefill sizes (each thread its own rows, every panel), the others on the
+    panel split of decode sizes."""
     g = torch.Generator().manual_seed(3)
     k = 192 if bf16_ops.gemm_amx() else 200  # the AMX tiles take K in steps of 32
     w = torch.randn(136, k, generator=g).to(BF16)
-    x = torch.randn(100, k, generator=g)
+    x = torch.randn(450, k, generator=g)
     packed = bf16_ops.gemm_pack_weight(w)
     whole = bf16_ops.gemm_linear(x, packed, 136)
-    base = torch.randn(100, 136, generator=g)  # the residual the accumulate epilogue adds to
+    base = torch.randn(450, 136, generator=g)  # the residual the accumulate epilogue adds to
     whole_add = base.clone()
     bf16_ops.gemm_linear_add_(whole_add, x, packed)
     for rows in ([0], [5], [11], list(range(0, 6)), list(range(3, 12)), list(range(12, 24)),
-                 list(range(90, 100)), list(range(10, 50)), list(range(0, 64))):
+                 list(range(90, 100)), list(range(10, 50)), list(range(0, 64)),
+                 list(range(41, 441))):
         part = bf16_ops.gemm_linear(x[rows].contiguous(), packed, 136)
         assert torch.equal(part, whole[rows]), rows
         part_add = base[rows].clone()

@@ -9,10 +9,12 @@
 //
 // Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
 // tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. x is
-// rounded to a bf16 copy on a 64-byte boundary, padded to a multiple of 16 rows (the pad rows
-// are zero; at decode sizes the tiles are far from the bottleneck, which is streaming the
-// weights). Threads split the panels, so each weight byte is read from memory once per block of
-// rows and reused from L1/L2 by the block's other row tiles, as in gemm.cpp. Rows come in blocks
+// rounded to a bf16 copy in tile order (each A tile one contiguous KiB), padded to a multiple of
+// 16 rows (the pad rows are zero; at decode sizes the tiles are far from the bottleneck, which
+// is streaming the weights). At decode sizes the threads split the panels, so each weight byte
+// is read from memory once per block of rows and reused from L1 by the block's other row tiles,
+// as in gemm.cpp. From kRowSplitRows rows per thread (prefill) they split the rows instead, each
+// rounding its own rows and running them against L2-sized groups of panels. Rows come in blocks
 // of about kRowBlockBytes of bf16 x, so prefill-sized x stays in L2 across the panels. Whole C
 // tiles of a store go straight to the output and those of an accumulate start from it (the
 // residual add costs no pass); edge tiles and SwiGLU go through a small buffer and a vector
@@ -40,6 +42,8 @@ using namespace amx;
 constexpr int kPanelCols = 16;                // columns of a panel (a B or C tile's width)
 constexpr int64_t kBTileBytes = 16 * 64;      // one B tile: 16 k pairs x 16 columns x 4 bytes
 constexpr int64_t kRowBlockBytes = 512 << 10; // bf16 x per pass over the panels (L2-resident)
+constexpr int64_t kPanelGroupBytes = 512 << 10;  // panels kept in L2 across a row block (row split)
+constexpr int64_t kRowSplitRows = 192;  // rows per thread from which the threads split the rows
 
 // Tile numbers: C(m, n) = m NT + n (MT NT <= 4), A rows alternate between tiles 4 and 5, B(n)
 // = 6 + n. C(m, n) sits at rows 16m, columns 16n of its destination (row stride ld bytes): the
@@ -74,7 +78,7 @@ template <int MT, int NT, int M = 0>
 __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak, int64_t lda) {
   if constexpr (M < MT) {
     constexpr int A = 4 + M % 2;
-    load_tile<A>(ak + M * kTileRows * lda, lda);
+    load_tile<A>(ak + M * lda, 64);
     dp_tile<M * NT, A, 6>();
     if constexpr (NT > 1) dp_tile<M * NT + 1, A, 7>();
     dp_rows<MT, NT, M + 1>(ak, lda);
@@ -94,7 +98,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int6
     const char* bk = b + kt * kBTileBytes;
     load_tile<6>(bk, 64);
     if constexpr (NT > 1) load_tile<7>(bk + panel_bytes, 64);
-    dp_rows<MT, NT>(a + kt * kTileK * 2, lda);
+    dp_rows<MT, NT>(a + kt * kBTileBytes, kTileRows * lda);
   }
   store_c<MT, NT>(dst, ld);
 }
@@ -158,51 +162,63 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
 }
 
 // One thread's panels [p0, p1) over the bf16 rows xb (row m0 of x first) [m0, m1), multiples of
-// 16 with m1 at most M rounded up to 16: blocks of 2 x 2 tiles (4 tile loads per 4 TDPBF16PS),
-// all row blocks of a panel pair before the next pair, so the pair's panels come from memory
-// for its first rows and from L1/L2 for the rest. (Measured on an AMX Xeon at 48-64 rows: 1
-// panel x 4 row tiles per pass, every B tile loaded once, was 3-4 % slower, its 4 A tile loads
-// per B tile coming from L2; software prefetches of the panels ahead, into L1 or L2, were up to
-// 15 % slower than the hardware prefetchers alone.)
+// 16 with m1 at most M rounded up to 16, in blocks of 2 x 2 tiles (4 tile loads per 4
+// TDPBF16PS). The panels go in groups of `group`: each group runs over all row blocks, a row
+// block over all the group's panels. group = 2 (the threads' split of the panels, small M) runs
+// all row blocks of a panel pair before the next pair, so the pair's panels come from memory for
+// its first rows and from L1 for the rest. A group of ~kPanelGroupBytes (the row split, large M)
+// keeps the group's panels in L2 while a row block's A tiles stay in L1 across them and its
+// output rows are written left to right. (Measured on an AMX Xeon at 48-64 rows: 1 panel x 4
+// row tiles per pass, every B tile loaded once, was 3-4 % slower, its 4 A tile loads per B tile
+// coming from L2; software prefetches of the panels ahead, into L1 or L2, were up to 15 % slower
+// than the hardware prefetchers alone.)
 void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
-                int64_t p0, int64_t p1, int64_t m0, int64_t m1, int64_t M, int64_t N,
-                int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
+                int64_t p0, int64_t p1, int64_t group, int64_t m0, int64_t m1, int64_t M,
+                int64_t N, int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
   alignas(64) float buf[2 * kTileRows * kBufCols];
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
-  for (int64_t p = p0; p < p1;) {
-    const int NT = p + 1 < p1 ? 2 : 1;
-    const bool whole_cols = (p + NT) * out_per_panel <= N;
-    const char* bp = b + p * panel_bytes;
+  for (int64_t g0 = p0; g0 < p1; g0 += group) {
+    const int64_t g1 = std::min(p1, g0 + group);
     for (int64_t m = m0; m < m1; m += 2 * kTileRows) {
       const int MT = m + kTileRows < m1 ? 2 : 1;
-      const bool whole = whole_cols && m + MT * kTileRows <= M;
       const char* a = xb + (m - m0) * lda;
-      auto run = [&](auto mt, auto nt) {
-        run_block<decltype(mt)::value, decltype(nt)::value>(
-            a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, buf);
-      };
-      if (MT == 2)
-        NT == 2 ? run(Two{}, Two{}) : run(Two{}, One{});
-      else
-        NT == 2 ? run(One{}, Two{}) : run(One{}, One{});
+      for (int64_t p = g0; p < g1;) {
+        const int NT = p + 1 < g1 ? 2 : 1;
+        const bool whole = (p + NT) * out_per_panel <= N && m + MT * kTileRows <= M;
+        const char* bp = b + p * panel_bytes;
+        auto run = [&](auto mt, auto nt) {
+          run_block<decltype(mt)::value, decltype(nt)::value>(
+              a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, buf);
+        };
+        if (MT == 2)
+          NT == 2 ? run(Two{}, Two{}) : run(Two{}, One{});
+        else
+          NT == 2 ? run(One{}, Two{}) : run(One{}, One{});
+        p += NT;
+      }
     }
-    p += NT;
   }
 }
 
-// x rows [m0, m1) (row stride ldx) -> bf16 rows in xb (stride K), rounded to nearest even; rows
-// from M on are zero.
-void round_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, int64_t M,
-                vec::bf16* xb) {
+// x rows [m0, m1) (row stride ldx) -> bf16 in xb, rows from M on zero. xb holds row tiles from
+// row `base` on in tile order: row r's 32-wide k step kt is row (r - base) % 16 of the 1 KiB A
+// tile ((r - base) / 16, kt), so every tile load reads one contiguous KiB. Rounded to nearest
+// even by vcvtne2ps2bf16 (AMX CPUs have AVX512-BF16), which also flushes fp32 denormals to zero.
+__attribute__((target("avx512bf16"))) void round_rows(const float* x, int64_t ldx, int64_t K,
+                                                     int64_t base, int64_t m0, int64_t m1,
+                                                     int64_t M, vec::bf16* xb) {
   for (int64_t r = m0; r < m1; ++r) {
-    vec::bf16* dst = xb + (r - m0) * K;
-    if (r >= M) {
-      std::memset(static_cast<void*>(dst), 0, K * sizeof(vec::bf16));
-      continue;
-    }
+    const int64_t i = r - base;
+    auto* dst = reinterpret_cast<char*>(xb + i / kTileRows * kTileRows * K) +
+                i % kTileRows * kTileK * 2;
     const float* src = x + r * ldx;
-    for (int64_t k = 0; k < K; k += vec::W) vec::store(dst + k, vec::load(src + k));
+    for (int64_t k = 0; k < K; k += kTileK, dst += kBTileBytes) {
+      const __m512i v = r < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16),
+                                                             _mm512_loadu_ps(src + k))
+                              : _mm512_setzero_si512();
+      _mm512_store_si512(dst, v);
+    }
   }
 }
 #endif  // PAGEDLLM_AMX
@@ -226,24 +242,53 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   const int64_t k_tiles = K / kTileK;
   const int64_t out_per_panel = E == kSwiGlu ? kPanelCols / 2 : kPanelCols;
   const int64_t block = std::min(Mp, std::max<int64_t>(2 * kTileRows, kRowBlockBytes / lda / 32 * 32));
-  // One block of x rows in bf16, kept between calls (a fresh allocation's page faults cost as
-  // much as the rounding).
+  const auto* b = reinterpret_cast<const char*>(panels);
+  const int64_t threads = at::get_num_threads();
+  if (Mp >= kRowSplitRows * threads) {
+    // Large M: each thread rounds its own rows (into its own L2) and runs them against every
+    // panel, the panels in L2-sized groups. Splitting the panels instead made every thread read
+    // the whole of x, half of it from the other core's L2 (the rounding is split too), and
+    // wrote each output column strip top to bottom: on an AMX Xeon at 512-2048 rows the row
+    // split is 1.13-1.35x faster (docs/dtype.md), although every thread reads every weight.
+    const int64_t pairs = (Mp / kTileRows + 1) / 2;  // row tiles in pairs
+    const int64_t group = std::max<int64_t>(2, kPanelGroupBytes / panel_bytes / 2 * 2);
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<vec::bf16> own_rows;  // per worker: rows of this thread only
+      vec::bf16* const xt = aligned_scratch(own_rows, static_cast<size_t>(block * K));
+      load_tile_config();
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = std::min(Mp, pairs * t / threads * 2 * kTileRows);
+        const int64_t r1 = std::min(Mp, pairs * (t + 1) / threads * 2 * kTileRows);
+        for (int64_t m0 = r0; m0 < r1; m0 += block) {
+          const int64_t m1 = std::min(r1, m0 + block);
+          round_rows(x, ldx, K, m0, m0, m1, M, xt);
+          run_panels(reinterpret_cast<const char*>(xt), lda, b, panel_bytes, k_tiles, 0,
+                     num_panels, group, m0, m1, M, N, out_per_panel, E, c, ldc);
+        }
+      }
+      release_tiles();
+    });
+    return;
+  }
+  // Small M (decode): the threads split the panels, so each weight byte is read from memory
+  // once. One block of x rows in bf16, kept between calls (a fresh allocation's page faults
+  // cost as much as the rounding).
   thread_local std::vector<vec::bf16> buffer;
   // (the workers below must not name their own thread's buffer)
   vec::bf16* const xb = aligned_scratch(buffer, static_cast<size_t>(block * K));
-  const auto* b = reinterpret_cast<const char*>(panels);
   for (int64_t m0 = 0; m0 < Mp; m0 += block) {
     const int64_t m1 = std::min(Mp, m0 + block);
     if ((m1 - m0) * K <= (64 << 10))  // a decode batch: not worth a parallel region
-      round_rows(x, ldx, K, m0, m1, M, xb);
+      round_rows(x, ldx, K, m0, m0, m1, M, xb);
     else
       at::parallel_for(m0, m1, 16, [&](int64_t r0, int64_t r1) {
-        round_rows(x, ldx, K, r0, r1, M, xb + (r0 - m0) * K);
+        round_rows(x, ldx, K, m0, r0, r1, M, xb);
       });
     const auto* xd = reinterpret_cast<const char*>(xb);
     at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
       load_tile_config();
-      run_panels(xd, lda, b, panel_bytes, k_tiles, p0, p1, m0, m1, M, N, out_per_panel, E, c, ldc);
+      run_panels(xd, lda, b, panel_bytes, k_tiles, p0, p1, 2, m0, m1, M, N, out_per_panel, E, c,
+                 ldc);
       release_tiles();
     });
   }
