@@ -9,7 +9,9 @@ SwiGLU), at 1 and 2 threads.
 
 On CPUs with AMX the same panels also run on AMX tiles (``csrc/cpu/gemm_amx.cpp``, TDPBF16PS,
 for K a multiple of 32): each test runs with the tiles off and on (``CpuOps.gemm_amx``), and the
-AMX shapes add row counts across 16-row tiles, 32-row blocks and the row blocks of prefill."""
+AMX shapes add row counts across 16-row tiles, 32-row blocks and the row blocks of prefill, and
+from 192 rows per thread the row split (each thread its own rows, the panels in L2-sized groups:
+shapes across several groups and a partial last group)."""
 
 from __future__ import annotations
 

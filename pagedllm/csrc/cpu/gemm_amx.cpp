@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -85,8 +84,9 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak,
   }
 }
 
-// C tiles [MT][NT] of dst (row stride ld bytes) (+)= x rows a[0 : 16 MT] (row stride lda bytes)
-// . the NT panels from b (panel stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
+// C tiles [MT][NT] of dst (row stride ld bytes) (+)= x rows a[0 : 16 MT] in tile order (A tile
+// (m, kt) at a + 16 m lda + kt KiB; lda = K bf16 values in bytes) . the NT panels from b (panel
+// stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
 template <int MT, int NT, bool LOAD>
 __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int64_t lda,
                                                              const char* b, int64_t panel_bytes,

@@ -20,8 +20,8 @@ inline bool gemm_amx_takes(int64_t K) { return K > 0 && K % 32 == 0; }
 
 // c[0:M, 0:N] (row stride ldc) <- x [M, K] float32 (row stride ldx) @ W^T with epilogue E, W in
 // the bf16 pair panels of gemm_pack_weight ([panels][K / 2][16 columns x (k, k + 1)]); x is
-// rounded to bf16 (nearest even) and products are summed in fp32 by TDPBF16PS. Only called where
-// gemm_amx_enabled() and gemm_amx_takes(K).
+// rounded to bf16 (nearest even, fp32 denormals to zero) and products are summed in fp32 by
+// TDPBF16PS. Only called where gemm_amx_enabled() and gemm_amx_takes(K).
 void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32_t* panels,
                    int64_t num_panels, int64_t N, GemmEpilogue E, float* c, int64_t ldc);
 }  // namespace pagedllm
