@@ -42,6 +42,7 @@ constexpr int kPanelCols = 16;                // columns of a panel (a B or C ti
 constexpr int64_t kBTileBytes = 16 * 64;      // one B tile: 16 k pairs x 16 columns x 4 bytes
 constexpr int64_t kRowBlockBytes = 512 << 10; // bf16 x per pass over the panels (L2-resident)
 constexpr int64_t kPanelGroupBytes = 512 << 10;  // panels kept in L2 across a row block (row split)
+constexpr int64_t kPanelPair = 2;  // the panel split's group: one pair of panels
 constexpr int64_t kRowSplitRows = 192;  // rows per thread from which the threads split the rows
 
 // Tile numbers: C(m, n) = m NT + n (MT NT <= 4), A rows alternate between tiles 4 and 5, B(n)
@@ -164,7 +165,7 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
 // One thread's panels [p0, p1) over the bf16 rows xb (row m0 of x first) [m0, m1), multiples of
 // 16 with m1 at most M rounded up to 16, in blocks of 2 x 2 tiles (4 tile loads per 4
 // TDPBF16PS). The panels go in groups of `group`: each group runs over all row blocks, a row
-// block over all the group's panels. group = 2 (the threads' split of the panels, small M) runs
+// block over all the group's panels. kPanelPair (the threads' split of the panels, small M) runs
 // all row blocks of a panel pair before the next pair, so the pair's panels come from memory for
 // its first rows and from L1 for the rest. A group of ~kPanelGroupBytes (the row split, large M)
 // keeps the group's panels in L2 while a row block's A tiles stay in L1 across them and its
@@ -199,6 +200,13 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
       }
     }
   }
+}
+
+// The calling thread's block of bf16 x rows (n values, 64-byte aligned), kept between calls: a
+// fresh allocation's page faults cost as much as the rounding.
+vec::bf16* rows_scratch(int64_t n) {
+  thread_local std::vector<vec::bf16> buffer;
+  return aligned_scratch(buffer, static_cast<size_t>(n));
 }
 
 // x rows [m0, m1) (row stride ldx) -> bf16 in xb, rows from M on zero. xb holds row tiles from
@@ -241,7 +249,8 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   const int64_t panel_bytes = K / 2 * kBTileBytes / 16;
   const int64_t k_tiles = K / kTileK;
   const int64_t out_per_panel = E == kSwiGlu ? kPanelCols / 2 : kPanelCols;
-  const int64_t block = std::min(Mp, std::max<int64_t>(2 * kTileRows, kRowBlockBytes / lda / 32 * 32));
+  const int64_t block =
+      std::min(Mp, std::max<int64_t>(2 * kTileRows, kRowBlockBytes / lda / 32 * 32));
   const auto* b = reinterpret_cast<const char*>(panels);
   const int64_t threads = at::get_num_threads();
   if (Mp >= kRowSplitRows * threads) {
@@ -253,8 +262,7 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
     const int64_t pairs = (Mp / kTileRows + 1) / 2;  // row tiles in pairs
     const int64_t group = std::max<int64_t>(2, kPanelGroupBytes / panel_bytes / 2 * 2);
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      thread_local std::vector<vec::bf16> own_rows;  // per worker: rows of this thread only
-      vec::bf16* const xt = aligned_scratch(own_rows, static_cast<size_t>(block * K));
+      vec::bf16* const xt = rows_scratch(block * K);  // this worker's own rows only
       load_tile_config();
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r0 = std::min(Mp, pairs * t / threads * 2 * kTileRows);
@@ -271,11 +279,9 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
     return;
   }
   // Small M (decode): the threads split the panels, so each weight byte is read from memory
-  // once. One block of x rows in bf16, kept between calls (a fresh allocation's page faults
-  // cost as much as the rounding).
-  thread_local std::vector<vec::bf16> buffer;
-  // (the workers below must not name their own thread's buffer)
-  vec::bf16* const xb = aligned_scratch(buffer, static_cast<size_t>(block * K));
+  // once. All threads read the calling thread's block of rounded rows (the workers below must
+  // not take their own rows_scratch).
+  vec::bf16* const xb = rows_scratch(block * K);
   for (int64_t m0 = 0; m0 < Mp; m0 += block) {
     const int64_t m1 = std::min(Mp, m0 + block);
     if ((m1 - m0) * K <= (64 << 10))  // a decode batch: not worth a parallel region
@@ -287,8 +293,8 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
     const auto* xd = reinterpret_cast<const char*>(xb);
     at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
       load_tile_config();
-      run_panels(xd, lda, b, panel_bytes, k_tiles, p0, p1, 2, m0, m1, M, N, out_per_panel, E, c,
-                 ldc);
+      run_panels(xd, lda, b, panel_bytes, k_tiles, p0, p1, kPanelPair, m0, m1, M, N,
+                 out_per_panel, E, c, ldc);
       release_tiles();
     });
   }
