@@ -108,6 +108,24 @@ def test_c15_greedy_independent_of_batch_under_feature(
     assert_idle_and_free(chunked)
 
 
+def test_c15_bf16_prompts_at_prefill_sizes(tiny_llm_factory, tiny_loaded_hd64):
+    """C15 across the bf16 GEMM's two thread splits: 8 prompts of 80 tokens prefilled in one
+    step (640 rows: on AMX CPUs the threads split the rows, csrc/cpu/gemm_amx.cpp) and the
+    first prompt alone (80 rows: the threads split the weight panels) give the same greedy
+    tokens."""
+    args = {
+        "loaded": tiny_loaded_hd64, "dtype": "bfloat16", "block_size": 16,
+        "max_model_len": 96, "kv_cache_memory": 1 << 23,
+    }  # fmt: skip
+    prompts = [[5 + (7 * i + j) % 40 for j in range(80)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = tiny_llm_factory(**args)
+    alone = token_ids(llm, prompts[:1], params)[0]
+    together = token_ids(llm, prompts, params)
+    assert together[0] == alone
+    assert_idle_and_free(llm)
+
+
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_c19_no_prefix_cache_collision_under_feature(
     tiny_llm_factory, tiny_loaded_hd64, feature
