@@ -56,8 +56,9 @@ CASES = [
     (16, 1, 64, 16, 50, 9, 0, 512),  # G = 16 (the decode kernel's generic path)
     (8, 2, 64, 16, 300, 40, 37, 64),  # sliding window, partitions inside the window
     (8, 2, 64, 32, 100, 150, 129, 512),  # window across a tile boundary
-    # Batch-1 speculative verifies (9 query tokens): few items, so the kernel splits them by
-    # query tokens; one across a partition boundary, one with a sliding window.
+    # Batch-1 speculative verifies (9 query tokens): few items, so the vdpbf16ps kernel splits
+    # them by query tokens (on AMX tiles only items fewer than the threads are split, as in the
+    # G = 16 case above); one across a partition boundary, one with a sliding window.
     (9, 3, 64, 16, 300, 9, 0, 512),
     (9, 3, 64, 16, 590, 9, 0, 512),
     (8, 2, 64, 16, 300, 9, 37, 64),
