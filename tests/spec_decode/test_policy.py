@@ -113,7 +113,7 @@ def test_step_cost_table_is_non_decreasing_and_forgets_old_samples():
 
 def test_a_count_not_seen_for_max_age_steps_is_forgotten_and_tried_again():
     alloc = DraftAllocator(knee_rows=64, row_cost=0.025, prior=0.6)
-    alloc.step_cost = StepCostTable(64, 0.025, window=4, min_samples=3, max_age=8)
+    alloc.step_cost = StepCostTable(64, 0.025, window=4, min_samples=3, min_age=8, max_age=8)
     for _ in range(3):  # 40 rows measured while something else slowed the machine
         alloc.observe_step(8, 0.030)
         alloc.observe_step(40, 0.500)
@@ -131,6 +131,31 @@ def test_a_count_not_seen_for_max_age_steps_is_forgotten_and_tried_again():
     assert sum(alloc.allocate(proposals, num_rows=8).values()) == 32
     with pytest.raises(ValueError, match="max_age"):
         StepCostTable(window=4, max_age=3)
+    with pytest.raises(ValueError, match="min_age"):
+        StepCostTable(window=4, min_age=2, max_age=8)
+    with pytest.raises(ValueError, match="min_age"):
+        StepCostTable(window=4, min_age=16, max_age=8)
+
+
+def test_the_age_limit_doubles_each_time_a_count_is_forgotten():
+    table = StepCostTable(64, 0.025, window=4, min_samples=3, min_age=4, max_age=16)
+    forgotten_at = []
+    for _ in range(4):  # the 40-row count measured slow, then only 8-row steps until it goes
+        for _ in range(3):
+            table.observe(40, 0.500)
+        assert (40, 0.500) in table.measured
+        since = 0
+        while any(rows == 40 for rows, _ in table.measured):
+            table.observe(8, 0.030)
+            since += 1
+        forgotten_at.append(since)
+    # Checked every window (4) steps, one step after the count's last sample each time: forgotten
+    # at the first check where its age reaches the limit of 4, 8, 16 (max_age), 16.
+    assert forgotten_at == [5, 9, 17, 17]
+    assert [table.age_limit(40), table.age_limit(8)] == [16, 4]
+    for _ in range(4):  # the count fills its window: in regular use, the backoff starts over
+        table.observe(40, 0.050)
+    assert table.age_limit(40) == 4
 
 
 def test_measured_step_costs_replace_the_prior():
@@ -168,7 +193,7 @@ def test_the_engine_reports_every_decode_and_verification_step(tiny_loaded):
     llm = LLM(loaded=tiny_loaded, max_model_len=256, kv_cache_memory=1 << 22,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     core = llm.engine.engine_core
-    table = core.speculator.allocator.step_cost = StepCostTable(window=10_000, max_age=10_000)
+    table = core.speculator.allocator.step_cost = StepCostTable(window=10_000, min_age=10_000, max_age=10_000)
     decode_rows: Counter[int] = Counter()
     run_model = core.executor.execute_model
 
