@@ -103,6 +103,17 @@ __attribute__((target("amx-tile"))) inline void load_tile(const void* p, int64_t
   if constexpr (T == 7) _tile_loadd(7, p, stride);
 }
 
+// TILELOADDT1: the same load, with a hint that the data will not be reused soon, so that it does
+// not evict from L1 the operand that will be (Intel SDM, TILELOADD / TILELOADDT1).
+template <int T>
+__attribute__((target("amx-tile"))) inline void stream_load_tile(const void* p, int64_t stride) {
+  static_assert(T >= 4 && T <= 7, "streamed loads fill A or B tiles");
+  if constexpr (T == 4) _tile_stream_loadd(4, p, stride);
+  if constexpr (T == 5) _tile_stream_loadd(5, p, stride);
+  if constexpr (T == 6) _tile_stream_loadd(6, p, stride);
+  if constexpr (T == 7) _tile_stream_loadd(7, p, stride);
+}
+
 template <int T>
 __attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
   if constexpr (T == 0) _tile_stored(0, p, stride);

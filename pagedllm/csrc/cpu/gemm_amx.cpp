@@ -18,7 +18,8 @@
 // of about kRowBlockBytes of bf16 x, so prefill-sized x stays in L2 across the panels. Whole C
 // tiles of a store go straight to the output and those of an accumulate start from it (the
 // residual add costs no pass); edge tiles and SwiGLU go through a small buffer and a vector
-// epilogue.
+// epilogue. The operand a pass reads once is loaded with TILELOADDT1 (Stream), so it does not
+// evict the reused one from L1: A in the panel split, B in the row split.
 #include "gemm_amx.h"
 
 #include <ATen/Parallel.h>
@@ -44,6 +45,18 @@ constexpr int64_t kRowBlockBytes = 512 << 10; // bf16 x per pass over the panels
 constexpr int64_t kPanelGroupBytes = 512 << 10;  // panels kept in L2 across a row block (row split)
 constexpr int64_t kPanelPair = 2;  // the panel split's group: one pair of panels
 constexpr int64_t kRowSplitRows = 192;  // rows per thread from which the threads split the rows
+// The panel split streams A from this much bf16 x on: x too large to stay in L1 (48 KiB per core
+// on Sapphire Rapids and Granite Rapids) with a panel pair beside it anyway.
+constexpr int64_t kStreamABytes = 96 << 10;
+
+// Which operand's tile loads stream past L1 (TILELOADDT1): the one each pass of a block reads
+// once, so that the reused one stays there. The panel split reuses each panel pair (B) over all
+// row blocks and reads x (A) once per pair; the row split reuses a row block's A tiles over a
+// group of panels and reads each panel once per row block. Measured on an AMX Xeon (docs/dtype.md,
+// session 27), the four linears x 30 layers with the engine's epilogues: 7-10 % faster at
+// 512-2048 rows with B streamed, 2-3.5 % at 128-256 rows with A streamed (within 1.5 % either
+// way at 64-96); A streamed in the row split undid most of what B streamed gained.
+enum class Stream { kNone, kA, kB };
 
 // Tile numbers: C(m, n) = m NT + n (MT NT <= 4), A rows alternate between tiles 4 and 5, B(n)
 // = 6 + n. C(m, n) sits at rows 16m, columns 16n of its destination (row stride ld bytes): the
@@ -74,21 +87,32 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void store_c(float* dst, int
 }
 
 // One 32-wide k step of row tiles M.. of the block: A(m) . B(n) into C(m, n).
-template <int MT, int NT, int M = 0>
+template <int MT, int NT, Stream S, int M = 0>
 __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak, int64_t lda) {
   if constexpr (M < MT) {
     constexpr int A = 4 + M % 2;
-    load_tile<A>(ak + M * lda, 64);
+    if constexpr (S == Stream::kA)
+      stream_load_tile<A>(ak + M * lda, 64);
+    else
+      load_tile<A>(ak + M * lda, 64);
     dp_tile<M * NT, A, 6>();
     if constexpr (NT > 1) dp_tile<M * NT + 1, A, 7>();
-    dp_rows<MT, NT, M + 1>(ak, lda);
+    dp_rows<MT, NT, S, M + 1>(ak, lda);
   }
+}
+
+template <int T, Stream S>
+__attribute__((target("amx-tile"))) inline void load_b(const char* p) {
+  if constexpr (S == Stream::kB)
+    stream_load_tile<T>(p, 64);
+  else
+    load_tile<T>(p, 64);
 }
 
 // C tiles [MT][NT] of dst (row stride ld bytes) (+)= x rows a[0 : 16 MT] in tile order (A tile
 // (m, kt) at a + 16 m lda + kt KiB; lda = K bf16 values in bytes) . the NT panels from b (panel
 // stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
-template <int MT, int NT, bool LOAD>
+template <int MT, int NT, bool LOAD, Stream S>
 __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int64_t lda,
                                                              const char* b, int64_t panel_bytes,
                                                              int64_t k_tiles, float* dst,
@@ -97,9 +121,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int6
   init_c<MT, NT, LOAD>(dst, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
-    load_tile<6>(bk, 64);
-    if constexpr (NT > 1) load_tile<7>(bk + panel_bytes, 64);
-    dp_rows<MT, NT>(a + kt * kBTileBytes, kTileRows * lda);
+    load_b<6, S>(bk);
+    if constexpr (NT > 1) load_b<7, S>(bk + panel_bytes);
+    dp_rows<MT, NT, S>(a + kt * kBTileBytes, kTileRows * lda);
   }
   store_c<MT, NT>(dst, ld);
 }
@@ -140,7 +164,7 @@ void buffer_block(float* buf, int64_t row0, int64_t M, int NT, int64_t p, int64_
 // and c; edge tiles and SwiGLU go through buf. An accumulate's edge tiles start from c's values
 // too, so every row gets the same bits whether its tile is whole or not (a row's output never
 // depends on the batch it is in).
-template <int MT, int NT>
+template <int MT, int NT, Stream S>
 void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                bool whole, int64_t row0, int64_t M, int64_t p, int64_t N, int64_t out_per_panel,
                GemmEpilogue E, float* c, int64_t ldc, float* buf) {
@@ -148,16 +172,16 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
   if (whole && E != kSwiGlu) {
     float* dst = c + row0 * ldc + p * kPanelCols;
     if (E == kAccumulate)
-      tile_block<MT, NT, true>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+      tile_block<MT, NT, true, S>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
     else
-      tile_block<MT, NT, false>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+      tile_block<MT, NT, false, S>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
     return;
   }
   if (E == kAccumulate) {
     buffer_block<true>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
-    tile_block<MT, NT, true>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
+    tile_block<MT, NT, true, S>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
   } else {
-    tile_block<MT, NT, false>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
+    tile_block<MT, NT, false, S>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
   }
   buffer_block<false>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
 }
@@ -173,6 +197,7 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
 // row tiles per pass, every B tile loaded once, was 3-4 % slower, its 4 A tile loads per B tile
 // coming from L2; software prefetches of the panels ahead, into L1 or L2, were up to 15 % slower
 // than the hardware prefetchers alone.)
+template <Stream S>
 void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                 int64_t p0, int64_t p1, int64_t group, int64_t m0, int64_t m1, int64_t M,
                 int64_t N, int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
@@ -189,7 +214,7 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
         const bool whole = (p + NT) * out_per_panel <= N && m + MT * kTileRows <= M;
         const char* bp = b + p * panel_bytes;
         auto run = [&](auto mt, auto nt) {
-          run_block<decltype(mt)::value, decltype(nt)::value>(
+          run_block<decltype(mt)::value, decltype(nt)::value, S>(
               a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, buf);
         };
         if (MT == 2)
@@ -270,8 +295,9 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
         for (int64_t m0 = r0; m0 < r1; m0 += block) {
           const int64_t m1 = std::min(r1, m0 + block);
           round_rows(x, ldx, K, m0, m0, m1, M, xt);
-          run_panels(reinterpret_cast<const char*>(xt), lda, b, panel_bytes, k_tiles, 0,
-                     num_panels, group, m0, m1, M, N, out_per_panel, E, c, ldc);
+          run_panels<Stream::kB>(reinterpret_cast<const char*>(xt), lda, b, panel_bytes,
+                                 k_tiles, 0, num_panels, group, m0, m1, M, N, out_per_panel, E,
+                                 c, ldc);
         }
       }
       release_tiles();
@@ -293,8 +319,12 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
     const auto* xd = reinterpret_cast<const char*>(xb);
     at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
       load_tile_config();
-      run_panels(xd, lda, b, panel_bytes, k_tiles, p0, p1, kPanelPair, m0, m1, M, N,
-                 out_per_panel, E, c, ldc);
+      if ((m1 - m0) * lda >= kStreamABytes)
+        run_panels<Stream::kA>(xd, lda, b, panel_bytes, k_tiles, p0, p1, kPanelPair, m0, m1, M,
+                               N, out_per_panel, E, c, ldc);
+      else
+        run_panels<Stream::kNone>(xd, lda, b, panel_bytes, k_tiles, p0, p1, kPanelPair, m0, m1,
+                                  M, N, out_per_panel, E, c, ldc);
       release_tiles();
     });
   }
