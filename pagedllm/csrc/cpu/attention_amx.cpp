@@ -137,16 +137,18 @@ inline void gather_columns(const float* tile, int c0, int r0, int r1, int i0, in
 }
 
 // One chunk of up to 32 head dimensions' worth of pairs into C tile CT from A tiles 4 / 5 and
-// the resident B tiles 6 / 7 (KC <= 2), stored to cbuf.
+// the resident B tiles 6 / 7 (KC <= 2), stored to cbuf. The keys are read once here, so they load
+// with TILELOADDT1 and leave L1 to the scores, probabilities and accumulators the call reuses
+// (decode on an AMX Xeon, 30 cold layers: 64 x 164 keys 3-4 %, 256 x 400 keys 5 % faster).
 template <int CT, int KC>
 __attribute__((target("amx-tile,amx-bf16"))) inline void resident_chunk(const char* a,
                                                                          int64_t lda,
                                                                          float* cbuf) {
   amx::zero_tile<CT>();
-  amx::load_tile<4>(a, lda);
+  amx::stream_load_tile<4>(a, lda);
   amx::dp_tile<CT, 4, 6>();
   if constexpr (KC > 1) {
-    amx::load_tile<5>(a + 64, lda);
+    amx::stream_load_tile<5>(a + 64, lda);
     amx::dp_tile<CT, 5, 7>();
   }
   amx::store_tile<CT>(cbuf, 64);
