@@ -114,6 +114,15 @@ __attribute__((target("amx-tile"))) inline void stream_load_tile(const void* p, 
   if constexpr (T == 7) _tile_stream_loadd(7, p, stride);
 }
 
+// load_tile, or stream_load_tile when STREAM (a GEMM block's operand read once per pass).
+template <int T, bool STREAM>
+__attribute__((target("amx-tile"))) inline void load_tile_as(const void* p, int64_t stride) {
+  if constexpr (STREAM)
+    stream_load_tile<T>(p, stride);
+  else
+    load_tile<T>(p, stride);
+}
+
 template <int T>
 __attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
   if constexpr (T == 0) _tile_stored(0, p, stride);

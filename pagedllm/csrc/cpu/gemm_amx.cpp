@@ -91,22 +91,11 @@ template <int MT, int NT, Stream S, int M = 0>
 __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak, int64_t lda) {
   if constexpr (M < MT) {
     constexpr int A = 4 + M % 2;
-    if constexpr (S == Stream::kA)
-      stream_load_tile<A>(ak + M * lda, 64);
-    else
-      load_tile<A>(ak + M * lda, 64);
+    load_tile_as<A, S == Stream::kA>(ak + M * lda, 64);
     dp_tile<M * NT, A, 6>();
     if constexpr (NT > 1) dp_tile<M * NT + 1, A, 7>();
     dp_rows<MT, NT, S, M + 1>(ak, lda);
   }
-}
-
-template <int T, Stream S>
-__attribute__((target("amx-tile"))) inline void load_b(const char* p) {
-  if constexpr (S == Stream::kB)
-    stream_load_tile<T>(p, 64);
-  else
-    load_tile<T>(p, 64);
 }
 
 // C tiles [MT][NT] of dst (row stride ld bytes) (+)= x rows a[0 : 16 MT] in tile order (A tile
@@ -121,8 +110,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int6
   init_c<MT, NT, LOAD>(dst, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
-    load_b<6, S>(bk);
-    if constexpr (NT > 1) load_b<7, S>(bk + panel_bytes);
+    load_tile_as<6, S == Stream::kB>(bk, 64);
+    if constexpr (NT > 1) load_tile_as<7, S == Stream::kB>(bk + panel_bytes, 64);
     dp_rows<MT, NT, S>(a + kt * kBTileBytes, kTileRows * lda);
   }
   store_c<MT, NT>(dst, ld);
