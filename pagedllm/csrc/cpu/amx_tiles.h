@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__x86_64__) && defined(__AVX512F__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -56,16 +58,10 @@ inline bool tiles_usable() {
   return ok;
 }
 
-// n elements of v (grown as needed, kept between calls) starting at a 64-byte boundary. Tile
-// rows that straddle two cache lines load at ~3/4 of the speed of aligned ones (a 2 x 2 block
-// on an AMX Xeon with A in L2: 1.26 vs 1.66 TFLOP/s per core), and malloc only promises 16.
-template <typename T>
-T* aligned_scratch(std::vector<T>& v, size_t n) {
-  constexpr size_t kPad = 64 / sizeof(T);
-  if (v.size() < n + kPad) v.resize(n + kPad);
-  const auto addr = reinterpret_cast<uintptr_t>(v.data());
-  return v.data() + ((64 - addr % 64) % 64) / sizeof(T);
-}
+// Tile rows that straddle two cache lines load at ~3/4 of the speed of aligned ones (a 2 x 2
+// block on an AMX Xeon with A in L2: 1.26 vs 1.66 TFLOP/s per core): scratch for tiles comes from
+// vec::aligned_scratch.
+using vec::aligned_scratch;
 
 // Loads the shared configuration in the calling thread (all 8 tiles 16 rows x 64 bytes).
 __attribute__((target("amx-tile"))) inline void load_tile_config() {

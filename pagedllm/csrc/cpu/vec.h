@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -26,6 +27,16 @@
 
 namespace pagedllm {
 namespace vec {
+
+// n elements of v (grown as needed, kept between calls) starting at a 64-byte boundary (malloc
+// only promises 16): per-thread scratch rows that vector or tile loads read whole lines of.
+template <typename T>
+T* aligned_scratch(std::vector<T>& v, size_t n) {
+  constexpr size_t kPad = 64 / sizeof(T);
+  if (v.size() < n + kPad) v.resize(n + kPad);
+  const auto addr = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - addr % 64) % 64) / sizeof(T);
+}
 
 using bf16 = c10::BFloat16;
 using fp8 = c10::Float8_e4m3fn;
