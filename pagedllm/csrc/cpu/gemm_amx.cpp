@@ -8,7 +8,9 @@
 // 1 KiB B tile, so the kernel loads the weights the vdpbf16ps kernel loads, in place.
 //
 // Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
-// tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. x is
+// tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. When all
+// rows fit in one or two row tiles (decode), wide blocks of 1 x 6 or 2 x 3 C tiles, with one A
+// and one B register, stream more panels at once (decode steps 7-13 % faster at batch 1-16). x is
 // rounded to a bf16 copy in tile order (each A tile one contiguous KiB), padded to a multiple of
 // 16 rows (the pad rows are zero; at decode sizes the tiles are far from the bottleneck, which
 // is streaming the weights). At decode sizes the threads split the panels, so each weight byte
@@ -175,6 +177,150 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
   buffer_block<false>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
 }
 
+// Decode-sized blocks, when all rows fit in one or two row tiles: more panels per block than
+// the 2 x 2 blocks, a tile register re-filled once its TDPBF16PS has issued. 1 row tile x 6
+// panels: C 0-5, A 6, B 7; 2 row tiles x 3 panels: C(m, n) = 3 m + n, A and B one register each
+// (each A tile loaded twice per k step, from L1). Every C tile gets the same TDPBF16PS sequence
+// over k as in a 2 x 2 block, so the bits do not change. The four linears x 30 layers on an AMX
+// Xeon with the engine's epilogues (weights from memory): 10.1 -> 8.4 ms at 1 row, 11.2 -> 9.6
+// at 16, 13.8 -> 12.8 at 17 and 14.4 -> 13.5 at 32 (docs/dtype.md, session 28). Plain tile loads:
+// A is reused within the block and B is read once either way.
+// C tiles 0-5 of a wide block at t[0..5] (row stride ld bytes): loaded (LOAD) or zeroed, and
+// stored back.
+template <bool LOAD>
+__attribute__((target("amx-tile,amx-bf16"))) inline void init_six(float* const* t, int64_t ld) {
+  if constexpr (LOAD) {
+    _tile_loadd(0, t[0], ld);
+    _tile_loadd(1, t[1], ld);
+    _tile_loadd(2, t[2], ld);
+    _tile_loadd(3, t[3], ld);
+    _tile_loadd(4, t[4], ld);
+    _tile_loadd(5, t[5], ld);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void store_six(float* const* t, int64_t ld) {
+  _tile_stored(0, t[0], ld);
+  _tile_stored(1, t[1], ld);
+  _tile_stored(2, t[2], ld);
+  _tile_stored(3, t[3], ld);
+  _tile_stored(4, t[4], ld);
+  _tile_stored(5, t[5], ld);
+}
+
+template <bool LOAD>
+__attribute__((target("amx-tile,amx-bf16"))) void wide_block_1x6(const char* a, const char* b,
+                                                                 int64_t panel_bytes,
+                                                                 int64_t k_tiles, float* dst,
+                                                                 int64_t ld) {
+  float* const t[6] = {dst, dst + 16, dst + 32, dst + 48, dst + 64, dst + 80};
+  init_six<LOAD>(t, ld);
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    const char* bk = b + kt * kBTileBytes;
+    _tile_loadd(6, a + kt * kBTileBytes, 64);
+    _tile_loadd(7, bk, 64);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(7, bk + panel_bytes, 64);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_loadd(7, bk + 2 * panel_bytes, 64);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(7, bk + 3 * panel_bytes, 64);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_loadd(7, bk + 4 * panel_bytes, 64);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(7, bk + 5 * panel_bytes, 64);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  store_six(t, ld);
+}
+
+// a_tiles: bytes from a row tile's A tiles to the next row tile's.
+template <bool LOAD>
+__attribute__((target("amx-tile,amx-bf16"))) void wide_block_2x3(const char* a, int64_t a_tiles,
+                                                                 const char* b,
+                                                                 int64_t panel_bytes,
+                                                                 int64_t k_tiles, float* dst,
+                                                                 int64_t ld) {
+  float* lower = dst + kTileRows * (ld / 4);
+  float* const t[6] = {dst, dst + 16, dst + 32, lower, lower + 16, lower + 32};
+  const char* a1 = a + a_tiles;
+  init_six<LOAD>(t, ld);
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    const char* bk = b + kt * kBTileBytes;
+    const int64_t o = kt * kBTileBytes;
+    _tile_loadd(6, a + o, 64);
+    _tile_loadd(7, bk, 64);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(6, a1 + o, 64);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_loadd(7, bk + panel_bytes, 64);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(6, a + o, 64);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_loadd(7, bk + 2 * panel_bytes, 64);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(6, a1 + o, 64);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  store_six(t, ld);
+}
+
+// A wide block of MT row tiles at rows row0 and panels from p (6 panels for MT = 1, 3 for MT =
+// 2), all of whose output columns exist. Rows past M, and SwiGLU, go through a buffer, as the
+// 2 x 2 blocks' edge tiles do (an accumulate's buffer starts from c's values).
+template <int MT>
+void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes,
+                    int64_t k_tiles, int64_t row0, int64_t M, int64_t p, int64_t out_per_panel,
+                    GemmEpilogue E, float* c, int64_t ldc) {
+  constexpr int kPanels = MT == 1 ? 6 : 3;
+  constexpr int64_t kRows = MT * kTileRows, kCols = kPanels * kPanelCols;
+  const int64_t rows = std::min(kRows, M - row0);
+  float* dst = c + row0 * ldc + p * out_per_panel;
+  const char* bp = b + p * panel_bytes;
+  auto tiles = [&](auto load, float* d, int64_t ld_bytes) {
+    constexpr bool kLoad = decltype(load)::value;
+    if constexpr (MT == 1)
+      wide_block_1x6<kLoad>(a, bp, panel_bytes, k_tiles, d, ld_bytes);
+    else
+      wide_block_2x3<kLoad>(a, kTileRows * lda, bp, panel_bytes, k_tiles, d, ld_bytes);
+  };
+  if (E != kSwiGlu && rows == kRows) {
+    if (E == kAccumulate)
+      tiles(std::true_type{}, dst, ldc * 4);
+    else
+      tiles(std::false_type{}, dst, ldc * 4);
+    return;
+  }
+  alignas(64) float buf[kRows * kCols];
+  if (E == kAccumulate) {
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t j = 0; j < kCols; ++j) buf[r * kCols + j] = r < rows ? dst[r * ldc + j] : 0.f;
+    tiles(std::true_type{}, buf, kCols * 4);
+  } else {
+    tiles(std::false_type{}, buf, kCols * 4);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* t = buf + r * kCols;
+    float* out = dst + r * ldc;
+    if (E != kSwiGlu) {
+      std::copy(t, t + kCols, out);
+      continue;
+    }
+    for (int q = 0; q < kPanels; ++q) {  // a panel's 8 gate then 8 up columns
+      const __m512 v = _mm512_load_ps(t + q * kPanelCols);
+      const __m512 y = vec::silu_mul(v, _mm512_shuffle_f32x4(v, v, 0xEE));
+      _mm256_storeu_ps(out + q * 8, _mm512_castps512_ps256(y));
+    }
+  }
+}
+
 // One thread's panels [p0, p1) over the bf16 rows xb (row m0 of x first) [m0, m1), multiples of
 // 16 with m1 at most M rounded up to 16, in blocks of 2 x 2 tiles (4 tile loads per 4
 // TDPBF16PS). The panels go in groups of `group`: each group runs over all row blocks, a row
@@ -189,7 +335,8 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
 template <Stream S>
 void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                 int64_t p0, int64_t p1, int64_t group, int64_t m0, int64_t m1, int64_t M,
-                int64_t N, int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
+                int64_t N, int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc,
+                bool wide = false) {
   alignas(64) float buf[2 * kTileRows * kBufCols];
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
@@ -199,6 +346,15 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
       const int MT = m + kTileRows < m1 ? 2 : 1;
       const char* a = xb + (m - m0) * lda;
       for (int64_t p = g0; p < g1;) {
+        const int64_t np = MT == 1 ? 6 : 3;  // a wide block's panels
+        if (wide && p + np <= g1 && (p + np) * out_per_panel <= N) {
+          if (MT == 1)
+            run_wide_block<1>(a, lda, b, panel_bytes, k_tiles, m, M, p, out_per_panel, E, c, ldc);
+          else
+            run_wide_block<2>(a, lda, b, panel_bytes, k_tiles, m, M, p, out_per_panel, E, c, ldc);
+          p += np;
+          continue;
+        }
         const int NT = p + 1 < g1 ? 2 : 1;
         const bool whole = (p + NT) * out_per_panel <= N && m + MT * kTileRows <= M;
         const char* bp = b + p * panel_bytes;
@@ -299,6 +455,8 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   // in 1 KiB tile loads, which cost more than rounding the fp32 rows again (on an AMX Xeon with
   // the weights in L2, 960 x 576 at 16 rows 16.9 -> 12.2 us, at 64 rows 44.3 -> 33.8 us;
   // decode steps of the bundled model 1-2 % faster at batch 1-64, docs/dtype.md, session 28).
+  // All rows in one or two row tiles: wide blocks over the thread's whole panel range.
+  const bool wide = Mp <= 2 * kTileRows;
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
     vec::bf16* const xt = rows_scratch(block * K);
     load_tile_config();
@@ -306,7 +464,10 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
       const int64_t m1 = std::min(Mp, m0 + block);
       round_rows(x, ldx, K, m0, m0, m1, M, xt);
       const auto* xd = reinterpret_cast<const char*>(xt);
-      if ((m1 - m0) * lda >= kStreamABytes)
+      if (wide)
+        run_panels<Stream::kNone>(xd, lda, b, panel_bytes, k_tiles, p0, p1, p1 - p0, m0, m1, M,
+                                  N, out_per_panel, E, c, ldc, true);
+      else if ((m1 - m0) * lda >= kStreamABytes)
         run_panels<Stream::kA>(xd, lda, b, panel_bytes, k_tiles, p0, p1, kPanelPair, m0, m1, M,
                                N, out_per_panel, E, c, ldc);
       else
