@@ -8,9 +8,9 @@
 // 1 KiB B tile, so the kernel loads the weights the vdpbf16ps kernel loads, in place.
 //
 // Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
-// tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. When all
-// rows fit in one or two row tiles (decode), wide blocks of 1 x 6 or 2 x 3 C tiles, with one A
-// and one B register, stream more panels at once (decode steps 7-13 % faster at batch 1-16). x is
+// tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. Up to
+// kWideRows rows (decode), wide blocks of 1 x 6 or 2 x 3 C tiles, with one A and one B register,
+// stream more panels at once (decode steps 7-13 % faster at batch 1-16). x is
 // rounded to a bf16 copy in tile order (each A tile one contiguous KiB), padded to a multiple of
 // 16 rows (the pad rows are zero; at decode sizes the tiles are far from the bottleneck, which
 // is streaming the weights). At decode sizes the threads split the panels, so each weight byte
@@ -50,6 +50,12 @@ constexpr int64_t kRowSplitRows = 192;  // rows per thread from which the thread
 // The panel split streams A from this much bf16 x on: x too large to stay in L1 (48 KiB per core
 // on Sapphire Rapids and Granite Rapids) with a panel pair beside it anyway.
 constexpr int64_t kStreamABytes = 96 << 10;
+// Wide blocks (see wide_block_1x6) up to this many rows, and their panel groups past 32 rows:
+// the four linears x 30 layers on an AMX Xeon, against 2 x 2 blocks, 33 rows 16.25 -> 14.96 ms,
+// 48 rows 17.2-17.4 -> 16.3-16.4, 64 rows 18.8 -> 18.4-18.5, 80 rows 21.1 -> 20.6; at 96 and 128
+// rows 2-3 % slower (groups of 3 panels: 33-80 rows 1-5 % faster).
+constexpr int64_t kWideRows = 80;
+constexpr int64_t kWideGroup = 6;
 
 // Which operand's tile loads stream past L1 (TILELOADDT1): the one each pass of a block reads
 // once, so that the reused one stays there. The panel split reuses each panel pair (B) over all
@@ -177,8 +183,8 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
   buffer_block<false>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
 }
 
-// Decode-sized blocks, when all rows fit in one or two row tiles: more panels per block than
-// the 2 x 2 blocks, a tile register re-filled once its TDPBF16PS has issued. 1 row tile x 6
+// Decode-sized blocks (up to kWideRows rows): more panels per block than the 2 x 2 blocks, a tile
+// register re-filled once its TDPBF16PS has issued. 1 row tile x 6
 // panels: C 0-5, A 6, B 7; 2 row tiles x 3 panels: C(m, n) = 3 m + n, A and B one register each
 // (each A tile loaded twice per k step, from L1). Every C tile gets the same TDPBF16PS sequence
 // over k as in a 2 x 2 block, so the bits do not change. The four linears x 30 layers on an AMX
@@ -455,8 +461,10 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   // in 1 KiB tile loads, which cost more than rounding the fp32 rows again (on an AMX Xeon with
   // the weights in L2, 960 x 576 at 16 rows 16.9 -> 12.2 us, at 64 rows 44.3 -> 33.8 us;
   // decode steps of the bundled model 1-2 % faster at batch 1-64, docs/dtype.md, session 28).
-  // All rows in one or two row tiles: wide blocks over the thread's whole panel range.
-  const bool wide = Mp <= 2 * kTileRows;
+  // Wide blocks: over the thread's whole panel range when all rows fit in two row tiles; with
+  // more, over groups of kWideGroup panels, each row block after the first reading the group's
+  // panels from L2.
+  const bool wide = Mp <= kWideRows;
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
     vec::bf16* const xt = rows_scratch(block * K);
     load_tile_config();
@@ -465,8 +473,9 @@ void gemm_amx_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
       round_rows(x, ldx, K, m0, m0, m1, M, xt);
       const auto* xd = reinterpret_cast<const char*>(xt);
       if (wide)
-        run_panels<Stream::kNone>(xd, lda, b, panel_bytes, k_tiles, p0, p1, p1 - p0, m0, m1, M,
-                                  N, out_per_panel, E, c, ldc, true);
+        run_panels<Stream::kNone>(xd, lda, b, panel_bytes, k_tiles, p0, p1,
+                                  Mp <= 2 * kTileRows ? p1 - p0 : kWideGroup, m0, m1, M, N,
+                                  out_per_panel, E, c, ldc, true);
       else if ((m1 - m0) * lda >= kStreamABytes)
         run_panels<Stream::kA>(xd, lda, b, panel_bytes, k_tiles, p0, p1, kPanelPair, m0, m1, M,
                                N, out_per_panel, E, c, ldc);
