@@ -15,8 +15,9 @@
 // 16 rows (the pad rows are zero; at decode sizes the tiles are far from the bottleneck, which
 // is streaming the weights). At decode sizes the threads split the panels, so each weight byte
 // is read from memory once per block of rows and reused from L1 by the block's other row tiles,
-// as in gemm.cpp; each thread rounds all rows of a block into its own copy. From kRowSplitRows rows per thread (prefill) they split the rows instead, each
-// rounding its own rows and running them against L2-sized groups of panels. Rows come in blocks
+// as in gemm.cpp; each thread rounds all rows of a block into its own copy. From kRowSplitRows
+// rows per thread (prefill) they split the rows instead, each rounding its own rows and running
+// them against L2-sized groups of panels. Rows come in blocks
 // of about kRowBlockBytes of bf16 x, so prefill-sized x stays in L2 across the panels. Whole C
 // tiles of a store go straight to the output and those of an accumulate start from it (the
 // residual add costs no pass); edge tiles and SwiGLU go through a small buffer and a vector
@@ -183,14 +184,15 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
   buffer_block<false>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
 }
 
-// Decode-sized blocks (up to kWideRows rows): more panels per block than the 2 x 2 blocks, a tile
-// register re-filled once its TDPBF16PS has issued. 1 row tile x 6
-// panels: C 0-5, A 6, B 7; 2 row tiles x 3 panels: C(m, n) = 3 m + n, A and B one register each
-// (each A tile loaded twice per k step, from L1). Every C tile gets the same TDPBF16PS sequence
-// over k as in a 2 x 2 block, so the bits do not change. The four linears x 30 layers on an AMX
-// Xeon with the engine's epilogues (weights from memory): 10.1 -> 8.4 ms at 1 row, 11.2 -> 9.6
-// at 16, 13.8 -> 12.8 at 17 and 14.4 -> 13.5 at 32 (docs/dtype.md, session 28). Plain tile loads:
-// A is reused within the block and B is read once either way.
+// Wide blocks, for decode sizes (up to kWideRows rows): more panels per block than the 2 x 2
+// blocks, a tile register re-filled once its TDPBF16PS has issued. 1 row tile x 6 panels: C 0-5,
+// A 6, B 7; 2 row tiles x 3 panels: C(m, n) = 3 m + n, A and B one register each (each A tile
+// loaded twice per k step, from L1). Every C tile gets the same TDPBF16PS sequence over k as in a
+// 2 x 2 block, so the bits do not change. The four linears x 30 layers on an AMX Xeon with the
+// engine's epilogues (weights from memory): 10.1 -> 8.4 ms at 1 row, 11.2 -> 9.6 at 16, 13.8 ->
+// 12.8 at 17 and 14.4 -> 13.5 at 32 (docs/dtype.md, session 28). Plain tile loads: A is reused
+// within the block and B is read once either way.
+
 // C tiles 0-5 of a wide block at t[0..5] (row stride ld bytes): loaded (LOAD) or zeroed, and
 // stored back.
 template <bool LOAD>
