@@ -92,15 +92,15 @@ def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
     Raises:
         ValueError: ``PAGEDLLM_BF16_GEMM`` is not auto, own or onednn (bf16 weights only).
     """
+    # A bad PAGEDLLM_BF16_GEMM is an error on every CPU, not only where the own bf16 GEMM runs.
+    choice = bf16_gemm_choice(cpu_ops) if dtype == torch.bfloat16 else None
     if cpu_ops is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     if os.environ.get("PAGEDLLM_DISABLE_CPU_GEMM") == "1":
         return None
     if not hasattr(cpu_ops, "gemm_linear") or cpu_ops.simd_level() not in OWN_GEMM_SIMD_LEVELS:
         return None
-    if dtype == torch.bfloat16 and (
-        not cpu_ops.gemm_bf16_supported() or bf16_gemm_choice(cpu_ops) != "own"
-    ):
+    if dtype == torch.bfloat16 and (not cpu_ops.gemm_bf16_supported() or choice != "own"):
         return None
     return cpu_ops
 
