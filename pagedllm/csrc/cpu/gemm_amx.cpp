@@ -128,19 +128,21 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int6
 
 constexpr int kBufCols = 2 * kPanelCols;  // the [32][32] fp32 buffer of a block's tiles
 
-// Between a block's buffer (rows [row0, row0 + 32) x the NT panels from p) and c: the part below
-// M rows and N columns. TO_BUFFER copies c in (zeros past its edge); otherwise epilogue E writes
-// the buffer out (out_per_panel columns per panel: 16, or 8 for SwiGLU).
+// Between a block's buffer (rows [row0, row0 + buf_rows) x the NT panels from p, buf_cols floats
+// per buffer row) and c: the part below M rows and N columns. TO_BUFFER copies c in (zeros past
+// its edge); otherwise epilogue E writes the buffer out (out_per_panel columns per panel: 16, or
+// 8 for SwiGLU).
 template <bool TO_BUFFER>
 void buffer_block(float* buf, int64_t row0, int64_t M, int NT, int64_t p, int64_t N,
-                  int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
-  const int64_t rows = std::min<int64_t>(2 * kTileRows, M - row0);
+                  int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc,
+                  int64_t buf_rows = 2 * kTileRows, int64_t buf_cols = kBufCols) {
+  const int64_t rows = std::min(buf_rows, M - row0);
   for (int ni = 0; ni < NT; ++ni) {
     const int64_t col0 = (p + ni) * out_per_panel;
     const int cols = static_cast<int>(std::clamp<int64_t>(N - col0, 0, out_per_panel));
     const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    for (int64_t r = 0; r < 2 * kTileRows; ++r) {
-      float* t = buf + r * kBufCols + ni * kPanelCols;
+    for (int64_t r = 0; r < buf_rows; ++r) {
+      float* t = buf + r * buf_cols + ni * kPanelCols;
       float* dst = c + (row0 + r) * ldc + col0;
       if (TO_BUFFER) {
         _mm512_storeu_ps(t, r < rows ? _mm512_maskz_loadu_ps(mask, dst) : _mm512_setzero_ps());
@@ -281,16 +283,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void wide_block_2x3(const char* a, 
 }
 
 // A wide block of MT row tiles at rows row0 and panels from p (6 panels for MT = 1, 3 for MT =
-// 2), all of whose output columns exist. Rows past M, and SwiGLU, go through a buffer, as the
-// 2 x 2 blocks' edge tiles do (an accumulate's buffer starts from c's values).
+// 2), all of whose output columns exist. Rows past M, and SwiGLU, go through a buffer by
+// buffer_block, as the 2 x 2 blocks' edge tiles do (an accumulate's buffer starts from c's
+// values).
 template <int MT>
 void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes,
-                    int64_t k_tiles, int64_t row0, int64_t M, int64_t p, int64_t out_per_panel,
-                    GemmEpilogue E, float* c, int64_t ldc) {
+                    int64_t k_tiles, int64_t row0, int64_t M, int64_t p, int64_t N,
+                    int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
   constexpr int kPanels = MT == 1 ? 6 : 3;
   constexpr int64_t kRows = MT * kTileRows, kCols = kPanels * kPanelCols;
-  const int64_t rows = std::min(kRows, M - row0);
-  float* dst = c + row0 * ldc + p * out_per_panel;
   const char* bp = b + p * panel_bytes;
   auto tiles = [&](auto load, float* d, int64_t ld_bytes) {
     constexpr bool kLoad = decltype(load)::value;
@@ -299,7 +300,8 @@ void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_byt
     else
       wide_block_2x3<kLoad>(a, kTileRows * lda, bp, panel_bytes, k_tiles, d, ld_bytes);
   };
-  if (E != kSwiGlu && rows == kRows) {
+  if (E != kSwiGlu && row0 + kRows <= M) {
+    float* dst = c + row0 * ldc + p * kPanelCols;
     if (E == kAccumulate)
       tiles(std::true_type{}, dst, ldc * 4);
     else
@@ -308,25 +310,12 @@ void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_byt
   }
   alignas(64) float buf[kRows * kCols];
   if (E == kAccumulate) {
-    for (int64_t r = 0; r < kRows; ++r)
-      for (int64_t j = 0; j < kCols; ++j) buf[r * kCols + j] = r < rows ? dst[r * ldc + j] : 0.f;
+    buffer_block<true>(buf, row0, M, kPanels, p, N, out_per_panel, E, c, ldc, kRows, kCols);
     tiles(std::true_type{}, buf, kCols * 4);
   } else {
     tiles(std::false_type{}, buf, kCols * 4);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* t = buf + r * kCols;
-    float* out = dst + r * ldc;
-    if (E != kSwiGlu) {
-      std::copy(t, t + kCols, out);
-      continue;
-    }
-    for (int q = 0; q < kPanels; ++q) {  // a panel's 8 gate then 8 up columns
-      const __m512 v = _mm512_load_ps(t + q * kPanelCols);
-      const __m512 y = vec::silu_mul(v, _mm512_shuffle_f32x4(v, v, 0xEE));
-      _mm256_storeu_ps(out + q * 8, _mm512_castps512_ps256(y));
-    }
-  }
+  buffer_block<false>(buf, row0, M, kPanels, p, N, out_per_panel, E, c, ldc, kRows, kCols);
 }
 
 // One thread's panels [p0, p1) over the bf16 rows xb (row m0 of x first) [m0, m1), multiples of
@@ -357,9 +346,11 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
         const int64_t np = MT == 1 ? 6 : 3;  // a wide block's panels
         if (wide && p + np <= g1 && (p + np) * out_per_panel <= N) {
           if (MT == 1)
-            run_wide_block<1>(a, lda, b, panel_bytes, k_tiles, m, M, p, out_per_panel, E, c, ldc);
+            run_wide_block<1>(a, lda, b, panel_bytes, k_tiles, m, M, p, N, out_per_panel, E, c,
+                              ldc);
           else
-            run_wide_block<2>(a, lda, b, panel_bytes, k_tiles, m, M, p, out_per_panel, E, c, ldc);
+            run_wide_block<2>(a, lda, b, panel_bytes, k_tiles, m, M, p, N, out_per_panel, E, c,
+                              ldc);
           p += np;
           continue;
         }
