@@ -8,7 +8,8 @@ rows of every step without running the model again. The sequences of a batch adv
 steps for R rows (the model of ``spec_decode.policy``), so the printed speed-up is modelled,
 not measured (``benchmarks/spec_decode.py`` measures), but it does not depend on the machine's
 load. Policies: ``halving`` (the earlier rule: k grows by one after a fully accepted run, halves
-after a miss) and ``goodput`` (``DraftAllocator`` on its prior cost model). With ``--curve``
+after a miss) and ``goodput`` (``DraftAllocator`` on its prior cost model, drafts valued by their
+proposals' match lengths). With ``--curve``
 (a step time curve measured by ``benchmarks/spec_cutoff.py``) the steps are timed on that curve
 instead, and ``goodput-learned`` also runs: the allocator is told every step's curve time (as the
 engine tells it the measured forward time), and its figure is a second pass over the workload
@@ -29,7 +30,7 @@ import torch
 
 from benchmarks.spec_workload import build_repetitive_prompts, build_repetitive_tasks
 from pagedllm.spec_decode.policy import DraftAllocator
-from pagedllm.spec_decode.proposer import NgramProposer, Proposer
+from pagedllm.spec_decode.proposer import MatchingProposer, NgramProposer
 from pagedllm.spec_decode.suffix import SuffixProposer
 
 
@@ -73,7 +74,7 @@ def curve_time(points: list[tuple[int, float]], rows: int) -> float:
     return max(ta + (tb - ta) * (rows - ra) / (rb - ra), 0.0)
 
 
-def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, proposer: Proposer,
+def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, proposer: MatchingProposer,
            knee: int, row_cost: float, curve: list[tuple[int, float]] | None = None,
            alloc: DraftAllocator | None = None) -> tuple[float, int, int]:
     """(modelled time, drafts verified, drafts accepted) of one policy.
@@ -94,13 +95,16 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
                  "n_prompt": len(p["prompt"])} for i, p in enumerate(pairs[lo : lo + batch])]
         while active := [s for s in seqs if s["done"] < len(s["out"])]:
             props: dict[int, list[int]] = {}
+            matches: dict[int, int] = {}
             for s in active:
                 kk = 0 if policy == "off" else k if goodput else k_of.get(s["id"], k)
                 kk = min(kk, len(s["out"]) - s["done"] - 1)  # never past max_tokens
-                props[s["id"]] = (proposer.propose(s["ids"], s["n_prompt"], kk, str(s["id"]))[:kk]
-                                  if kk > 0 else [])
+                draft, match = (proposer.propose_matched(s["ids"], s["n_prompt"], kk, str(s["id"]))
+                                if kk > 0 else ([], 0))
+                props[s["id"]], matches[s["id"]] = draft[:kk], match
             if goodput:
-                kept = alloc.allocate({i: len(p) for i, p in props.items() if p}, len(active))
+                kept = alloc.allocate({i: len(p) for i, p in props.items() if p}, len(active),
+                                      {i: matches[i] for i, p in props.items() if p})
                 props.update({i: props[i][:n] for i, n in kept.items()})
             rows = 0
             for s in active:
@@ -153,7 +157,7 @@ def main() -> None:
             for policy in policies:
                 alloc = DraftAllocator(knee_rows=args.knee, row_cost=args.row_cost)
                 for _ in range(2 if policy == "goodput-learned" else 1):  # learn, then measure
-                    proposer: Proposer = NgramProposer(1, 4) if method == "ngram" else SuffixProposer()
+                    proposer: MatchingProposer = NgramProposer(1, 4) if method == "ngram" else SuffixProposer()
                     t, d, a = replay(pairs, batch, policy, args.k, proposer, args.knee,
                                      args.row_cost, args.curve, alloc)
                 line.append(f"{policy} {off / t:.2f}x (drafts {d}, accepted {a})")

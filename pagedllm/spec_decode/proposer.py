@@ -31,6 +31,19 @@ class Proposer(Protocol):
         ...
 
 
+class MatchingProposer(Proposer, Protocol):
+    """A proposer whose proposals continue a match of the sequence's last tokens (n-gram
+    lookup, suffix decoding): it also reports the match length, which predicts acceptance
+    (``spec_decode.policy.MatchAcceptance``)."""
+
+    def propose_matched(
+        self, token_ids: Sequence[int], num_prompt_tokens: int, k: int, request_id: str
+    ) -> tuple[list[int], int]:
+        """``propose``'s tokens and the length of the suffix of ``token_ids`` they continue
+        (tokens; 0 with an empty proposal)."""
+        ...
+
+
 class NgramProposer:
     """Prompt-lookup decoding: find the most recent earlier occurrence of the sequence's last
     ``n`` tokens (``n`` from ``max_n`` down to ``min_n``, longest first) and propose the tokens that
@@ -61,14 +74,21 @@ class NgramProposer:
         positions of the last token, each extended backwards up to ``max_n`` tokens; O(len *
         max_n) element compares in C per call, no Python loop over the sequence.
         """
+        return self.propose_matched(token_ids, num_prompt_tokens, k, request_id)[0]
+
+    def propose_matched(
+        self, token_ids: Sequence[int], num_prompt_tokens: int, k: int, request_id: str
+    ) -> tuple[list[int], int]:
+        """:meth:`propose`'s tokens and the length ``n`` of the match they continue (0 with
+        no proposal)."""
         total = len(token_ids)
         if k <= 0 or total < 2:
-            return []
+            return [], 0
         ids = np.asarray(token_ids, dtype=np.int64)
         # Candidate match ends: earlier positions holding the last token (a token must follow).
         ends = np.flatnonzero(ids[:-1] == ids[-1])
         if ends.size == 0:
-            return []
+            return [], 0
         length = np.ones(ends.size, dtype=np.int64)
         alive = np.ones(ends.size, dtype=bool)
         for j in range(1, min(self.max_n, total - 1)):
@@ -80,9 +100,9 @@ class NgramProposer:
             length += alive
         best = int(length.max())
         if best < self.min_n:
-            return []
+            return [], 0
         end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent longest match
-        return ids[end + 1 : end + 1 + k].tolist()
+        return ids[end + 1 : end + 1 + k].tolist(), best
 
     def on_request_finished(
         self, token_ids: Sequence[int], num_prompt_tokens: int, request_id: str

@@ -23,8 +23,9 @@ on rejection, a draw from ``norm(max(0, p - q))`` = p without ``d``.
    then are the sequence's full blocks registered in the prefix cache.
 
 Policy: model-free proposers (n-gram, suffix) propose up to ``k`` tokens per sequence and the
-step keeps the drafts worth their verification rows (``spec_decode.policy.DraftAllocator``: a
-per-sequence acceptance estimate and a goodput rule over the batch's rows); with a draft model
+step keeps the drafts worth their verification rows (``spec_decode.policy.DraftAllocator``: an
+acceptance estimate per draft, learned by the length of the match the proposal continues, and a
+goodput rule over the batch's rows); with a draft model
 each sequence's ``k`` grows by one after a fully accepted run and halves after a run with no
 accepted draft (at least 1). Nobody speculates in a step with ``disable_by_batch_size`` or more
 decoding sequences, nor do beam-search or pooling requests.
@@ -133,6 +134,8 @@ class Speculator:
         if len(decoding) >= self.config.disable_by_batch_size:
             return 0
         proposed: dict[int, Sequence] = {}
+        match_lengths: dict[int, int] = {}  # from a proposer that reports them
+        propose_matched = getattr(self.proposer, "propose_matched", None)
         for seq, group in decoding:
             k_max = self.wanted_k(group)
             if k_max <= 0:
@@ -144,16 +147,24 @@ class Speculator:
             k = min(k, self.max_model_len - seq.num_tokens)
             if k <= 0:
                 continue
-            draft = self.proposer.propose(
-                seq.token_ids, seq.num_prompt_tokens, k, group.request_id
-            )[:k]
+            if propose_matched is not None:
+                draft, match_lengths[seq.seq_id] = propose_matched(
+                    seq.token_ids, seq.num_prompt_tokens, k, group.request_id
+                )
+            else:
+                draft = self.proposer.propose(
+                    seq.token_ids, seq.num_prompt_tokens, k, group.request_id
+                )
+            draft = draft[:k]
             if self.structured is not None:  # cut at the first token the grammar rejects
                 draft = draft[: self.structured.valid_draft_length(seq, group, draft)]
             seq.spec_token_ids = draft
             proposed[seq.seq_id] = seq
         if self.allocator is not None and proposed:
             kept = self.allocator.allocate(
-                {sid: len(s.spec_token_ids) for sid, s in proposed.items()}, len(decoding)
+                {sid: len(s.spec_token_ids) for sid, s in proposed.items()},
+                len(decoding),
+                {sid: match_lengths[sid] for sid in proposed if sid in match_lengths},
             )
             for sid, seq in proposed.items():
                 seq.spec_token_ids = seq.spec_token_ids[: kept[sid]]

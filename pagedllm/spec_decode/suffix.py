@@ -141,6 +141,13 @@ class SuffixProposer:
             ValueError: when ``k`` is negative or ``num_prompt_tokens`` is not in
                 ``[0, len(token_ids)]``.
         """
+        return self.propose_matched(token_ids, num_prompt_tokens, k, request_id)[0]
+
+    def propose_matched(
+        self, token_ids: Sequence[int], num_prompt_tokens: int, k: int, request_id: str
+    ) -> tuple[list[int], int]:
+        """:meth:`propose`'s tokens and the length of the longest matching suffix they
+        continue (0 with no proposal); the same arguments and errors."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         if not 0 <= num_prompt_tokens <= len(token_ids):
@@ -149,12 +156,13 @@ class SuffixProposer:
             )
         doc = self._sync(request_id, token_ids)
         if k == 0 or not doc.tokens:
-            return []
+            return [], 0
         starts, match_len = self._longest_matches(doc)
         depth = min(k, self.max_depth)
         if self.max_spec_factor > 0:
             depth = min(depth, max(1, int(self.max_spec_factor * match_len)))
-        return self._continue(starts, depth)
+        proposal = self._continue(starts, depth)
+        return proposal, match_len if proposal else 0
 
     def on_request_finished(
         self, token_ids: Sequence[int], num_prompt_tokens: int, request_id: str

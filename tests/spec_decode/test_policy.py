@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedllm.spec_decode.policy import DraftAllocator, StepCostTable
+from pagedllm.spec_decode.policy import DraftAllocator, MatchAcceptance, StepCostTable
 
 
 def test_below_the_knee_every_draft_is_kept():
@@ -45,6 +45,58 @@ def test_alpha_moving_average_and_recovery():
     assert alloc.alpha(1) == pytest.approx(0.48333333 + 0.5 * (0.6 - 0.48333333))
     alloc.forget(1)
     assert alloc.alpha(1) == 0.6
+
+
+def test_match_acceptance_counts_by_match_length_and_depth():
+    table = MatchAcceptance(max_class=4, window=256)
+    assert table.values(3, 3) == [0.5, 0.25, 0.125]  # Laplace's rule before any sample
+    table.record(3, num_drafts=4, num_accepted=2)  # drafts 1, 2 accepted; 3 rejected; 4 unreached
+    # depth 1: 1 of 1 -> 2/3; depth 2: 1 of 1 -> 2/3; depth 3: 0 of 1 -> 1/3; depth 4: 1/2.
+    assert table.values(3, 4) == pytest.approx([2 / 3, 4 / 9, 4 / 27, 2 / 27])
+    assert table.values(2, 2) == [0.5, 0.25]  # another match length: its own counts
+    table.record(9, num_drafts=1, num_accepted=1)  # 9 >= max_class: class 4
+    assert table.values(4, 1) == pytest.approx([2 / 3])
+    assert table.values(0, 1) == [0.5]  # no match: class 0
+    table.record(3, num_drafts=2, num_accepted=0)  # only depth 1 was reached
+    assert table.values(3, 2) == pytest.approx([2 / 4, 2 / 4 * 2 / 3])  # 1 of 2, 1 of 1
+
+
+def test_match_acceptance_halves_a_full_cell():
+    table = MatchAcceptance(window=4)
+    for _ in range(3):
+        table.record(1, 1, 1)
+    assert table.values(1, 1) == pytest.approx([4 / 5])  # 3 of 3
+    table.record(1, 1, 0)  # 3 of 4 reaches the window: 1.5 of 2
+    assert table.values(1, 1) == pytest.approx([2.5 / 4])
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"max_class": 0}, "max_class"), ({"window": 1}, "window")])
+def test_match_acceptance_bad_arguments_name_the_field(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        MatchAcceptance(**kwargs)
+
+
+def test_drafts_with_match_lengths_are_valued_by_the_match_table():
+    # Past the knee each row costs 0.1 step: a draft pays only when its value beats ~0.3.
+    alloc = DraftAllocator(knee_rows=4, row_cost=0.1, prior=0.7, learn_step_cost=False)
+    for _ in range(20):  # long matches were always copied, 1-token matches never
+        alloc.match_acceptance.record(4, 4, 4)
+        alloc.match_acceptance.record(1, 4, 0)
+    # Seqs 0-3 have the same history (alpha = prior); only the match lengths differ. Seq 3
+    # reports none, so it keeps the geometric 0.7 ** j. The 8 drafts of seqs 0 and 2 (21 / 22,
+    # then its powers) take the goodput to 11.13 tokens / 1.8 steps = 6.18; seq 3's 0.7 draft
+    # raises it (6.23), its 0.49 draft would not; seq 1's drafts (1 / 22) never pay.
+    kept = alloc.allocate({0: 4, 1: 4, 2: 4, 3: 4}, num_rows=4, match_lengths={0: 4, 1: 1, 2: 6})
+    assert kept == {0: 4, 1: 0, 2: 4, 3: 1}
+    # The verification that follows teaches the table of the seqs that had a match length.
+    alloc.record(0, 4, 1)  # class 4: depth 1 accepted, depth 2 rejected
+    alloc.record(3, 1, 1)  # no match length: alpha only
+    assert alloc.match_acceptance.values(4, 2) == pytest.approx([22 / 23, 22 / 23 * 21 / 23])
+    assert alloc.alpha(0) == pytest.approx(0.7 + 0.3 * (0.5 - 0.7))
+    assert alloc.alpha(3) == pytest.approx(0.7 + 0.3 * (1.0 - 0.7))
+    alloc.record(2, 0, 0)  # dropped before verification: nothing to learn, the match is cleared
+    alloc.record(2, 4, 4)
+    assert alloc.match_acceptance.values(4, 2) == pytest.approx([22 / 23, 22 / 23 * 21 / 23])
 
 
 @pytest.mark.parametrize(
@@ -209,3 +261,7 @@ def test_the_engine_reports_every_decode_and_verification_step(tiny_loaded):
     counted = Counter({rows: len(s) for rows, s in table._samples.items()})
     assert counted == decode_rows and sum(counted.values()) > 0
     assert max(counted) <= 2 * 5  # the two prompts' prefills (30 and 40 tokens) are not steps here
+    # The n-gram proposer reports match lengths: every verification reached depth 1 of its class.
+    match_table = core.speculator.allocator.match_acceptance
+    reached = sum(cells[0][0] for cells in match_table._counts if cells)
+    assert reached == llm.engine.stats.spec_num_drafts > 0

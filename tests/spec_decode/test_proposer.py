@@ -31,6 +31,15 @@ def test_ngram_longest_match_wins():
     assert p.propose([3, 4, 5, 1, 2, 9, 4, 0, 3, 4], 0, 1, "r") == [5]
 
 
+def test_ngram_reports_the_match_length():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert NgramProposer(1, 3).propose_matched(tokens, 4, 4, "r") == ([7, 8, 1, 2], 3)
+    assert NgramProposer(1, 2).propose_matched(tokens, 4, 4, "r") == ([7, 8, 1, 2], 2)  # capped
+    assert NgramProposer(1, 3).propose_matched([5, 6, 4, 4, 5], 2, 3, "r") == ([6, 4, 4], 1)
+    assert NgramProposer(1, 3).propose_matched([1, 2, 3], 3, 4, "r") == ([], 0)
+    assert NgramProposer(2, 3).propose_matched([5, 6, 4, 4, 5], 2, 3, "r") == ([], 0)
+
+
 def test_config_parsing_and_errors():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
     assert cfg == SpeculativeConfig(num_speculative_tokens=3)

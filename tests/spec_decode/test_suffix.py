@@ -22,6 +22,16 @@ def test_copies_the_continuation_of_the_longest_match() -> None:
     assert sp.propose([1, 2], 2, 0, "zero") == []
 
 
+def test_reports_the_length_of_the_matched_suffix() -> None:
+    sp = SuffixProposer()
+    assert sp.propose_matched([1, 2, 3, 4, 5, 1, 2], 5, 3, "r") == ([3, 4, 5], 2)
+    assert sp.propose_matched([5, 1, 2, 6, 0, 1, 2, 9, 5, 1, 2], 11, 1, "q") == ([6], 3)
+    assert sp.propose_matched([4, 4, 4, 3], 4, 3, "none") == ([], 0)
+    # A match whose continuation falls under min_token_prob proposes nothing: length 0.
+    seq = [9, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2]
+    assert SuffixProposer(min_token_prob=0.7).propose_matched(seq, len(seq), 5, "a") == ([], 0)
+
+
 def test_most_frequent_continuation_and_threshold() -> None:
     # "9 1 2" is followed by 3, 3, 4 (shares 2/3 and 1/3); after "9 1 2 3" by 9, 1, 2, then
     # 3 or 4 (a tie, the newest occurrence wins; probability 2/3 * 1/2).
