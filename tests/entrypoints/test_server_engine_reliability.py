@@ -127,8 +127,10 @@ def test_idle_engine_thread_sleeps(client, server):
 
 
 def test_engine_with_nothing_schedulable_sleeps(tiny_loaded):
-    """A step that makes no progress while a request is live (forced here) backs off: the
-    engine thread uses under 5% of a core instead of spinning."""
+    """A step that makes no progress while a request is live (forced here) backs off: at most
+    60 steps a second, and the process uses under 15% of a core instead of spinning (~100%).
+    (process_time counts every thread of the test process: under the suite's two busy workers
+    an idle process read 5.5% once, 2026-12-06.)"""
     eng = LLMEngine(EngineConfig(max_model_len=128, num_threads=1), loaded=tiny_loaded)
     calls = []
     real_step = eng.step
@@ -151,7 +153,7 @@ def test_engine_with_nothing_schedulable_sleeps(tiny_loaded):
         return cpu, steps
 
     cpu, steps = asyncio.run(main())
-    assert cpu < 0.05 and steps <= 60, (cpu, steps)
+    assert cpu < 0.15 and steps <= 60, (cpu, steps)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 

@@ -81,6 +81,7 @@ __attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(
 // these map a template constant onto the literal calls.
 template <int T>
 __attribute__((target("amx-tile"))) inline void zero_tile() {
+  static_assert(T >= 0 && T <= 3, "zero_tile covers the C tiles 0-3");
   if constexpr (T == 0) _tile_zero(0);
   if constexpr (T == 1) _tile_zero(1);
   if constexpr (T == 2) _tile_zero(2);
@@ -121,6 +122,7 @@ __attribute__((target("amx-tile"))) inline void load_tile_as(const void* p, int6
 
 template <int T>
 __attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
+  static_assert(T >= 0 && T <= 3, "store_tile covers the C tiles 0-3");
   if constexpr (T == 0) _tile_stored(0, p, stride);
   if constexpr (T == 1) _tile_stored(1, p, stride);
   if constexpr (T == 2) _tile_stored(2, p, stride);
@@ -130,6 +132,9 @@ __attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stri
 // C (0-3) += A (4-5) . B (6-7)
 template <int C, int A, int B>
 __attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
+  // Any other combination would compile to nothing.
+  static_assert(C >= 0 && C <= 3 && A >= 4 && A <= 5 && B >= 6 && B <= 7,
+                "dp_tile covers C 0-3, A 4-5, B 6-7");
 #define PAGEDLLM_DP(c, a, b) \
   if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
   PAGEDLLM_DP(0, 4, 6) PAGEDLLM_DP(0, 4, 7) PAGEDLLM_DP(0, 5, 6) PAGEDLLM_DP(0, 5, 7)
