@@ -22,7 +22,9 @@ sequence that stops copying its input soon stops paying for rows.
 A model-free proposal (n-gram lookup, suffix decoding) also says how long a suffix of the
 sequence it matched, and that predicts acceptance far better than the sequence's history
 (:class:`MatchAcceptance`): when the caller passes match lengths, draft ``j`` is valued by the
-learned acceptance of depth ``j`` for proposals of that match length instead of ``alpha ** j``.
+learned acceptance of depth ``j`` for proposals of that match length instead of ``alpha ** j``,
+times the sequence's :meth:`DraftAllocator.reliability` (its accepted drafts against the
+table's expectation), so a sequence still backs off on its own when it keeps missing.
 
 The knee and the row cost differ by CPU, dtype and model (on an AVX2 CPU a 40-row step of the
 bundled SmolLM2 in fp32 costs ~2.8 one-token batch-8 steps, a bf16 AMX tile GEMM moves the
@@ -284,8 +286,12 @@ class DraftAllocator:
     _alpha: dict[int, float] = field(default_factory=dict, repr=False)
     step_cost: StepCostTable = field(init=False, repr=False)
     match_acceptance: MatchAcceptance = field(default_factory=MatchAcceptance, repr=False)
-    # seq_id -> match length of the proposal it verifies this step (allocate -> record).
+    # seq_id -> match length of the proposal it verifies this step, and the table's expected
+    # accepted drafts of what was kept (allocate -> record).
     _match: dict[int, int] = field(default_factory=dict, repr=False)
+    _expected: dict[int, float] = field(default_factory=dict, repr=False)
+    # seq_id -> [accepted, expected] drafts of its match-valued verifications, decayed.
+    _track: dict[int, list[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.knee_rows < 1:
@@ -309,23 +315,46 @@ class DraftAllocator:
         """The sequence's per-draft acceptance estimate (``prior`` before any verification)."""
         return self._alpha.get(seq_id, self.prior)
 
+    def reliability(self, seq_id: int) -> float:
+        """How the sequence's accepted drafts compare with what :class:`MatchAcceptance`
+        predicted for them, recent verifications weighing most: ``(accepted + 2) / (expected +
+        2)``, at most 1 (1 before any). It scales the table's values for this sequence, so a
+        sequence that keeps missing where other sequences with the same match lengths copy
+        (a request that paraphrases its prompt) backs off on its own."""
+        accepted, expected = self._track.get(seq_id, (0.0, 0.0))
+        return min(1.0, (accepted + 2.0) / (expected + 2.0))
+
     def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """Fold one verification (``num_accepted`` of ``num_drafts`` drafts kept) into the
-        sequence's ``alpha``, and into the match-length table when the proposal came with a
-        match length. A verification of no drafts changes nothing."""
+        sequence's ``alpha``, and into the match-length table and the sequence's reliability
+        when the proposal came with a match length. A verification of no drafts changes
+        nothing."""
         match_len = self._match.pop(seq_id, None)
+        expected = self._expected.pop(seq_id, 0.0)
         if num_drafts <= 0:
             return
         if match_len is not None:
             self.match_acceptance.record(match_len, num_drafts, num_accepted)
+            self._decay_track(seq_id, num_accepted, expected)
         estimate = 1.0 if num_accepted >= num_drafts else num_accepted / (num_accepted + 1)
         old = self.alpha(seq_id)
         self._alpha[seq_id] = old + self.smoothing * (estimate - old)
 
     def forget(self, seq_id: int) -> None:
-        """Drop a sequence's estimate."""
+        """Drop a sequence's estimates."""
         self._alpha.pop(seq_id, None)
         self._match.pop(seq_id, None)
+        self._expected.pop(seq_id, None)
+        self._track.pop(seq_id, None)
+
+    def _decay_track(self, seq_id: int, accepted: float, expected: float) -> None:
+        """The reliability sums, the old ones weighted ``1 - smoothing``, plus one
+        verification's accepted / expected drafts (0 / 0: a dropped proposal only decays them
+        towards 1, so a sequence that stopped paying is tried again)."""
+        track = self._track.setdefault(seq_id, [0.0, 0.0])
+        keep = 1.0 - self.smoothing
+        track[0] = keep * track[0] + accepted
+        track[1] = keep * track[1] + expected
 
     def allocate(
         self, proposals: dict[int, int], num_rows: int, match_lengths: dict[int, int] | None = None
@@ -338,17 +367,18 @@ class DraftAllocator:
                 tokens of any other scheduled work the caller wants counted), >= 0.
             match_lengths: seq_id -> length of the suffix match its proposal continues, for
                 the sequences whose proposer reports one: their drafts are valued by
-                :class:`MatchAcceptance` (and the verification that follows teaches it), the
-                others' by ``alpha ** j``.
+                :class:`MatchAcceptance` times the sequence's :meth:`reliability` (and the
+                verification that follows teaches both), the others' by ``alpha ** j``.
 
         Returns:
             seq_id -> drafts kept (a prefix of the proposal; 0 drops it), for every key of
             ``proposals``. A sequence whose proposal is dropped has its ``alpha`` pulled back
-            towards ``prior`` by ``smoothing`` (else a sequence that once stopped paying would
-            never be tried again).
+            towards ``prior`` by ``smoothing``, and its reliability towards 1 (else a sequence
+            that once stopped paying would never be tried again).
         """
         kept = dict.fromkeys(proposals, 0)
         matches = match_lengths or {}
+        table_values: dict[int, list[float]] = {}  # match-valued seqs: the table's values
         # (value, position, seq_id): each draft's acceptance probability.
         candidates = []
         for seq_id, length in proposals.items():
@@ -361,7 +391,9 @@ class DraftAllocator:
                     values.append(value)
             else:
                 self._match[seq_id] = match_len
-                values = self.match_acceptance.values(match_len, length)
+                table_values[seq_id] = self.match_acceptance.values(match_len, length)
+                scale = self.reliability(seq_id)
+                values = [v * scale for v in table_values[seq_id]]
             for j, value in enumerate(values, start=1):
                 if value < self.min_value:
                     break
@@ -381,9 +413,13 @@ class DraftAllocator:
         for _, _, seq_id in candidates[:best_n]:
             kept[seq_id] += 1
         for seq_id, n in kept.items():
+            if seq_id in table_values:
+                self._expected[seq_id] = sum(table_values[seq_id][:n])
             if n == 0 and proposals[seq_id] > 0:
                 old = self.alpha(seq_id)
                 self._alpha[seq_id] = old + self.smoothing * (self.prior - old)
+                if seq_id in table_values:
+                    self._decay_track(seq_id, 0.0, 0.0)
         return kept
 
     def _cost(self, rows: int) -> float:

@@ -99,6 +99,28 @@ def test_drafts_with_match_lengths_are_valued_by_the_match_table():
     assert alloc.match_acceptance.values(4, 2) == pytest.approx([22 / 23, 22 / 23 * 21 / 23])
 
 
+def test_a_sequence_that_misses_where_its_match_class_copies_backs_off():
+    alloc = DraftAllocator(knee_rows=1, row_cost=0.5, smoothing=0.5, learn_step_cost=False)
+    for _ in range(20):
+        alloc.match_acceptance.record(4, 2, 2)  # 4-token matches: both drafts always accepted
+    p = 21 / 22
+    assert alloc.reliability(7) == 1.0
+    assert alloc.allocate({7: 2}, num_rows=1, match_lengths={7: 4}) == {7: 2}
+    alloc.record(7, 2, 0)  # this sequence missed: expected p + p^2, accepted 0
+    expected = p + p * p
+    assert alloc.reliability(7) == pytest.approx(2 / (expected + 2))
+    # Row cost 0.5 past 1 row: a draft pays while value > 0.5 * goodput. Scaled by the
+    # reliability (0.51) the first draft is worth 0.49 < 0.5 * 1: dropped.
+    assert alloc.allocate({7: 2}, num_rows=1, match_lengths={7: 4}) == {7: 0}
+    # The drop decays the sums by smoothing (0.5), and the sequence is tried again.
+    assert alloc.reliability(7) == pytest.approx(2 / (expected / 2 + 2))
+    assert alloc.allocate({7: 2}, num_rows=1, match_lengths={7: 4}) == {7: 2}
+    # Another sequence with the same match length is not held back.
+    assert alloc.reliability(8) == 1.0
+    alloc.forget(7)
+    assert alloc.reliability(7) == 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [({"knee_rows": 0}, "knee_rows"), ({"row_cost": -1}, "row_cost"), ({"prior": 2}, "prior"),
