@@ -81,11 +81,15 @@ __attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(
 // these map a template constant onto the literal calls.
 template <int T>
 __attribute__((target("amx-tile"))) inline void zero_tile() {
-  static_assert(T >= 0 && T <= 3, "zero_tile covers the C tiles 0-3");
+  static_assert(T >= 0 && T <= 7, "8 tile registers");
   if constexpr (T == 0) _tile_zero(0);
   if constexpr (T == 1) _tile_zero(1);
   if constexpr (T == 2) _tile_zero(2);
   if constexpr (T == 3) _tile_zero(3);
+  if constexpr (T == 4) _tile_zero(4);
+  if constexpr (T == 5) _tile_zero(5);
+  if constexpr (T == 6) _tile_zero(6);
+  if constexpr (T == 7) _tile_zero(7);
 }
 
 template <int T>
@@ -122,11 +126,15 @@ __attribute__((target("amx-tile"))) inline void load_tile_as(const void* p, int6
 
 template <int T>
 __attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stride) {
-  static_assert(T >= 0 && T <= 3, "store_tile covers the C tiles 0-3");
+  static_assert(T >= 0 && T <= 7, "8 tile registers");
   if constexpr (T == 0) _tile_stored(0, p, stride);
   if constexpr (T == 1) _tile_stored(1, p, stride);
   if constexpr (T == 2) _tile_stored(2, p, stride);
   if constexpr (T == 3) _tile_stored(3, p, stride);
+  if constexpr (T == 4) _tile_stored(4, p, stride);
+  if constexpr (T == 5) _tile_stored(5, p, stride);
+  if constexpr (T == 6) _tile_stored(6, p, stride);
+  if constexpr (T == 7) _tile_stored(7, p, stride);
 }
 
 // C (0-3) += A (4-5) . B (6-7)

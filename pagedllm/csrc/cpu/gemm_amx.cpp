@@ -197,32 +197,23 @@ void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, i
 
 // C tiles 0-5 of a wide block at t[0..5] (row stride ld bytes): loaded (LOAD) or zeroed, and
 // stored back.
-template <bool LOAD>
+template <bool LOAD, int I = 0>
 __attribute__((target("amx-tile,amx-bf16"))) inline void init_six(float* const* t, int64_t ld) {
-  if constexpr (LOAD) {
-    _tile_loadd(0, t[0], ld);
-    _tile_loadd(1, t[1], ld);
-    _tile_loadd(2, t[2], ld);
-    _tile_loadd(3, t[3], ld);
-    _tile_loadd(4, t[4], ld);
-    _tile_loadd(5, t[5], ld);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
+  if constexpr (I < 6) {
+    if constexpr (LOAD)
+      load_tile<I>(t[I], ld);
+    else
+      zero_tile<I>();
+    init_six<LOAD, I + 1>(t, ld);
   }
 }
 
+template <int I = 0>
 __attribute__((target("amx-tile,amx-bf16"))) inline void store_six(float* const* t, int64_t ld) {
-  _tile_stored(0, t[0], ld);
-  _tile_stored(1, t[1], ld);
-  _tile_stored(2, t[2], ld);
-  _tile_stored(3, t[3], ld);
-  _tile_stored(4, t[4], ld);
-  _tile_stored(5, t[5], ld);
+  if constexpr (I < 6) {
+    store_tile<I>(t[I], ld);
+    store_six<I + 1>(t, ld);
+  }
 }
 
 template <bool LOAD>
