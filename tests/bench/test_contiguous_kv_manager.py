@@ -133,3 +133,22 @@ def test_paged_waste_exact_numbers():
     s.num_computed_tokens = 9
     w = paged_waste(bm, [s])
     assert (w.token_states, w.reserved, w.internal_fragmentation) == (9, 1, 2)
+
+
+def test_paged_waste_counts_shared_blocks_once_beside_exclusive_tables():
+    """A forked pair's shared blocks count once; an exclusive table beside them takes the
+    whole-table path (all its blocks at reference count 1). Block size 4."""
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a, c = seq(0, 6, 4), seq(2, 3, 1)
+    bm.allocate_slots(a, 6)  # blocks 0, 1
+    bm.allocate_slots(c, 3)  # block 2
+    a.num_computed_tokens, c.num_computed_tokens = 6, 3
+    b = seq(1, 6, 4)
+    bm.fork(a, b)
+    b.num_computed_tokens = 6
+    assert bm.allocator.ref_counts[:3] == [2, 2, 1]
+    w = paged_waste(bm, [a, b, c])
+    # held 6 (blocks 0-1, once) + 3 (block 2) = 9 of 12 slots; reserved min(2 + 2 + 1, 12 - 9) = 3
+    assert (w.token_states, w.reserved, w.internal_fragmentation) == (9, 3, 0)
+    w = paged_waste(bm, [c])  # c alone: 3 held, 1 reserved, the rest of the 12 is unaccounted
+    assert (w.token_states, w.reserved, w.internal_fragmentation) == (3, 1, 8)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import random
 
 import pytest
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, direct_decoder, find_stop_string
 
 TEXTS = [
     "Hello world! How are you today?",
@@ -116,6 +117,32 @@ def test_random_sequences_match_decode(tokenizer):
         held += pieces[:-1].count("")
     # the pool really exercised split and invalid multi-byte characters
     assert invalid > 10 and held > 50
+
+
+def test_direct_decoder_equals_decode_or_steps_aside(tokenizer):
+    """The Rust decode the detokenizer calls directly gives ``tokenizer.decode``'s text, and is
+    not used where the wrapper would change it (space clean-up on, an overridden ``_decode``)."""
+    rng = random.Random(7)
+    specials = list(tokenizer.all_special_ids)
+    for skip in (True, False):
+        direct = direct_decoder(tokenizer, skip)
+        assert direct is not None
+        for _ in range(300):
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tokenizer))
+                   for _ in range(rng.randrange(1, 12))]
+            assert direct(ids) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+    cleaning = copy.copy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert direct_decoder(cleaning, True) is None
+
+    class Overriding(type(tokenizer)):  # type: ignore[misc]
+        def _decode(self, *args, **kwargs):
+            return "x"
+
+    overriding = copy.copy(tokenizer)
+    overriding.__class__ = Overriding
+    assert direct_decoder(overriding, True) is None
+    assert direct_decoder(object(), True) is None
 
 
 @pytest.mark.slow
