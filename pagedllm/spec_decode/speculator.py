@@ -164,7 +164,7 @@ class Speculator:
             kept = self.allocator.allocate(
                 {sid: len(s.spec_token_ids) for sid, s in proposed.items()},
                 len(decoding),
-                {sid: match_lengths[sid] for sid in proposed if sid in match_lengths},
+                match_lengths,  # the same keys as `proposed` when the proposer reports them
             )
             for sid, seq in proposed.items():
                 seq.spec_token_ids = seq.spec_token_ids[: kept[sid]]
