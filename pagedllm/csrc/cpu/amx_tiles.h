@@ -137,18 +137,20 @@ __attribute__((target("amx-tile"))) inline void store_tile(void* p, int64_t stri
   if constexpr (T == 7) _tile_stored(7, p, stride);
 }
 
-// C (0-3) += A (4-5) . B (6-7)
+// C (0-3) += A (4-5, or 2-3 into C 1) . B (6-7)
 template <int C, int A, int B>
 __attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
   // Any other combination would compile to nothing.
-  static_assert(C >= 0 && C <= 3 && A >= 4 && A <= 5 && B >= 6 && B <= 7,
-                "dp_tile covers C 0-3, A 4-5, B 6-7");
+  static_assert(B >= 6 && B <= 7 && ((C >= 0 && C <= 3 && A >= 4 && A <= 5) ||
+                                      (C == 1 && A >= 2 && A <= 3)),
+                "dp_tile covers C 0-3 with A 4-5, C 1 with A 2-3, B 6-7");
 #define PAGEDLLM_DP(c, a, b) \
   if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
   PAGEDLLM_DP(0, 4, 6) PAGEDLLM_DP(0, 4, 7) PAGEDLLM_DP(0, 5, 6) PAGEDLLM_DP(0, 5, 7)
   PAGEDLLM_DP(1, 4, 6) PAGEDLLM_DP(1, 4, 7) PAGEDLLM_DP(1, 5, 6) PAGEDLLM_DP(1, 5, 7)
   PAGEDLLM_DP(2, 4, 6) PAGEDLLM_DP(2, 4, 7) PAGEDLLM_DP(2, 5, 6) PAGEDLLM_DP(2, 5, 7)
   PAGEDLLM_DP(3, 4, 6) PAGEDLLM_DP(3, 4, 7) PAGEDLLM_DP(3, 5, 6) PAGEDLLM_DP(3, 5, 7)
+  PAGEDLLM_DP(1, 2, 6) PAGEDLLM_DP(1, 2, 7) PAGEDLLM_DP(1, 3, 6) PAGEDLLM_DP(1, 3, 7)
 #undef PAGEDLLM_DP
 }
 

@@ -136,20 +136,26 @@ inline void gather_columns(const float* tile, int c0, int r0, int r1, int i0, in
   }
 }
 
-// One chunk of up to 32 head dimensions' worth of pairs into C tile CT from A tiles 4 / 5 and
-// the resident B tiles 6 / 7 (KC <= 2), stored to cbuf. The keys are read once here, so they load
-// with TILELOADDT1 and leave L1 to the scores, probabilities and accumulators the call reuses
-// (decode on an AMX Xeon, 30 cold layers: 64 x 164 keys 3-4 %, 256 x 400 keys 5 % faster).
+// One chunk of up to 32 head dimensions' worth of pairs into C tile CT from the resident B tiles
+// 6 / 7 (KC <= 2), stored to cbuf. Chunk parity picks C tile and A tiles together (C 0 with A
+// 4 / 5, C 1 with A 2 / 3): tiles are not renamed, so with one A pair the next chunk's loads
+// waited for this chunk's products to finish reading them. Plain TILELOADD: in a chain of
+// dependent tile ops TILELOADDT1 took ~3x as long per chunk with its rows in L1 (46.6 vs 15.0 ns,
+// AMX Xeon, session 31), though both stream from memory alike. With the next chunk's K rows
+// asked into L1 (scores_resident) the decode kernel ran 4 x 400 keys, one thread, in L2, at
+// 17.2-18.4 ns per key and kv head against 21.1-21.5, and a 30-layer step of 64 x 400 keys,
+// two threads, at 14.6-15.9 against 16.4-17.8 (with fill_rows in the decode loop).
 template <int CT, int KC>
 __attribute__((target("amx-tile,amx-bf16"))) inline void resident_chunk(const char* a,
                                                                          int64_t lda,
                                                                          float* cbuf) {
+  constexpr int A0 = CT == 0 ? 4 : 2, A1 = A0 + 1;
   amx::zero_tile<CT>();
-  amx::stream_load_tile<4>(a, lda);
-  amx::dp_tile<CT, 4, 6>();
+  amx::load_tile<A0>(a, lda);
+  amx::dp_tile<CT, A0, 6>();
   if constexpr (KC > 1) {
-    amx::stream_load_tile<5>(a + 64, lda);
-    amx::dp_tile<CT, 5, 7>();
+    amx::load_tile<A1>(a + 64, lda);
+    amx::dp_tile<CT, A1, 7>();
   }
   amx::store_tile<CT>(cbuf, 64);
 }
@@ -172,6 +178,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_resident(
     // Half the chunk's prefetches before its tiles and half after: all 32 rows at once filled
     // the line-fill buffers, and the tile load then waited behind them.
     prefetch_keys(prefetch, i0, i0 + m / 2, D);
+    // The next chunk's K rows into L1: the tile loads wait on every line they miss there.
+    for (int j = i0 + kTileRows, e = std::min(n, i0 + 2 * kTileRows); j < e; ++j)
+      vec::prefetch_row_l1(krow[j], D);
     const char* a = chunk_keys(krow, i0, m, D, kcopy);
     if (i0 / kTileRows % 2 == 0)
       resident_chunk<0, KC>(a, lda, cbuf[0]);

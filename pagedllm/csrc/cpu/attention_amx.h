@@ -45,7 +45,8 @@ bool amx_attention_active();
 // are an A tile (loaded in place when they are consecutive in the cache, else copied), Q^T in
 // the B (pair) layout is built once per call, so a score depends only on its key and query
 // row. prefetch (nullable, 2n pointers of D bf16): asked into cache before each 16 keys, two
-// per key. Only called inside an active AmxAttentionScope.
+// per key; with rows <= 16 and D <= 64 the next 16 keys' K rows are also asked into L1
+// (prefetcht0). Only called inside an active AmxAttentionScope.
 void tile_scores_amx(const vec::bf16* qb, int rows, const vec::bf16* const* krow, int n, int D,
                      float* sc, int sc_stride, const vec::bf16* const* prefetch);
 

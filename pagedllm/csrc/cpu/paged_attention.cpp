@@ -98,14 +98,6 @@ inline void accumulate_pv(float* acc, const float* sc, const T* const* vrow, int
     }
 }
 
-// The row pointers of keys [t0, t0 + n) of one kv head's cache (the K or the V base).
-template <typename T>
-inline void tile_rows(const T* base, const int64_t* table, const CacheView& cv, int64_t t0, int n,
-                      const T** rows) {
-  for (KeyCursor key(t0, cv.block_size); n > 0; --n, key.next(cv.block_size))
-    *rows++ = base + key.row(table, cv) * cv.D;
-}
-
 // Online softmax over context positions [start, end) of one sequence (one partition: no multiple
 // of partition_size strictly inside), for the G query heads of one kv head, in the tiles of
 // attention_common.h. q: G x D (pre-scaled fp32); qb: q rounded to bf16 when the bf16 tiles run
@@ -128,8 +120,8 @@ void decode_range(const float* q, const vec::bf16* qb, const T* kbase, const T* 
   for (int64_t t0 = start, t1; t0 < end; t0 = t1) {
     t1 = tile_end(t0, end, partition_size);
     const int n = static_cast<int>(t1 - t0);
-    tile_rows(kbase, table, cv, t0, n, krow);
-    tile_rows(vbase, table, cv, t0, n, vrow);
+    fill_rows(kbase, table, cv, t0, n, krow);
+    fill_rows(vbase, table, cv, t0, n, vrow);
     if constexpr (std::is_same_v<T, vec::bf16>) {
       if (qb) {
         // The same prefetches as below, two per key: its V row and the K row kPrefetchRows on.
