@@ -197,15 +197,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_resident(
                    std::min(kTileRows, n - pending), sc, sc_stride);
 }
 
-// The B tiles of V for tile_pv_amx: chunk c of 16 key pairs and column group j (16 head
-// dimensions in tile_pv_bf16's permuted order) at vt + (c * J + j) * 256 dwords; row t holds
-// pair T = 16 c + t, the tile's pair u = T - lead, as the (v[2u][x], v[2u + 1][x]) words that
-// unpacklo / unpackhi_epi16 give (so the C columns land in the accumulators' order). The lead
-// pairs before the tile's first and those from np on are zero.
-void layout_v(const vec::bf16* const* v, int lead, int np, int chunks, int D, uint32_t* vt) {
+// The B tiles of V for tile_pv_amx, chunks [c0, c1): chunk c of 16 key pairs and column group j
+// (16 head dimensions in tile_pv_bf16's permuted order) at vt + ((c - c0) * J + j) * 256 dwords;
+// row t holds pair T = 16 c + t, the tile's pair u = T - lead, as the (v[2u][x], v[2u + 1][x])
+// words that unpacklo / unpackhi_epi16 give (so the C columns land in the accumulators' order).
+// The lead pairs before the tile's first and those from np on are zero.
+void layout_v(const vec::bf16* const* v, int lead, int np, int c0, int c1, int D, uint32_t* vt) {
   const int J = D / 16;
-  for (int T = 0; T < chunks * kTileRows; ++T) {
-    uint32_t* row = vt + static_cast<size_t>(T / kTileRows) * J * 256 + (T % kTileRows) * 16;
+  for (int T = c0 * kTileRows; T < c1 * kTileRows; ++T) {
+    uint32_t* row =
+        vt + static_cast<size_t>(T / kTileRows - c0) * J * 256 + (T % kTileRows) * 16;
     const int u = T - lead;
     for (int d = 0; d < D; d += 32) {
       __m512i lo = _mm512_setzero_si512(), hi = lo;
@@ -219,6 +220,45 @@ void layout_v(const vec::bf16* const* v, int lead, int np, int chunks, int D, ui
       _mm512_store_si512(row + (d / 16 + 1) * 256, hi);
     }
   }
+}
+
+// One row tile (rows <= 16) and all J = NJ <= 4 column groups (D <= 64, a decode): the C tiles
+// stay resident over the chunks while V is laid out one chunk ahead into two alternating
+// buffers (vt: 2 NJ B tiles), so that each chunk's products run while the vector unit lays out
+// the next, and its B tiles are loaded from stores made a chunk earlier. The same TDPBF16PS
+// sequence per C tile as pv_block, so the same bits.
+template <int NJ>
+__attribute__((target("amx-tile,amx-bf16"))) void pv_pipelined(
+    const char* a, int64_t lda, const vec::bf16* const* v, int lead, int np, int chunks, int D,
+    uint32_t* vt, float* c, int64_t ldc) {
+  amx::load_tile<0>(c, ldc);
+  if constexpr (NJ > 1) amx::load_tile<1>(c + 16, ldc);
+  if constexpr (NJ > 2) amx::load_tile<2>(c + 32, ldc);
+  if constexpr (NJ > 3) amx::load_tile<3>(c + 48, ldc);
+  layout_v(v, lead, np, 0, 1, D, vt);
+  for (int ch = 0; ch < chunks; ++ch) {
+    const uint32_t* b = vt + (ch % 2) * NJ * 256;
+    amx::load_tile<4>(a + ch * 64, lda);
+    amx::load_tile<6>(b, 64);
+    amx::dp_tile<0, 4, 6>();
+    if constexpr (NJ > 1) {
+      amx::load_tile<7>(b + 256, 64);
+      amx::dp_tile<1, 4, 7>();
+    }
+    if constexpr (NJ > 2) {
+      amx::load_tile<6>(b + 512, 64);
+      amx::dp_tile<2, 4, 6>();
+    }
+    if constexpr (NJ > 3) {
+      amx::load_tile<7>(b + 768, 64);
+      amx::dp_tile<3, 4, 7>();
+    }
+    if (ch + 1 < chunks) layout_v(v, lead, np, ch + 1, ch + 2, D, vt + ((ch + 1) % 2) * NJ * 256);
+  }
+  amx::store_tile<0>(c, ldc);
+  if constexpr (NJ > 1) amx::store_tile<1>(c + 16, ldc);
+  if constexpr (NJ > 2) amx::store_tile<2>(c + 32, ldc);
+  if constexpr (NJ > 3) amx::store_tile<3>(c + 48, ldc);
 }
 
 // 16 accumulator rows at c (row stride ldc bytes), column groups j0 .. j0 + NJ - 1, += the P
@@ -344,8 +384,25 @@ void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* cons
     round_pairs_bf16(sc + static_cast<int64_t>(r) * sc_stride, n, odd, row + lead);
     std::fill(row + lead + np, row + chunks * kTileRows, 0u);  // the last chunk's missing pairs
   }
-  layout_v(v, lead, np, chunks, D, vt);
   const int64_t lda = static_cast<int64_t>(pstride) * 4;
+  if (row_tiles == 1 && J <= 4) {
+    float* c = acc;
+    if (rows < kTileRows) {  // a partial row tile goes through 16 rows of scratch
+      c = amx::aligned_scratch(c_buffer, static_cast<size_t>(kTileRows) * D);
+      std::memcpy(c, acc, sizeof(float) * rows * D);
+    }
+    const char* a = reinterpret_cast<const char*>(P);
+    const int64_t ldc = int64_t{D} * 4;
+    switch (J) {
+      case 1: pv_pipelined<1>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+      case 2: pv_pipelined<2>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+      case 3: pv_pipelined<3>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+      default: pv_pipelined<4>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+    }
+    if (rows < kTileRows) std::memcpy(acc, c, sizeof(float) * rows * D);
+    return;
+  }
+  layout_v(v, lead, np, 0, chunks, D, vt);
   for (int rt = 0; rt < row_tiles; ++rt) {
     const int r0 = rt * kTileRows, valid = std::min(kTileRows, rows - r0);
     float* c = acc + static_cast<int64_t>(r0) * D;
