@@ -222,6 +222,46 @@ void layout_v(const vec::bf16* const* v, int lead, int np, int c0, int c1, int D
   }
 }
 
+// C tiles 0 .. NJ - 1 <-> the accumulators of column groups at c, c + 16, ... (row stride ldc
+// bytes).
+template <int NJ>
+__attribute__((target("amx-tile"))) inline void load_acc(const float* c, int64_t ldc) {
+  amx::load_tile<0>(c, ldc);
+  if constexpr (NJ > 1) amx::load_tile<1>(c + 16, ldc);
+  if constexpr (NJ > 2) amx::load_tile<2>(c + 32, ldc);
+  if constexpr (NJ > 3) amx::load_tile<3>(c + 48, ldc);
+}
+
+template <int NJ>
+__attribute__((target("amx-tile"))) inline void store_acc(float* c, int64_t ldc) {
+  amx::store_tile<0>(c, ldc);
+  if constexpr (NJ > 1) amx::store_tile<1>(c + 16, ldc);
+  if constexpr (NJ > 2) amx::store_tile<2>(c + 32, ldc);
+  if constexpr (NJ > 3) amx::store_tile<3>(c + 48, ldc);
+}
+
+// C tiles 0 .. NJ - 1 += one chunk of P (A tile 4, from a with row stride lda bytes) . its NJ B
+// tiles at b (consecutive 1 KiB tiles, loaded alternately into tiles 6 / 7).
+template <int NJ>
+__attribute__((target("amx-tile,amx-bf16"))) inline void pv_chunk(const char* a, int64_t lda,
+                                                                   const uint32_t* b) {
+  amx::load_tile<4>(a, lda);
+  amx::load_tile<6>(b, 64);
+  amx::dp_tile<0, 4, 6>();
+  if constexpr (NJ > 1) {
+    amx::load_tile<7>(b + 256, 64);
+    amx::dp_tile<1, 4, 7>();
+  }
+  if constexpr (NJ > 2) {
+    amx::load_tile<6>(b + 512, 64);
+    amx::dp_tile<2, 4, 6>();
+  }
+  if constexpr (NJ > 3) {
+    amx::load_tile<7>(b + 768, 64);
+    amx::dp_tile<3, 4, 7>();
+  }
+}
+
 // One row tile (rows <= 16) and all J = NJ <= 4 column groups (D <= 64, a decode): the C tiles
 // stay resident over the chunks while V is laid out one chunk ahead into two alternating
 // buffers (vt: 2 NJ B tiles), so that each chunk's products run while the vector unit lays out
@@ -231,34 +271,13 @@ template <int NJ>
 __attribute__((target("amx-tile,amx-bf16"))) void pv_pipelined(
     const char* a, int64_t lda, const vec::bf16* const* v, int lead, int np, int chunks, int D,
     uint32_t* vt, float* c, int64_t ldc) {
-  amx::load_tile<0>(c, ldc);
-  if constexpr (NJ > 1) amx::load_tile<1>(c + 16, ldc);
-  if constexpr (NJ > 2) amx::load_tile<2>(c + 32, ldc);
-  if constexpr (NJ > 3) amx::load_tile<3>(c + 48, ldc);
+  load_acc<NJ>(c, ldc);
   layout_v(v, lead, np, 0, 1, D, vt);
   for (int ch = 0; ch < chunks; ++ch) {
-    const uint32_t* b = vt + (ch % 2) * NJ * 256;
-    amx::load_tile<4>(a + ch * 64, lda);
-    amx::load_tile<6>(b, 64);
-    amx::dp_tile<0, 4, 6>();
-    if constexpr (NJ > 1) {
-      amx::load_tile<7>(b + 256, 64);
-      amx::dp_tile<1, 4, 7>();
-    }
-    if constexpr (NJ > 2) {
-      amx::load_tile<6>(b + 512, 64);
-      amx::dp_tile<2, 4, 6>();
-    }
-    if constexpr (NJ > 3) {
-      amx::load_tile<7>(b + 768, 64);
-      amx::dp_tile<3, 4, 7>();
-    }
+    pv_chunk<NJ>(a + ch * 64, lda, vt + (ch % 2) * NJ * 256);
     if (ch + 1 < chunks) layout_v(v, lead, np, ch + 1, ch + 2, D, vt + ((ch + 1) % 2) * NJ * 256);
   }
-  amx::store_tile<0>(c, ldc);
-  if constexpr (NJ > 1) amx::store_tile<1>(c + 16, ldc);
-  if constexpr (NJ > 2) amx::store_tile<2>(c + 32, ldc);
-  if constexpr (NJ > 3) amx::store_tile<3>(c + 48, ldc);
+  store_acc<NJ>(c, ldc);
 }
 
 // 16 accumulator rows at c (row stride ldc bytes), column groups j0 .. j0 + NJ - 1, += the P
@@ -268,32 +287,10 @@ template <int NJ>
 __attribute__((target("amx-tile,amx-bf16"))) void pv_block(const char* a, int64_t lda,
                                                            const uint32_t* vt, int chunks, int J,
                                                            int j0, float* c, int64_t ldc) {
-  amx::load_tile<0>(c + j0 * 16, ldc);
-  if constexpr (NJ > 1) amx::load_tile<1>(c + (j0 + 1) * 16, ldc);
-  if constexpr (NJ > 2) amx::load_tile<2>(c + (j0 + 2) * 16, ldc);
-  if constexpr (NJ > 3) amx::load_tile<3>(c + (j0 + 3) * 16, ldc);
-  for (int ch = 0; ch < chunks; ++ch) {
-    amx::load_tile<4>(a + ch * 64, lda);
-    const uint32_t* b = vt + static_cast<size_t>(ch * J + j0) * 256;
-    amx::load_tile<6>(b, 64);
-    amx::dp_tile<0, 4, 6>();
-    if constexpr (NJ > 1) {
-      amx::load_tile<7>(b + 256, 64);
-      amx::dp_tile<1, 4, 7>();
-    }
-    if constexpr (NJ > 2) {
-      amx::load_tile<6>(b + 512, 64);
-      amx::dp_tile<2, 4, 6>();
-    }
-    if constexpr (NJ > 3) {
-      amx::load_tile<7>(b + 768, 64);
-      amx::dp_tile<3, 4, 7>();
-    }
-  }
-  amx::store_tile<0>(c + j0 * 16, ldc);
-  if constexpr (NJ > 1) amx::store_tile<1>(c + (j0 + 1) * 16, ldc);
-  if constexpr (NJ > 2) amx::store_tile<2>(c + (j0 + 2) * 16, ldc);
-  if constexpr (NJ > 3) amx::store_tile<3>(c + (j0 + 3) * 16, ldc);
+  load_acc<NJ>(c + j0 * 16, ldc);
+  for (int ch = 0; ch < chunks; ++ch)
+    pv_chunk<NJ>(a + ch * 64, lda, vt + static_cast<size_t>(ch * J + j0) * 256);
+  store_acc<NJ>(c + j0 * 16, ldc);
 }
 
 }  // namespace
