@@ -206,7 +206,8 @@ def test_rotary_kernel_matches_aten_in_place_on_a_strided_view(cpu_ops):
 
 def test_argmax_logsumexp_matches_aten(cpu_ops):
     """One fused pass per row = torch.argmax (first index on ties) and torch.logsumexp, for
-    vocabulary sizes that are and are not a multiple of the vector width, with -inf entries."""
+    vocabulary sizes that are and are not a multiple of the vector width, with -inf entries and
+    maxima at and across vector-lane boundaries and in the tail past the last whole vector."""
     ops = cpu_ops
     torch.manual_seed(0)
     for b, v in ((1, 1), (3, 7), (64, 49152), (5, 49157)):
@@ -214,6 +215,10 @@ def test_argmax_logsumexp_matches_aten(cpu_ops):
         if v > 3:
             logits[:, 1] = float("-inf")
             logits[0, 2] = logits[0, 3] = logits[0].max() + 1.0  # a tie: the first index wins
+        if b >= 4:  # the maximum found by vector compares: across a lane boundary, in the tail
+            logits[1, 15] = logits[1, 16] = logits[1].max() + 1.0
+            logits[2, v - 1] = logits[2].max() + 1.0
+            logits[3, v - 20] = logits[3, v - 1] = logits[3].max() + 1.0
         idx, lse = ops.argmax_logsumexp(logits)
         assert idx.tolist() == logits.argmax(-1).tolist()
         torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-6)

@@ -85,6 +85,11 @@ inline V add(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(V v) { return _mm512_reduce_max_ps(v); }
+// The first lane of v equal to x, or -1 (NaN equals nothing).
+inline int first_equal(V v, float x) {
+  const unsigned m = _mm512_cmp_ps_mask(v, set1(x), _CMP_EQ_OQ);
+  return m ? __builtin_ctz(m) : -1;
+}
 // exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by its Taylor polynomial.
 inline V exp(V x) {
   x = _mm512_max_ps(x, set1(-87.0f));
@@ -149,6 +154,10 @@ inline float hmax(V v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+inline int first_equal(V v, float x) {
+  const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, set1(x), _CMP_EQ_OQ));
+  return m ? __builtin_ctz(m) : -1;
 }
 inline V exp(V x) {
   x = _mm256_max_ps(x, set1(-87.0f));
