@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", default="benchmarks/results/gemm.json")
     args = ap.parse_args()
+    if args.rounds < 2:  # the first round only warms up: the median needs one more
+        ap.error("--rounds must be at least 2 (the first round is a warm-up)")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes, _ = model_shapes()
