@@ -12,10 +12,11 @@
 // here the tiles sum over the pairs themselves, a few instructions per 16 keys.
 //
 // p . V, per call: the probabilities rounded to bf16 pairs are the A tiles (16 query rows x 16
-// key pairs, one 64-byte chunk per 32 keys), V's key pairs interleaved once per call are the B
-// tiles, and the fp32 accumulators go through C tiles of 16 rows x 16 dimensions (up to 4 per
-// pass). vdpbf16ps re-interleaved V for every 4 query rows and issued one instruction per key
-// pair, 16 dimensions and row; here one TDPBF16PS covers 16 rows x 32 keys x 16 dimensions.
+// key pairs, one 64-byte chunk per 32 keys), V's key pairs interleaved once per call (for a
+// decode's one row tile, a chunk ahead of the products: pv_pipelined) are the B tiles, and the
+// fp32 accumulators go through C tiles of 16 rows x 16 dimensions (up to 4 per pass).
+// vdpbf16ps re-interleaved V for every 4 query rows and issued one instruction per key pair, 16
+// dimensions and row; here one TDPBF16PS covers 16 rows x 32 keys x 16 dimensions.
 #include "attention_amx.h"
 
 #include <algorithm>
@@ -382,7 +383,7 @@ void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* cons
     std::fill(row + lead + np, row + chunks * kTileRows, 0u);  // the last chunk's missing pairs
   }
   const int64_t lda = static_cast<int64_t>(pstride) * 4;
-  if (row_tiles == 1 && J <= 4) {
+  if (row_tiles == 1 && J <= 4) {  // (vt holds both of its buffers whenever chunks >= 2)
     float* c = acc;
     if (rows < kTileRows) {  // a partial row tile goes through 16 rows of scratch
       c = amx::aligned_scratch(c_buffer, static_cast<size_t>(kTileRows) * D);
