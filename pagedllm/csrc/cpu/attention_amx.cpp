@@ -144,8 +144,8 @@ inline void gather_columns(const float* tile, int c0, int r0, int r1, int i0, in
 // dependent tile ops TILELOADDT1 took ~3x as long per chunk with its rows in L1 (46.6 vs 15.0 ns,
 // AMX Xeon, session 31), though both stream from memory alike. With the next chunk's K rows
 // asked into L1 (scores_resident) the decode kernel ran 4 x 400 keys, one thread, in L2, at
-// 17.2-18.4 ns per key and kv head against 21.1-21.5, and a 30-layer step of 64 x 400 keys,
-// two threads, at 14.6-15.9 against 16.4-17.8 (with fill_rows in the decode loop).
+// 18.4-18.7 ns per key and kv head against 21.1-21.5, and a 30-layer step of 64 x 400 keys,
+// two threads, at 14.6-16.1 against 16.4-17.8 (with fill_rows in the decode loop).
 template <int CT, int KC>
 __attribute__((target("amx-tile,amx-bf16"))) inline void resident_chunk(const char* a,
                                                                          int64_t lda,
