@@ -181,7 +181,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_resident(
     prefetch_keys(prefetch, i0, i0 + m / 2, D);
     // The next chunk's K rows into L1: the tile loads wait on every line they miss there.
     for (int j = i0 + kTileRows, e = std::min(n, i0 + 2 * kTileRows); j < e; ++j)
-      vec::prefetch_row_l1(krow[j], D);
+      vec::prefetch_row<3>(krow[j], D);
     const char* a = chunk_keys(krow, i0, m, D, kcopy);
     if (i0 / kTileRows % 2 == 0)
       resident_chunk<0, KC>(a, lda, cbuf[0]);
@@ -383,24 +383,11 @@ void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* cons
     std::fill(row + lead + np, row + chunks * kTileRows, 0u);  // the last chunk's missing pairs
   }
   const int64_t lda = static_cast<int64_t>(pstride) * 4;
-  if (row_tiles == 1 && J <= 4) {  // (vt holds both of its buffers whenever chunks >= 2)
-    float* c = acc;
-    if (rows < kTileRows) {  // a partial row tile goes through 16 rows of scratch
-      c = amx::aligned_scratch(c_buffer, static_cast<size_t>(kTileRows) * D);
-      std::memcpy(c, acc, sizeof(float) * rows * D);
-    }
-    const char* a = reinterpret_cast<const char*>(P);
-    const int64_t ldc = int64_t{D} * 4;
-    switch (J) {
-      case 1: pv_pipelined<1>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
-      case 2: pv_pipelined<2>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
-      case 3: pv_pipelined<3>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
-      default: pv_pipelined<4>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
-    }
-    if (rows < kTileRows) std::memcpy(acc, c, sizeof(float) * rows * D);
-    return;
-  }
-  layout_v(v, lead, np, 0, chunks, D, vt);
+  // A decode's one row tile lays V out a chunk ahead of its products (pv_pipelined; vt holds
+  // both of its buffers whenever chunks >= 2); more rows lay all of V out once for every tile.
+  const bool pipelined = row_tiles == 1 && J <= 4;
+  if (!pipelined) layout_v(v, lead, np, 0, chunks, D, vt);
+  const int64_t ldc = int64_t{D} * 4;
   for (int rt = 0; rt < row_tiles; ++rt) {
     const int r0 = rt * kTileRows, valid = std::min(kTileRows, rows - r0);
     float* c = acc + static_cast<int64_t>(r0) * D;
@@ -410,12 +397,21 @@ void tile_pv_amx(const float* sc, int rows, int sc_stride, const vec::bf16* cons
       c = buf;
     }
     const char* a = reinterpret_cast<const char*>(P + static_cast<size_t>(r0) * pstride);
-    for (int j0 = 0; j0 < J; j0 += 4) {
-      switch (std::min(4, J - j0)) {
-        case 1: pv_block<1>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
-        case 2: pv_block<2>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
-        case 3: pv_block<3>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
-        default: pv_block<4>(a, lda, vt, chunks, J, j0, c, int64_t{D} * 4); break;
+    if (pipelined) {
+      switch (J) {
+        case 1: pv_pipelined<1>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+        case 2: pv_pipelined<2>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+        case 3: pv_pipelined<3>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+        default: pv_pipelined<4>(a, lda, v, lead, np, chunks, D, vt, c, ldc); break;
+      }
+    } else {
+      for (int j0 = 0; j0 < J; j0 += 4) {
+        switch (std::min(4, J - j0)) {
+          case 1: pv_block<1>(a, lda, vt, chunks, J, j0, c, ldc); break;
+          case 2: pv_block<2>(a, lda, vt, chunks, J, j0, c, ldc); break;
+          case 3: pv_block<3>(a, lda, vt, chunks, J, j0, c, ldc); break;
+          default: pv_block<4>(a, lda, vt, chunks, J, j0, c, ldc); break;
+        }
       }
     }
     if (valid < kTileRows)

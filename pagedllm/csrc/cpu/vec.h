@@ -331,18 +331,13 @@ inline float exp_sub_sum(float* x, int n, float m) {
 // Ask for a row of n values to be brought into L2 (prefetcht1, one per 64-byte line). Into L1
 // (prefetcht0) the decode kernel's prefetches stalled on L1's few miss buffers: bf16 KV decode
 // (64 sequences x 400 keys, 2 threads, Zen 4) ran 7 % slower on the fp32 path and 25 % slower
-// on the bf16 tiles than with prefetcht1.
-template <typename T>
+// on the bf16 tiles than with prefetcht1. Locality 3 (prefetcht0, into L1) is for rows already
+// near, read within the next few hundred cycles (the AMX decode scores' next chunk).
+template <int Locality = 2, typename T>
 inline void prefetch_row(const T* p, int n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64) __builtin_prefetch(c + b, 0, 2);
-}
-
-// prefetch_row into L1 (prefetcht0): for rows read within the next few hundred cycles.
-template <typename T>
-inline void prefetch_row_l1(const T* p, int n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64) __builtin_prefetch(c + b, 0, 3);
+  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64)
+    __builtin_prefetch(c + b, 0, Locality);
 }
 
 template <typename T>
