@@ -83,7 +83,8 @@ def test_bf16_panels_equal_fp32_arithmetic(bf16_ops, m, n, k, threads):
 
 @pytest.mark.parametrize(
     ("m", "inter", "k"),
-    [(1, 8, 16), (7, 64, 45), (30, 136, 64), (40, 24, 96), (3, 64, 1536), (450, 264, 576)],
+    [(1, 8, 16), (7, 64, 45), (30, 136, 64), (40, 24, 96), (3, 64, 1536), (450, 264, 576),
+     (5, 40, 64), (16, 48, 64), (33, 56, 96), (130, 72, 128)],
 )
 def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
     g = torch.Generator().manual_seed(inter)

@@ -74,6 +74,24 @@ inline float* c_tile(float* dst, int64_t ld, int m, int n) {
   return dst + m * kTileRows * (ld / 4) + n * kPanelCols;
 }
 
+// A store-only block asks for its destination rows while its k loop runs: rows [0, rows) of dst
+// (row stride ld bytes, `lines` 64-byte lines each), spread evenly over the k_tiles steps, step
+// kt's share by PREFETCHW (the lines come in owned, as the tile stores need them). Without it
+// the tile stores at the end waited for their lines from memory: on an AMX Xeon the LM head
+// (49152 x 576, 12.6-50 MB of fp32 logits) 1.2-1.7x faster at 64-256 rows, the QKV projection
+// 4-14 % (docs/dtype.md, session 32). The caller's target must include prfchw too, or GCC
+// turns the hint into a PREFETCHT0 or drops it.
+__attribute__((target("prfchw"))) inline void prefetch_store_rows(float* dst, int64_t ld,
+                                                                  int64_t rows, int lines,
+                                                                  int64_t kt, int64_t k_tiles) {
+  const int64_t per_step = (rows + k_tiles - 1) / k_tiles;
+  const int64_t r1 = std::min(rows, (kt + 1) * per_step);
+  for (int64_t r = kt * per_step; r < r1; ++r) {
+    char* row = reinterpret_cast<char*>(dst) + r * ld;
+    for (int l = 0; l < lines; ++l) _m_prefetchw(row + 64 * l);
+  }
+}
+
 // C tiles start from the destination's values (LOAD: the accumulate epilogue, x W^T added to c
 // inside the tiles without another pass) or from zero.
 template <int MT, int NT, bool LOAD, int I = 0>
@@ -111,14 +129,14 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak,
 // (m, kt) at a + 16 m lda + kt KiB; lda = K bf16 values in bytes) . the NT panels from b (panel
 // stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
 template <int MT, int NT, bool LOAD, Stream S>
-__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* a, int64_t lda,
-                                                             const char* b, int64_t panel_bytes,
-                                                             int64_t k_tiles, float* dst,
-                                                             int64_t ld) {
+__attribute__((target("amx-tile,amx-bf16,prfchw"))) void tile_block(
+    const char* a, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles, float* dst,
+    int64_t ld) {
   static_assert(MT * NT <= 4 && NT <= 2, "8 tiles: up to 4 C, 2 A and 2 B");
   init_c<MT, NT, LOAD>(dst, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
+    if constexpr (!LOAD) prefetch_store_rows(dst, ld, MT * kTileRows, NT, kt, k_tiles);
     load_tile_as<6, S == Stream::kB>(bk, 64);
     if constexpr (NT > 1) load_tile_as<7, S == Stream::kB>(bk + panel_bytes, 64);
     dp_rows<MT, NT, S>(a + kt * kBTileBytes, kTileRows * lda);
@@ -137,7 +155,25 @@ void buffer_block(float* buf, int64_t row0, int64_t M, int NT, int64_t p, int64_
                   int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc,
                   int64_t buf_rows = 2 * kTileRows, int64_t buf_cols = kBufCols) {
   const int64_t rows = std::min(buf_rows, M - row0);
-  for (int ni = 0; ni < NT; ++ni) {
+  int ni = 0;
+  if (!TO_BUFFER && E == kSwiGlu) {
+    // Two panels per SiLU: their 8 gate columns side by side in one vector, their 8 up columns
+    // in another, 16 adjacent outputs; one panel per vector computed 8 lanes that were thrown
+    // away. Each lane's arithmetic is unchanged, so are the bits.
+    const __m512i gates =
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i ups = _mm512_add_epi32(gates, _mm512_set1_epi32(8));
+    for (; ni + 1 < NT && (p + ni + 2) * out_per_panel <= N; ni += 2) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* t = buf + r * buf_cols + ni * kPanelCols;
+        const __m512 v0 = _mm512_loadu_ps(t), v1 = _mm512_loadu_ps(t + kPanelCols);
+        _mm512_storeu_ps(c + (row0 + r) * ldc + (p + ni) * out_per_panel,
+                         vec::silu_mul(_mm512_permutex2var_ps(v0, gates, v1),
+                                       _mm512_permutex2var_ps(v0, ups, v1)));
+      }
+    }
+  }
+  for (; ni < NT; ++ni) {
     const int64_t col0 = (p + ni) * out_per_panel;
     const int cols = static_cast<int>(std::clamp<int64_t>(N - col0, 0, out_per_panel));
     const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -217,14 +253,13 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void store_six(float* const*
 }
 
 template <bool LOAD>
-__attribute__((target("amx-tile,amx-bf16"))) void wide_block_1x6(const char* a, const char* b,
-                                                                 int64_t panel_bytes,
-                                                                 int64_t k_tiles, float* dst,
-                                                                 int64_t ld) {
+__attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_1x6(
+    const char* a, const char* b, int64_t panel_bytes, int64_t k_tiles, float* dst, int64_t ld) {
   float* const t[6] = {dst, dst + 16, dst + 32, dst + 48, dst + 64, dst + 80};
   init_six<LOAD>(t, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
+    if constexpr (!LOAD) prefetch_store_rows(dst, ld, kTileRows, 6, kt, k_tiles);
     _tile_loadd(6, a + kt * kBTileBytes, 64);
     _tile_loadd(7, bk, 64);
     _tile_dpbf16ps(0, 6, 7);
@@ -244,17 +279,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void wide_block_1x6(const char* a, 
 
 // a_tiles: bytes from a row tile's A tiles to the next row tile's.
 template <bool LOAD>
-__attribute__((target("amx-tile,amx-bf16"))) void wide_block_2x3(const char* a, int64_t a_tiles,
-                                                                 const char* b,
-                                                                 int64_t panel_bytes,
-                                                                 int64_t k_tiles, float* dst,
-                                                                 int64_t ld) {
+__attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_2x3(
+    const char* a, int64_t a_tiles, const char* b, int64_t panel_bytes, int64_t k_tiles,
+    float* dst, int64_t ld) {
   float* lower = dst + kTileRows * (ld / 4);
   float* const t[6] = {dst, dst + 16, dst + 32, lower, lower + 16, lower + 32};
   const char* a1 = a + a_tiles;
   init_six<LOAD>(t, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
+    if constexpr (!LOAD) prefetch_store_rows(dst, ld, 2 * kTileRows, 3, kt, k_tiles);
     const int64_t o = kt * kBTileBytes;
     _tile_loadd(6, a + o, 64);
     _tile_loadd(7, bk, 64);
