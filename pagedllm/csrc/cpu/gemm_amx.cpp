@@ -78,9 +78,9 @@ inline float* c_tile(float* dst, int64_t ld, int m, int n) {
 // (row stride ld bytes, `lines` 64-byte lines each), spread evenly over the k_tiles steps, step
 // kt's share by PREFETCHW (the lines come in owned, as the tile stores need them). Without it
 // the tile stores at the end waited for their lines from memory: on an AMX Xeon the LM head
-// (49152 x 576, 12.6-50 MB of fp32 logits) 1.2-1.7x faster at 64-256 rows, the QKV projection
-// 4-14 % (docs/dtype.md, session 32). The caller's target must include prfchw too, or GCC
-// turns the hint into a PREFETCHT0 or drops it.
+// (49152 x 576, 12.6-50 MB of fp32 logits) 1.2-1.5x faster at 64-256 rows (docs/dtype.md,
+// session 32). The caller's target must include prfchw too, or GCC turns the hint into a
+// PREFETCHT0 or drops it.
 __attribute__((target("prfchw"))) inline void prefetch_store_rows(float* dst, int64_t ld,
                                                                   int64_t rows, int lines,
                                                                   int64_t kt, int64_t k_tiles) {
