@@ -21,8 +21,10 @@
 // of about kRowBlockBytes of bf16 x, so prefill-sized x stays in L2 across the panels. Whole C
 // tiles of a store go straight to the output and those of an accumulate start from it (the
 // residual add costs no pass); edge tiles and SwiGLU go through a small buffer and a vector
-// epilogue. The operand a pass reads once is loaded with TILELOADDT1 (Stream), so it does not
-// evict the reused one from L1: A in the panel split, B in the row split.
+// epilogue (SwiGLU two panels per SiLU vector). Store-only blocks ask for their output lines
+// (PREFETCHW) while their k loop runs. The operand a pass reads once is loaded with TILELOADDT1
+// (Stream), so it does not evict the reused one from L1: A in the panel split, B in the row
+// split.
 #include "gemm_amx.h"
 
 #include <ATen/Parallel.h>
