@@ -16,9 +16,11 @@ requests. Greedy outputs are checked identical across methods (they must be: ver
 exact). Acceptance rates come from ``EngineStats``.
 
 Run: ``PYTHONPATH=. python benchmarks/spec_decode.py [--n 32] [--batches 1 8] [--sharegpt]
-[--methods off ngram suffix draft_model] [--draft-model NAME_OR_PATH] [--repeats R]``;
-``--repeats`` alternates whole rounds and prints the median speed-up of each cell (the "off" cell
-moves by ~15 % between runs on a shared VM).
+[--methods off ngram suffix draft_model] [--draft-model NAME_OR_PATH] [--repeats R]``. The
+methods run interleaved: every method's engine runs a group of prompts (one batch) before any
+runs the next, so a slow phase of a shared VM falls on all of them (``--sequential``: whole
+cells one after another, as before 2026-12-06). ``--repeats`` runs whole rounds and prints the
+median speed-up of each cell.
 
 ``--n`` is 32 (8 requests of each kind) since 2026-12-05; it was 8 before, 2 of each kind, too
 few to stand for the workload: replayed on the model's greedy bf16 answers, the four groups of 8
@@ -43,23 +45,25 @@ from pagedllm.model.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 
 
-def run_batch(llm: LLM, prompts: list[Any], max_tokens: list[int], batch: int) -> dict[str, Any]:
-    """Run ``prompts`` ``batch`` at a time (greedy); returns mean TPOT (ms), outputs, stats."""
-    engine = llm.engine
-    engine.reset_prefix_cache()
-    st0 = engine.stats.summary()
+def run_group(llm: LLM, prompts: list[Any], max_tokens: list[int]) -> tuple[list[float], list[list[int]]]:
+    """One greedy ``generate`` call over ``prompts``: each request's TPOT (seconds; requests of
+    one output token have none) and its output token ids, in prompt order."""
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     tpots: list[float] = []
     outputs: list[list[int]] = []
-    t0 = time.perf_counter()
-    for lo in range(0, len(prompts), batch):
-        params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens[lo : lo + batch]]
-        for o in llm.generate(prompts[lo : lo + batch], params, use_tqdm=False):
-            m, n = o.metrics, len(o.outputs[0].token_ids)
-            outputs.append(list(o.outputs[0].token_ids))
-            if n > 1 and m.first_token_time is not None and m.finished_time is not None:
-                tpots.append((m.finished_time - m.first_token_time) / (n - 1))
-    wall = time.perf_counter() - t0
-    st = type(engine.stats).delta(st0, engine.stats.summary())
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        outputs.append(list(o.outputs[0].token_ids))
+        if n > 1 and m.first_token_time is not None and m.finished_time is not None:
+            tpots.append((m.finished_time - m.first_token_time) / (n - 1))
+    return tpots, outputs
+
+
+def cell_figures(llm: LLM, st0: dict[str, Any], tpots: list[float], outputs: list[list[int]],
+                 wall: float) -> dict[str, Any]:
+    """A cell's figures: mean TPOT (ms), wall seconds, output tokens, acceptance (the engine's
+    stats since the ``summary()`` ``st0``) and the outputs."""
+    st = type(llm.engine.stats).delta(st0, llm.engine.stats.summary())
     per_pos = [
         round(a / d, 3) for a, d in zip(st.spec_accepted_per_pos, st.spec_draft_per_pos, strict=False) if d
     ]
@@ -74,37 +78,82 @@ def run_batch(llm: LLM, prompts: list[Any], max_tokens: list[int], batch: int) -
     }
 
 
+def run_batch(llm: LLM, prompts: list[Any], max_tokens: list[int], batch: int) -> dict[str, Any]:
+    """Run ``prompts`` ``batch`` at a time (greedy) on one engine; returns ``cell_figures``."""
+    return run_interleaved({"": llm}, prompts, max_tokens, batch)[""]
+
+
+def run_interleaved(llms: dict[str, LLM], prompts: list[Any], max_tokens: list[int],
+                    batch: int) -> dict[str, dict[str, Any]]:
+    """Run ``prompts`` ``batch`` at a time (greedy) on every engine of ``llms``, group by group:
+    all engines run a group before any runs the next, their order rotating by one each group.
+    A shared VM's slow phases last seconds to minutes; whole cells one after another let one
+    land on a single method (an AMX Xeon's "off" cell at batch 8 read 17-54 ms TPOT between
+    runs), while here each phase falls on every method alike. Returns ``cell_figures`` by name.
+    """
+    names = list(llms)
+    st0, wall = {}, dict.fromkeys(names, 0.0)
+    tpots: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list[list[int]]] = {n: [] for n in names}
+    for name, llm in llms.items():
+        llm.engine.reset_prefix_cache()
+        st0[name] = llm.engine.stats.summary()
+    for i, lo in enumerate(range(0, len(prompts), batch)):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            t, o = run_group(llms[name], prompts[lo : lo + batch], max_tokens[lo : lo + batch])
+            wall[name] += time.perf_counter() - t0
+            tpots[name] += t
+            outputs[name] += o
+    return {n: cell_figures(llms[n], st0[n], tpots[n], outputs[n], wall[n]) for n in names}
+
+
+def make_llm(args: argparse.Namespace, loaded: Any, name: str) -> LLM:
+    """The engine of method ``name`` (off, ngram, suffix, draft_model; ``-halving`` / ``-fixed``
+    variants), speculating up to ``args.k`` tokens at any batch size."""
+    method = name.removesuffix("-halving").removesuffix("-fixed")
+    spec: dict[str, Any] | None = None
+    if method != "off":
+        spec = {"method": method, "num_speculative_tokens": args.k, "disable_by_batch_size": 10_000,
+                "learn_step_cost": not name.endswith("-fixed")}
+    if method == "draft_model":  # default draft: the bundled target itself (already loaded)
+        assert spec is not None
+        spec["model"] = args.draft_model or loaded
+    llm = LLM(loaded=loaded, dtype=args.dtype, max_model_len=2048, kv_cache_memory=1 << 29,
+              speculative_config=spec)
+    if name.endswith("-halving"):
+        llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
+    return llm
+
+
 def run_round(args: argparse.Namespace, loaded: Any, prompts: list[str], max_tokens: list[int],
               methods: list[str]) -> dict[str, Any]:
-    """One pass over ``methods`` x ``args.batches`` (a new engine per method); prints each cell
-    and the speed-ups against "off", and returns the cells by ``"METHOD/bB"``."""
+    """One pass over ``args.batches``, each batch size running all ``methods`` (an engine
+    each, new per batch size with ``--fresh-engine``) interleaved group by group, or one method
+    after another with ``--sequential``; prints each cell and the speed-ups against "off", and
+    returns the cells by ``"METHOD/bB"``."""
     results: dict[str, Any] = {}
-    for name in methods:
-        method = name.removesuffix("-halving").removesuffix("-fixed")
-        spec: dict[str, Any] | None = None
-        if method != "off":
-            spec = {"method": method, "num_speculative_tokens": args.k, "disable_by_batch_size": 10_000,
-                    "learn_step_cost": not name.endswith("-fixed")}
-        if method == "draft_model":  # default draft: the bundled target itself (already loaded)
-            assert spec is not None
-            spec["model"] = args.draft_model or loaded
-        llm = None
-        for b in args.batches:
-            if llm is None or args.fresh_engine:
-                llm = LLM(loaded=loaded, dtype=args.dtype, max_model_len=2048,
-                          kv_cache_memory=1 << 29, speculative_config=spec)
-                if name.endswith("-halving"):
-                    llm.engine.engine_core.speculator.allocator = None  # the earlier k rule
-            r = run_batch(llm, prompts, max_tokens, b)
+    llms: dict[str, LLM] = {}
+    for b in args.batches:
+        if not llms or args.fresh_engine:
+            llms = {}  # the old engines go first: each holds its own KV pool
+            llms = {name: make_llm(args, loaded, name) for name in methods}
+        if args.sequential:
+            cells = {name: run_batch(llm, prompts, max_tokens, b) for name, llm in llms.items()}
+        else:
+            cells = run_interleaved(llms, prompts, max_tokens, b)
+        for name, r in cells.items():
             results[f"{name}/b{b}"] = r
             print(f"{name:6s} batch {b:3d}: TPOT {r['tpot_ms']:7.2f} ms, wall {r['wall_s']:6.1f} s, "
                   f"{r['tokens']} tokens, acceptance {r['acceptance_rate']:.2f}, mean accepted length "
                   f"{r['mean_accepted_length']:.2f}, per position {r['acceptance_per_pos']}")
-            allocator = llm.engine.engine_core.speculator and llm.engine.engine_core.speculator.allocator
+            speculator = llms[name].engine.engine_core.speculator
+            allocator = speculator and speculator.allocator
             if allocator is not None and allocator.learn_step_cost:
                 table = " ".join(f"{rows}:{1000 * t:.1f}" for rows, t in allocator.step_cost.measured)
                 print(f"       learned forward ms by rows: {table}")
-        del llm
+    del llms
     for name in methods[1:]:
         for b in args.batches:
             off, on = results[f"off/b{b}"], results[f"{name}/b{b}"]
@@ -158,6 +207,9 @@ def main() -> None:
         help="a new engine for every batch size (the suffix proposer then starts each batch "
         "size with an empty cross-request cache instead of the answers of the one before)",
     )
+    ap.add_argument("--sequential", action="store_true",
+                    help="run each method's cell whole, one after another, instead of all methods "
+                         "interleaved group by group (a group = --batches prompts)")
     ap.add_argument("--sharegpt", action="store_true", help="also batch 64 ShareGPT (policy off)")
     ap.add_argument("--dtype", default="auto", help="auto (default), float32 or bfloat16")
     ap.add_argument("--json", default=None, help="write the figures here")
