@@ -34,11 +34,19 @@ The transformers behaviours reproduced here:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 _NEG = -1.0e9  # transformers' "impossible" score
+# An empty finished slot, and a candidate that may not finish. transformers marks both with
+# -1e9 too, which a real score passes below once |cum_logprob| * gen_len ** -length_penalty
+# exceeds 1e9 (a negative length_penalty: -10 over 8 tokens); those hypotheses then lost to
+# empty slots and a request came back with no output. Real scores are kept finite (_scores),
+# so -inf is below every one of them.
+_EMPTY = -math.inf
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -110,7 +118,7 @@ class BeamSearch:
         self._top_w_mask[:, :beam_width] = True
         # the W finished slots, sorted best first; a slot holding a "hypothesis" that is not
         # finished (transformers fills empty slots with ~-1e9 scores) has ``None``
-        self._slot_scores = torch.full((1, beam_width), _NEG, dtype=torch.float32)
+        self._slot_scores = torch.full((1, beam_width), _EMPTY, dtype=torch.float32)
         self._slot_finished = torch.zeros((1, beam_width), dtype=torch.bool)
         self._slot_hyps: list[BeamHypothesis | None] = [None] * beam_width
         self._heuristic_unsatisfied = torch.ones((1, 1), dtype=torch.bool)
@@ -128,9 +136,19 @@ class BeamSearch:
         """Number of tokens every running beam has generated so far."""
         return self._num_generated
 
-    def _penalty(self, gen_len: int) -> float:
-        # int ** float in Python, exactly as transformers computes it
-        return gen_len**self.length_penalty
+    def _scores(self, cum_logprobs: torch.Tensor, gen_len: int) -> torch.Tensor:
+        """``cum_logprobs / gen_len ** length_penalty`` (float32), as transformers computes it
+        (Python ``int ** float``), kept finite: a penalty past the float range (``gen_len **
+        1000``) counts as infinite (transformers raises ``OverflowError`` there), and +-inf
+        scores (a penalty that underflows to 0) become +-float32 max, so that no real score
+        ties with an empty slot. Values inside the range are unchanged, bit for bit."""
+        try:
+            penalty = gen_len**self.length_penalty
+        except OverflowError:
+            penalty = math.inf
+        return torch.nan_to_num(
+            cum_logprobs / penalty, nan=0.0, posinf=_FLOAT32_MAX, neginf=-_FLOAT32_MAX
+        )
 
     # ------------------------------------------------------------------------------------------
     def step(
@@ -194,22 +212,25 @@ class BeamSearch:
         running_vals = topk_running[0].tolist()
         new_running_scores = topk_running[:, next_idx]  # [1, W], sorted descending
 
-        # finished hypotheses: merge the top-W candidates that hit a criterion into the W slots
+        # finished hypotheses: merge the top-W candidates that hit a criterion into the W slots.
+        # transformers adds -1e9 to the others (and to all once the slots are full under
+        # early_stopping=True, or once the heuristic is satisfied), and its first-step copies of
+        # the prompt (rows n..W-1) score ~-1e9 too; here they are masked to _EMPTY instead, so
+        # that they never outrank an empty slot whatever the real scores are.
         did_finish = hits & self._top_w_mask
-        cand = topk_log_probs / self._penalty(gen_len)
         full = torch.all(self._slot_finished, dim=-1, keepdim=True) & (self.early_stopping is True)
-        cand = cand + full.to(torch.float32) * _NEG
-        cand = cand + (~self._heuristic_unsatisfied).to(torch.float32) * _NEG
-        cand = cand + (~did_finish) * _NEG
+        real_parent = torch.tensor([[p < n for p in parents]], dtype=torch.bool)
+        may_finish = did_finish & real_parent & ~full & self._heuristic_unsatisfied
+        cand = torch.where(may_finish, self._scores(topk_log_probs, gen_len), _EMPTY)
         merged_scores = torch.cat((self._slot_scores, cand), dim=1)
-        merged_finished = torch.cat((self._slot_finished, did_finish), dim=1)
+        merged_finished = torch.cat((self._slot_finished, may_finish), dim=1)
         keep = torch.topk(merged_scores, k=w)[1]
         cand_cum = topk_log_probs[0].tolist()
         new_hyps: list[BeamHypothesis | None] = []
         for j in keep[0].tolist():
             if j < w:
                 new_hyps.append(self._slot_hyps[j])
-            elif bool(did_finish[0, j - w]):
+            elif bool(may_finish[0, j - w]):
                 c = j - w
                 toks = list(beams[parents[c]][0]) + [tokens[c]]
                 new_hyps.append(
@@ -232,11 +253,11 @@ class BeamSearch:
             best_len = self.max_tokens
         else:
             best_len = gen_len
-        best_possible = new_running_scores[:, :1] / self._penalty(best_len)
+        best_possible = self._scores(new_running_scores[:, :1], best_len)
         worst_finished = torch.where(
             self._slot_finished,
             torch.min(self._slot_scores, dim=1, keepdim=True)[0],
-            torch.tensor(_NEG, dtype=torch.float32),
+            torch.tensor(_EMPTY, dtype=torch.float32),
         )
         self._heuristic_unsatisfied = self._heuristic_unsatisfied & torch.any(
             best_possible > worst_finished, dim=-1, keepdim=True
@@ -272,7 +293,7 @@ class BeamSearch:
         w = self.beam_width
         gen_len = self._num_generated
         cum = torch.tensor([[float(c) for _, c in beams]], dtype=torch.float32)
-        cand = cum / self._penalty(gen_len)
+        cand = self._scores(cum, gen_len)
         merged = torch.cat((self._slot_scores, cand), dim=1)
         keep = torch.topk(merged, k=w)[1][0].tolist()
         hyps: list[BeamHypothesis | None] = []

@@ -9,6 +9,7 @@ same sequences, same order, same ``sequences_scores``.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 import pytest
@@ -319,6 +320,30 @@ def test_finalize_before_done_adds_running_beams():
         pytest.approx(lp[0, 3].item()),
     ]
     assert bs.done
+
+
+@pytest.mark.parametrize("lp", [-1000.0, -10.0, 80.0, 1000.0, 1e20])
+def test_extreme_length_penalty_still_returns_every_beam(lp):
+    """A length penalty whose scores leave transformers' -1e9 "impossible" scale (negative:
+    cum_logprob * gen_len ** -lp below -1e9) or the float range (gen_len ** 1000 overflows, which
+    raised OverflowError inside the engine step and failed every request in flight) still
+    finishes W hypotheses with finite scores, ranked as the penalty says where it is finite."""
+    v, eos, w = 12, 11, 3
+
+    def table(toks):
+        g = torch.Generator().manual_seed(len(toks) * 131 + sum(toks) + 7)
+        row = torch.randn(v, generator=g) * 2
+        row[eos] = -1.0 if len(toks) >= 3 else -30.0  # EOS becomes likely after 3 tokens
+        return torch.log_softmax(row, dim=-1)
+
+    hyps = _drive(BeamSearch(w, lp, False, 8, [eos], v), table)
+    assert len(hyps) == w
+    assert all(math.isfinite(h.score) and h.token_ids for h in hyps)
+    assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    if lp == -10.0:  # finite: each score is cum_logprob / len ** lp, computed in float32
+        for h in hyps:
+            want = torch.tensor(h.cum_logprob, dtype=torch.float32) / len(h.token_ids) ** lp
+            assert h.score == pytest.approx(want.item(), rel=1e-6)
 
 
 def test_invalid_arguments():
