@@ -411,8 +411,11 @@ class Sampler:
         if any(p.repetition_penalty != 1.0 for p in params):
             prompt_counts = _counts([batch.prompt_token_ids[i] for i in rows], V, dev)
             seen = (out_counts > 0) | (prompt_counts > 0)
-            r = rep[:, None]
-            penalised = torch.where(sub > 0, sub / r, sub * r)
+            # Penalties past float32's range (1e-40 is a float32 denormal, 1e39 is inf) would make
+            # inf or nan logits: kept within it, the limit holds (seen tokens win or vanish).
+            fi = torch.finfo(sub.dtype)
+            r = rep[:, None].clamp(min=fi.tiny, max=fi.max)
+            penalised = torch.where(sub > 0, sub / r, sub * r).clamp_(min=-fi.max, max=fi.max)
             sub = torch.where(seen, penalised, sub)
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             sub = sub - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).to(sub.dtype)
@@ -471,6 +474,9 @@ class Sampler:
         x = logits.index_select(0, torch.tensor(rows, device=dev))
         temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
         x /= temps[:, None]
+        # A logit past the float range after the division (a huge penalised one) is the largest
+        # finite float, so that softmax gives the tokens at the top their limit share, not nan.
+        x.clamp_(max=torch.finfo(x.dtype).max)
 
         # ---- top-k: threshold at the k-th largest value (topk is much cheaper than a sort) ---
         ks = [min(p.top_k, V) for p in params]

@@ -82,6 +82,28 @@ def test_repetition_penalty_prompt_only_token():
     assert sample_one(row_neg, GREEDY, output=[0]).sampled_token_ids == [0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repetition_penalty_past_the_float_range_keeps_its_limit(dtype):
+    """repetition_penalty 1e-40 (a float32 denormal) made a seen token's positive logit inf and
+    every sampled token 0; 1e39 (inf in float32) made a zero logit nan. The limits instead: a
+    tiny penalty makes the seen token with a positive logit certain, a huge one leaves the seen
+    tokens' positive logits at ~0 and their negative ones at the bottom."""
+    row = torch.tensor([[0.0, 3.0, 2.0, -1.0, 1.0]], dtype=dtype)
+    for seed in range(20):
+        for temperature in (1.0, 0.5, 0.0):
+            tiny = SamplingParams(temperature=temperature, repetition_penalty=1e-40, logprobs=1)
+            out = Sampler(5)(row.clone(), make_batch([tiny], prompts=[[4]], seeds=[seed]))
+            assert out.sampled_token_ids == [4]
+            assert math.isfinite(out.sampled_logprobs[0])
+    huge = SamplingParams(temperature=0.0, repetition_penalty=1e39)
+    assert Sampler(5)(row.clone(), make_batch([huge], prompts=[[1, 2, 0]])).sampled_token_ids == [4]
+    for seed in range(20):
+        out = Sampler(5)(row.clone(), make_batch([SamplingParams(repetition_penalty=1e39)],
+                                                 prompts=[[1, 2, 0]], seeds=[seed]))
+        assert out.sampled_token_ids[0] in (0, 1, 2, 3, 4)
+        assert math.isfinite(out.sampled_logprobs[0])
+
+
 def test_frequency_and_presence_exact_values():
     # token 1 occurs twice in the output, token 2 once in the prompt only
     row = [0.0, 3.0, 2.2, 1.3]
