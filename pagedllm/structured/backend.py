@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured.schema_check import check_schema
 
 #: At most this many whitespace characters between two JSON tokens when whitespace is free, so
 #: a constrained output can never run on in whitespace.
@@ -121,22 +122,23 @@ class XGrammarBackend:
                     schema = json.loads(schema)
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be an object")
-                return c.compile_json_schema(
-                    json.dumps(schema),
+                compiled = c.compile_json_schema(
+                    json.dumps(check_schema(schema)),
                     any_whitespace=not spec.disable_any_whitespace,
                     max_whitespace_cnt=MAX_JSON_WHITESPACE,
                     separators=(",", ":") if spec.disable_any_whitespace else None,
                     strict_mode=True,
                 )
-            if kind == "regex":
-                return c.compile_regex(spec.regex or "")
-            if kind == "choice":
-                return c.compile_grammar(choice_grammar(spec.choice or []))
-            text = spec.grammar or ""
-            if "::=" in text:
-                return c.compile_grammar(text)
-            # No "::=" rules: read it as a Lark grammar (``start: ...``).
-            return c.compile_grammar(self._xgr.Grammar.from_lark(text))
+            elif kind == "regex":
+                compiled = c.compile_regex(spec.regex or "")
+            elif kind == "choice":
+                compiled = c.compile_grammar(choice_grammar(spec.choice or []))
+            elif "::=" in (spec.grammar or ""):
+                compiled = c.compile_grammar(spec.grammar or "")
+            else:  # no "::=" rules: read it as a Lark grammar (``start: ...``)
+                compiled = c.compile_grammar(self._xgr.Grammar.from_lark(spec.grammar or ""))
+            self._check_not_empty(compiled)
+            return compiled
         except ValueError as e:
             raise ValueError(f"{field} is invalid: {_first_line(e)}") from None
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types
@@ -144,6 +146,20 @@ class XGrammarBackend:
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
         return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def _check_not_empty(self, compiled: Any) -> None:
+        """Refuse a grammar that allows no first token (stop tokens included: their bits are
+        set where the grammar may end), such as the regex ``[^\\x00-\\U0010FFFF]``: every
+        token of its reply would be rejected.
+
+        Raises:
+            ValueError: "it matches no string".
+        """
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self._xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise ValueError("it matches no string")
 
 
 def _first_line(e: BaseException) -> str:

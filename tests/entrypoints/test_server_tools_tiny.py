@@ -71,6 +71,12 @@ BAD = [
     ),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
     ({"tools": [{"type": "function"}]}, "tools"),
+    (  # a forced call's arguments follow a grammar, which cannot enforce uniqueItems
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}}],
+         "tool_choice": "required"},
+        "tools",
+    ),
     ({"tools": "nope"}, "tools"),
     ({"tools": [WEATHER], "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
     ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),

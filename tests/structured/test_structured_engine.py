@@ -102,8 +102,11 @@ def _texts(llm, prompts, sp):  # type: ignore[no-untyped-def]
          lambda t: " " not in t and jsonschema.validate(json.loads(t), SCHEMA) is None),
         (S(grammar='root ::= "ab" [0-9]+ "!"'), lambda t: re.fullmatch("ab[0-9]+!", t)),
         (S(grammar='start: "ab" DIGITS "!"\nDIGITS: /[0-9]+/'), lambda t: re.fullmatch("ab[0-9]+!", t)),
+        # allOf of a type and a bound, merged into one schema (xgrammar alone kept one of them)
+        (S(json={"allOf": [{"type": "integer"}, {"minimum": 1000, "maximum": 1200}]}),
+         lambda t: 1000 <= int(t) <= 1200),
     ],
-    ids=["regex", "choice", "json", "json_compact", "ebnf", "lark"],
+    ids=["regex", "choice", "json", "json_compact", "ebnf", "lark", "all_of_merged"],
 )
 def test_outputs_follow_the_constraint_n2(tiny_llm_factory, spec, check) -> None:
     llm = tiny_llm_factory()
@@ -176,6 +179,9 @@ def test_prefix_cache_hit_keeps_output(tiny_llm_factory) -> None:
         (S(json="{not json"), "structured_outputs.json"),
         (S(grammar="root ::= missing_rule"), "structured_outputs.grammar"),
         (S(regex="a", whitespace_pattern=" *"), "structured_outputs.whitespace_pattern"),
+        (S(regex="[^\\x00-\\U0010FFFF]"), "structured_outputs.regex is invalid: it matches no string"),
+        (S(json={"type": "integer", "not": {"const": 3}}), "structured_outputs.json is invalid: 'not' at /"),
+        (S(json={"type": "array", "uniqueItems": True}), "structured_outputs.json is invalid: 'uniqueItems'"),
     ],
 )
 def test_invalid_constraint_is_value_error(tiny_llm_factory, spec, field) -> None:

@@ -113,6 +113,12 @@ BAD = [
     (CH, {"guided_grammar": "root ::= nope"}, "guided_grammar"),
     (CH, {"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
     (CH, {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+    # keywords the grammar cannot enforce, and a regex whose language is empty
+    (CH, {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
+    (CH, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 4}}}}},
+     "response_format"),
+    (C, {"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"),
 ]
 
 

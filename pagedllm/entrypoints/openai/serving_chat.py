@@ -70,6 +70,10 @@ async def create_chat_completion(
         "max_tokens": mt_name,
         "structured_outputs": structured_field(req),
     }
+    if tool_config.forced and rename["structured_outputs"] == "structured_outputs":
+        # the grammar of a forced call comes from the tools' parameter schemas
+        legacy = (req.model_extra or {}).get("functions") is not None
+        rename["structured_outputs"] = "functions" if legacy else "tools"
     try:
         params = serving.sampling_params(
             req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None

@@ -1,0 +1,102 @@
+"""JSON-schema keywords the grammar cannot enforce: refused, never silently dropped.
+
+xgrammar (0.2.x) compiles a JSON schema into a grammar but skips the keywords whose constraint is
+not context-free or that it does not implement yet: ``not``, ``if`` / ``then`` / ``else``,
+``uniqueItems``, ``dependentRequired`` / ``dependentSchemas`` / ``dependencies``,
+``unevaluatedProperties`` / ``unevaluatedItems``, and ``allOf`` with more than one schema (it
+logs "still ongoing" and keeps one). A reply generated under such a schema may then break it
+while ``finish_reason`` says ``stop``. :func:`check_schema` finds them first, so the request is
+a 400 naming the keyword and where it sits. An ``allOf`` whose schemas share no keyword (the
+usual "a type here, a bound there") is merged into its parent instead, which means the same.
+
+``oneOf`` stays: xgrammar enforces it exactly when its branches are provably disjoint (a
+string or an integer; objects told apart by a ``const`` tag, as pydantic's discriminated
+unions are) and as ``anyOf`` otherwise (README, "Structured outputs").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Keywords whose constraint the grammar would drop (an annotation such as ``contentEncoding``
+#: or ``format`` constrains nothing that must be refused).
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+
+# Keywords holding one subschema, a list of them, or a name -> subschema map.
+_ONE = ("additionalProperties", "items", "contains", "propertyNames", "additionalItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def check_schema(schema: Any) -> Any:
+    """``schema`` with each mergeable ``allOf`` merged into its parent (a new dict; the input is
+    not changed).
+
+    Raises:
+        ValueError: "'KEYWORD' at PATH is not supported ..." for a keyword of
+            ``UNENFORCED_KEYWORDS``, ``uniqueItems: true``, or an ``allOf`` of several schemas
+            that share a keyword or use ``$ref``; PATH is a JSON pointer ("/" for the root).
+    """
+    return _check(schema, "")
+
+
+def _check(node: Any, path: str) -> Any:
+    if not isinstance(node, dict):
+        return node  # true / false schemas, and values of non-schema keywords
+    where = path or "/"
+    out = _merge_all_of(node, where) if "allOf" in node else dict(node)
+    for key in UNENFORCED_KEYWORDS:
+        if key in out:
+            raise ValueError(f"'{key}' at {where} is not supported (the grammar cannot enforce it)")
+    if out.get("uniqueItems") is True:
+        raise ValueError(f"'uniqueItems' at {where} is not supported (the grammar cannot enforce it)")
+    for key in _ONE:
+        if key in out:
+            out[key] = _check(out[key], f"{path}/{key}")
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [_check(s, f"{path}/{key}/{i}") for i, s in enumerate(out[key])]
+    if isinstance(out.get("items"), list):  # draft-07 tuple form
+        out["items"] = [_check(s, f"{path}/items/{i}") for i, s in enumerate(out["items"])]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _check(s, f"{path}/{key}/{_escape(name)}") for name, s in out[key].items()}
+    return out
+
+
+def _merge_all_of(node: dict[str, Any], where: str) -> dict[str, Any]:
+    """``node`` with its ``allOf`` schemas' keywords moved into it, when no keyword appears
+    twice with different values (the conjunction is then the merged schema itself)."""
+    parts = node["allOf"]
+    if not isinstance(parts, list) or len(parts) <= 1:
+        return dict(node)  # one schema: xgrammar reads it as is
+    merged = {k: v for k, v in node.items() if k != "allOf"}
+    for part in parts:
+        if not isinstance(part, dict) or "$ref" in part or "allOf" in part:
+            raise ValueError(
+                f"'allOf' at {where} is not supported with several schemas unless they are "
+                "plain objects that share no keyword"
+            )
+        for key, value in part.items():
+            if key in merged and merged[key] != value:
+                raise ValueError(
+                    f"'allOf' at {where} is not supported with several schemas that share the "
+                    f"keyword '{key}'"
+                )
+            merged[key] = value
+    return merged
+
+
+def _escape(name: str) -> str:
+    """A JSON-pointer reference token (RFC 6901: '~' -> '~0', '/' -> '~1')."""
+    return name.replace("~", "~0").replace("/", "~1")

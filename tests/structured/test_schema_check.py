@@ -1,0 +1,72 @@
+"""check_schema: JSON-schema keywords the grammar cannot enforce are refused with their path, and
+an allOf of keyword-disjoint schemas is merged into its parent."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from pagedllm.structured.schema_check import UNENFORCED_KEYWORDS, check_schema
+
+
+@pytest.mark.parametrize("keyword", UNENFORCED_KEYWORDS)
+def test_unenforced_keyword_is_refused_with_its_path(keyword: str) -> None:
+    schema = {"type": "object", "properties": {"a/b": {"type": "integer", keyword: {}}}}
+    with pytest.raises(ValueError, match=rf"'{keyword}' at /properties/a~1b is not supported"):
+        check_schema(schema)
+
+
+@pytest.mark.parametrize(
+    ("schema", "path"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "/"),
+        ({"type": "array", "items": {"type": "array", "uniqueItems": True}}, "/items"),
+        ({"anyOf": [{"type": "string"}, {"type": "array", "uniqueItems": True}]}, "/anyOf/1"),
+        ({"$defs": {"x": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/x"}, "/$defs/x"),
+        ({"type": "array", "prefixItems": [{"type": "array", "uniqueItems": True}]}, "/prefixItems/0"),
+        ({"type": "array", "items": [{"type": "array", "uniqueItems": True}]}, "/items/0"),
+    ],
+)
+def test_unique_items_is_refused_wherever_it_sits(schema: dict, path: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"'uniqueItems' at {path} is not supported")):
+        check_schema(schema)
+
+
+def test_unique_items_false_and_annotations_pass_unchanged() -> None:
+    schema = {"type": "array", "uniqueItems": False, "items": {"type": "string", "format": "email",
+              "contentEncoding": "base64", "description": "not", "title": "if"}}
+    assert check_schema(schema) == schema
+
+
+def test_disjoint_all_of_is_merged_and_the_input_kept() -> None:
+    schema = {"properties": {"n": {"allOf": [{"type": "integer"}, {"minimum": 1000}]}},
+              "type": "object", "required": ["n"]}
+    before = copy.deepcopy(schema)
+    merged = check_schema(schema)
+    assert merged["properties"]["n"] == {"type": "integer", "minimum": 1000}
+    assert schema == before
+    # a single schema stays as xgrammar reads it; equal repeated keywords merge too
+    assert check_schema({"allOf": [{"type": "string"}]}) == {"allOf": [{"type": "string"}]}
+    assert check_schema({"type": "integer", "allOf": [{"type": "integer"}, {"maximum": 3}]}) == {
+        "type": "integer", "maximum": 3}
+
+
+@pytest.mark.parametrize(
+    "all_of",
+    [
+        [{"minimum": 1}, {"minimum": 5}],
+        [{"type": "integer"}, {"$ref": "#/$defs/x"}],
+        [{"type": "integer"}, {"allOf": [{"minimum": 1}, {"maximum": 2}]}],
+        [{"type": "integer"}, True],
+    ],
+)
+def test_overlapping_all_of_is_refused(all_of: list) -> None:
+    with pytest.raises(ValueError, match="'allOf' at /properties/x is not supported"):
+        check_schema({"type": "object", "properties": {"x": {"allOf": all_of}}})
+
+
+def test_a_merged_all_of_is_checked_too() -> None:
+    with pytest.raises(ValueError, match="'not' at / is not supported"):
+        check_schema({"allOf": [{"type": "integer"}, {"not": {"const": 3}}]})
