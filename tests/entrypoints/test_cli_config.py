@@ -220,3 +220,14 @@ def test_version_flag(parser, capsys):
         parser.parse_args(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"pagedllm {__version__} (torch {torch.__version__})"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http", "80.5"])
+def test_serve_rejects_a_bad_port_before_loading(parser, capsys, port):
+    """A port outside 0-65535 is an argparse error naming --port (it used to load the model and
+    then die in bind() with an OverflowError traceback)."""
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["serve", "--port", port])
+    assert exc.value.code == 2
+    assert "--port" in capsys.readouterr().err
+    assert parser.parse_args(["serve", "--port", "65535"]).port == 65535

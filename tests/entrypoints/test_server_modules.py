@@ -68,3 +68,18 @@ def test_the_split_modules_are_there():
     from pagedllm.entrypoints.openai import api_server, app
 
     assert api_server.build_app is app.build_app  # the import path of cli_serve and benches
+
+
+def test_sse_event_is_one_line_for_every_line_splitter():
+    """U+0085, U+2028 and U+2029 stay raw in ensure_ascii=False JSON, and str.splitlines (httpx's
+    iter_lines) splits on them: each event must stay one ``data:`` line that parses back."""
+    import json
+
+    from pagedllm.entrypoints.openai.serving_common import sse
+
+    obj = {"text": "a\u2028b\u2029c\x85d\\\u2028e\n\u00e9\u4e2d"}
+    event = sse(obj)
+    assert event.endswith("\n\n") and event.startswith("data: ")
+    assert len(event.rstrip("\n").splitlines()) == 1
+    assert json.loads(event[len("data: "):]) == obj
+    assert "\u00e9\u4e2d" in event  # other non-ASCII text stays as it is

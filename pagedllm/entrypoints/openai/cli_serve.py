@@ -42,6 +42,18 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: the OS picks a free one). Checked here, before the
+    model loads, rather than by the socket's bind() after it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {text}")
+    return value
+
+
 def _size(text: str) -> int:
     """argparse type: bytes, or a size with a unit (``parse_size``: ``6GiB``, ``500MB``)."""
     try:
@@ -62,7 +74,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_engine_args(p, several_models=True)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     p.add_argument(
         "--served-model-name",
         nargs="+",

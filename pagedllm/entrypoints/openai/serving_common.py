@@ -38,9 +38,16 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+#: Characters JSON leaves raw that Python's ``str.splitlines`` (and clients built on it, such as
+#: httpx's ``iter_lines``) take for line ends, cutting an event's JSON in two.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event carrying ``obj`` as compact JSON, on one line for every line
+    splitter (U+0085, U+2028 and U+2029 escaped as ``\\uXXXX``; the parsed value is unchanged)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text.translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached: int | None) -> dict[str, Any]:
