@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+PORT ?= 8000
 STAMP := $(VENV)/.installed
 
 .PHONY: install run test test-fast lint serve bench clean
@@ -46,7 +47,7 @@ lint: install
 	$(VENV)/bin/mypy pagedllm
 
 serve: install
-	$(VENV)/bin/pagedllm serve
+	$(VENV)/bin/pagedllm serve --port $(PORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
