@@ -82,6 +82,9 @@ class EngineCore:
         self._check_invariants = check_invariants
         self.requests: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        # Requests ended by an exception in their own part of a step (a beam step), with it:
+        # the others go on. Read and cleared by the caller (take_failed_requests).
+        self._failed: dict[str, Exception] = {}
         self.structured = structured
         self.speculator = speculator
         if structured is not None:
@@ -219,6 +222,24 @@ class EngineCore:
         self._free_finished()
         return list(touched.values())
 
+    def take_failed_requests(self) -> dict[str, Exception]:
+        """The requests that an exception in their own processing ended since the last call
+        (aborted, blocks freed; each also came out of ``step`` as finished "abort"), with the
+        exception; the record is cleared."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _fail_request(self, group: SequenceGroup, exc: Exception) -> None:
+        """Abort one request whose own part of the step raised (its blocks freed), so that the
+        step goes on for the others: one bad request never fails the batch."""
+        logger.error(
+            "request %s failed in its own part of the step, aborted: %r", group.request_id, exc
+        )
+        self.scheduler.abort(group.request_id)
+        self.forget(group)
+        group.metrics.finished_time = time.monotonic()
+        self._failed[group.request_id] = exc
+
     def _fail_bad_grammars(self, touched: dict[str, SequenceGroup]) -> None:
         """Finish (as aborted) the requests whose grammar failed to compile; the error is
         logged, the engine goes on. (Front ends validate first, so this is a fallback.)"""
@@ -273,7 +294,13 @@ class EngineCore:
                 # Rows in the group's beam order (BeamSearch.step relies on it).
                 row_of = {pairs[i][0].seq_id: i for i in rows_of_group}
                 ordered = [row_of[s.seq_id] for s in group.seqs]
-                step = beam_step(group, logits[torch.tensor(ordered)], self.kv, self._new_seq_id)
+                try:
+                    step = beam_step(
+                        group, logits[torch.tensor(ordered)], self.kv, self._new_seq_id
+                    )
+                except Exception as exc:  # noqa: BLE001 - this request's failure alone
+                    self._fail_request(group, exc)
+                    continue
                 for child in step.forked:
                     self._seqs[child.seq_id] = (child, group)
                 for seq in step.dropped:

@@ -208,9 +208,11 @@ class OutputProcessor:
         )
 
     def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
-        """Beam search: the best ``n`` hypotheses once done (before that, the live beams)."""
+        """Beam search: the best ``n`` hypotheses once done (before that, the live beams; the
+        live beams with finish reason "abort" when the request was aborted before it was done)."""
         params = group.sampling_params
         eos = set(self.eos_token_ids)
+        aborted = group.beam_results is None and all(s.is_finished() for s in group.seqs)
         if group.beam_results is not None:
             items = [(h.token_ids, h.cum_logprob, h.finished_by_eos) for h in group.beam_results]
         else:
@@ -228,7 +230,7 @@ class OutputProcessor:
                     ),
                     token_ids=list(tokens),
                     cumulative_logprob=float(cum),
-                    finish_reason=None
+                    finish_reason=("abort" if aborted else None)
                     if group.beam_results is None
                     else ("stop" if by_eos else "length"),
                 )
@@ -239,7 +241,7 @@ class OutputProcessor:
             prompt_token_ids=group.prompt_token_ids,
             prompt_logprobs=None,
             outputs=completions,
-            finished=group.beam_results is not None,
+            finished=group.beam_results is not None or aborted,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
         )

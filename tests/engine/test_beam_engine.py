@@ -57,3 +57,42 @@ def test_beam_blocks_form_a_tree_and_are_freed(tiny_llm_factory, tiny_tokenizer)
             shared_seen |= rc[first] == len(group.seqs)  # the prompt's first block: one copy
     assert shared_seen
     assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+def test_a_failing_beam_step_aborts_only_its_request(tiny_llm_factory):
+    """An exception in one request's beam step (as length_penalty 1000's OverflowError was)
+    aborts that request alone: the greedy request beside it finishes with the tokens it gets
+    alone, the failed one comes out finished "abort" and is reported by take_failed_requests,
+    and every block is free."""
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = tiny_llm_factory(block_size=4)
+    eng = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eng.add_request("beam", PROMPTS[1], SamplingParams(n=2, best_of=3, use_beam_search=True,
+                                                      temperature=0, max_tokens=8, ignore_eos=True))
+    eng.add_request("greedy", PROMPTS[0], greedy)
+    calls = {"n": 0}
+    beam = eng.engine_core.requests["beam"].beam
+    real_step = beam.step
+
+    def failing_step(logprobs, beams):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OverflowError("injected")
+        return real_step(logprobs, beams)
+
+    beam.step = failing_step
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert calls["n"] == 3
+    assert finished["greedy"].outputs[0].token_ids == alone
+    assert [c.finish_reason for c in finished["beam"].outputs] == ["abort", "abort"]
+    failed = eng.engine_core.take_failed_requests()
+    assert list(failed) == ["beam"] and isinstance(failed["beam"], OverflowError)
+    assert eng.engine_core.take_failed_requests() == {}
+    assert eng.block_manager.num_free_blocks == eng.num_blocks

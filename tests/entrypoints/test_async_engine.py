@@ -174,3 +174,37 @@ def test_public_interface_and_published_counters(engine):
         assert (await ae.capture_kv())["num_blocks"] == c.num_blocks  # stopped: taken directly
 
     run(main())
+
+
+def test_a_failing_request_fails_alone(engine):
+    """A request whose own part of a step raises gets an EngineStepError; the request running
+    beside it finishes normally and the engine is not dead."""
+
+    async def main():
+        ae = AsyncLLMEngine(engine)
+        ae.start()
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        beam = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=6,
+                              ignore_eos=True, length_penalty=1.0)
+        real_add = engine.add_request
+
+        def add_request(request_id, *args, **kwargs):
+            real_add(request_id, *args, **kwargs)
+            if request_id == "beam":
+                group = engine.engine_core.requests["beam"]
+                group.beam.step = lambda *a: (_ for _ in ()).throw(OverflowError("injected"))
+
+        engine.add_request = add_request
+
+        async def consume(rid, params):
+            return [o async for o in ae.generate(rid, "hello", params)][-1]
+
+        ok, bad = await asyncio.gather(
+            consume("greedy", greedy), consume("beam", beam), return_exceptions=True
+        )
+        assert isinstance(bad, EngineStepError) and "injected" in str(bad)
+        assert ok.finished and len(ok.outputs[0].token_ids) == 6
+        assert not ae.is_dead and ae.num_step_errors == 0
+        ae.shutdown()
+
+    run(main())
