@@ -70,3 +70,15 @@ def test_overlapping_all_of_is_refused(all_of: list) -> None:
 def test_a_merged_all_of_is_checked_too() -> None:
     with pytest.raises(ValueError, match="'not' at / is not supported"):
         check_schema({"allOf": [{"type": "integer"}, {"not": {"const": 3}}]})
+
+
+def test_keyword_names_as_property_names_or_values_pass() -> None:
+    """Only keywords of a schema count: a property called "not" or "if", an enum or const value
+    holding such a key, and a default are data."""
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "boolean"}, "if": {"enum": [{"not": 1}, "then"]},
+                       "uniqueItems": {"const": {"uniqueItems": True}, "default": {"else": 2}}},
+        "required": ["not", "if"],
+    }
+    assert check_schema(schema) == schema
