@@ -55,7 +55,9 @@ from pagedllm.engine.request_stream import (
     EngineStepError,
     RequestAbortedError,
     RequestStream,
+    call_soon_threadsafe,
     check_timeout,
+    step_error,
     timed_out_output,
 )
 from pagedllm.engine.stats import log_throughput
@@ -80,16 +82,6 @@ __all__ = [
     "call_soon_threadsafe",
     "check_timeout",
 ]
-
-
-def call_soon_threadsafe(
-    loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *args: Any
-) -> None:
-    """Schedule ``fn(*args)`` on ``loop`` from any thread (a signal handler); nothing when
-    ``loop`` is None (never started) or closed."""
-    if loop is not None and not loop.is_closed():
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(fn, *args)
 
 
 class AsyncLLMEngine(ModelFactsMixin):
@@ -537,7 +529,7 @@ class AsyncLLMEngine(ModelFactsMixin):
             failed = core.take_failed_requests() if core is not None else {}
             for rid, exc in failed.items():
                 self._deadlines.pop(rid, None)
-                self._deliver(rid, EngineStepError(f"internal engine error: {exc!r}"))
+                self._deliver(rid, step_error(exc))
             if failed:
                 outputs = [o for o in outputs if o.request_id not in failed]
             if not outputs and not getattr(eng.engine_core, "last_step_interrupted", False):
@@ -587,7 +579,7 @@ class AsyncLLMEngine(ModelFactsMixin):
         self._step_failures += 1
         logger.exception("engine step failed; failing the live requests", exc_info=exc)
         live = list(eng.requests) if hasattr(eng, "requests") else list(self._queues)
-        err = EngineStepError(f"internal engine error: {type(exc).__name__}: {exc}")
+        err = step_error(exc)
         for rid in set(live) | set(self._queues):
             self._deliver(rid, err)
         try:

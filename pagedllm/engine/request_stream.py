@@ -1,11 +1,14 @@
 """One request's side of ``AsyncLLMEngine``: the errors its consumer may get, the ``timeout``
-check, and ``RequestStream`` (the async iterator over its outputs)."""
+check, handing items to the consumer's event loop, and ``RequestStream`` (the async iterator
+over its outputs)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.outputs import RequestOutput
 
@@ -39,12 +42,27 @@ def check_timeout(timeout: float | None) -> None:
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
 
 
+def call_soon_threadsafe(
+    loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *args: Any
+) -> None:
+    """Schedule ``fn(*args)`` on ``loop`` from any thread (a signal handler); nothing when
+    ``loop`` is None (never started) or closed."""
+    if loop is not None and not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(fn, *args)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (a fatal error or shutdown); no request can be served."""
 
 
 class EngineStepError(RuntimeError):
     """A step of the engine raised while this request was live; the request was aborted."""
+
+
+def step_error(exc: BaseException) -> EngineStepError:
+    """What the consumer of a request that ``exc`` failed inside a step gets (a 500)."""
+    return EngineStepError(f"internal engine error: {type(exc).__name__}: {exc}")
 
 
 class RequestAbortedError(RuntimeError):

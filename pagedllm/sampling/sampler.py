@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams, SamplingType
 from pagedllm.structured.mask import TokenBitmask, apply_token_bitmask_
 
 if TYPE_CHECKING:
@@ -412,10 +412,12 @@ class Sampler:
             prompt_counts = _counts([batch.prompt_token_ids[i] for i in rows], V, dev)
             seen = (out_counts > 0) | (prompt_counts > 0)
             # Penalties past float32's range (1e-40 is a float32 denormal, 1e39 is inf) would make
-            # inf or nan logits: kept within it, the limit holds (seen tokens win or vanish).
+            # inf or nan logits: kept within it, the limit holds (seen tokens win or vanish). The
+            # bound leaves room for the division by any sampling temperature (>= 1e-5).
             fi = torch.finfo(sub.dtype)
             r = rep[:, None].clamp(min=fi.tiny, max=fi.max)
-            penalised = torch.where(sub > 0, sub / r, sub * r).clamp_(min=-fi.max, max=fi.max)
+            bound = fi.max * GREEDY_TEMPERATURE_EPS
+            penalised = torch.where(sub > 0, sub / r, sub * r).clamp_(min=-bound, max=bound)
             sub = torch.where(seen, penalised, sub)
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             sub = sub - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).to(sub.dtype)
@@ -474,9 +476,6 @@ class Sampler:
         x = logits.index_select(0, torch.tensor(rows, device=dev))
         temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
         x /= temps[:, None]
-        # A logit past the float range after the division (a huge penalised one) is the largest
-        # finite float, so that softmax gives the tokens at the top their limit share, not nan.
-        x.clamp_(max=torch.finfo(x.dtype).max)
 
         # ---- top-k: threshold at the k-th largest value (topk is much cheaper than a sort) ---
         ks = [min(p.top_k, V) for p in params]
