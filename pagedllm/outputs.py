@@ -82,6 +82,9 @@ class RequestOutput:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: timestamps of the request.
         embedding: a pooling request's embedding (``hidden_size`` floats) once finished.
+        error: set when an exception in this request's own part of a step ended it
+            ("ExceptionType: message"; its samples finish "abort", the other requests go on);
+            None otherwise.
     """
 
     request_id: str
@@ -93,3 +96,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
     embedding: list[float] | None = field(default=None, repr=False)
+    error: str | None = None

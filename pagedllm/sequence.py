@@ -175,6 +175,8 @@ class SequenceGroup:
         num_cached_tokens: prompt tokens served from the prefix cache.
         priority: scheduling priority under the ``priority`` policy (lower = served first,
             ties by ``arrival_index``); always 0 under FCFS.
+        error: why the engine ended the request ("ExceptionType: message"), when an exception
+            in its own part of a step did (its samples then finish "abort"); None otherwise.
     """
 
     request_id: str
@@ -187,6 +189,7 @@ class SequenceGroup:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     priority: int = 0
+    error: str | None = None
     # Beam search state (``engine.beam_search.BeamSearch``) and, once done, the best hypotheses.
     beam: Any = None
     beam_results: list[Any] | None = None

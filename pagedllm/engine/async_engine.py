@@ -24,9 +24,9 @@ Design:
   boundary after ``arrival + timeout`` (its blocks freed); its consumer gets a last, finished
   output with what was generated and ``finish_reason="timeout"`` on every sample that had not
   finished (``TIMEOUT_FINISH_REASON``).
-- An exception in one request's own part of a step (its beam step) fails that request alone
-  with an ``EngineStepError`` (``EngineCore.take_failed_requests``); the step goes on for the
-  others.
+- An exception in one request's own part of a step (its sampling, beam step or output
+  processing) fails that request alone with an ``EngineStepError`` (its output's ``error``);
+  the step goes on for the others.
 - An exception inside ``step()`` fails every live request with an ``EngineStepError`` and aborts
   them; the engine is kept if its block pool is consistent afterwards, otherwise it is marked dead
   (``is_dead``; ``/health`` then answers 500) and every later request fails at once.
@@ -525,13 +525,12 @@ class AsyncLLMEngine(ModelFactsMixin):
                 self._on_step_error(e)
                 continue
             self._step_failures = 0
-            core = getattr(eng, "engine_core", None)
-            failed = core.take_failed_requests() if core is not None else {}
-            for rid, exc in failed.items():
+            failed = {o.request_id: o.error for o in outputs if o.error is not None}
+            for rid, error in failed.items():
                 self._deadlines.pop(rid, None)
-                self._deliver(rid, step_error(exc))
+                self._deliver(rid, step_error(error))
             if failed:
-                outputs = [o for o in outputs if o.request_id not in failed]
+                outputs = [o for o in outputs if o.error is None]
             if not outputs and not getattr(eng.engine_core, "last_step_interrupted", False):
                 # Nothing could be scheduled (e.g. waiting for blocks): sleep until a command
                 # (add, abort) arrives or a short backoff passes instead of spinning a core.

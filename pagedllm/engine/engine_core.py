@@ -30,7 +30,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.model.step_interrupt import StepInterrupt, StepInterrupted
-from pagedllm.sampling.sampler import Sampler, SamplingBatch
+from pagedllm.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.structured.manager import StructuredOutputManager
@@ -82,9 +82,6 @@ class EngineCore:
         self._check_invariants = check_invariants
         self.requests: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
-        # Requests ended by an exception in their own part of a step (a beam step), with it:
-        # the others go on. Read and cleared by the caller (take_failed_requests).
-        self._failed: dict[str, Exception] = {}
         self.structured = structured
         self.speculator = speculator
         if structured is not None:
@@ -222,15 +219,9 @@ class EngineCore:
         self._free_finished()
         return list(touched.values())
 
-    def take_failed_requests(self) -> dict[str, Exception]:
-        """The requests that an exception in their own processing ended since the last call
-        (aborted, blocks freed; each also came out of ``step`` as finished "abort"), with the
-        exception; the record is cleared."""
-        failed, self._failed = self._failed, {}
-        return failed
-
     def _fail_request(self, group: SequenceGroup, exc: Exception) -> None:
-        """Abort one request whose own part of the step raised (its blocks freed), so that the
+        """Abort one request whose own part of the step raised (its blocks freed, its samples
+        finished "abort", ``group.error`` set, so its output carries the error), so that the
         step goes on for the others: one bad request never fails the batch."""
         logger.error(
             "request %s failed in its own part of the step, aborted: %r", group.request_id, exc
@@ -238,7 +229,7 @@ class EngineCore:
         self.scheduler.abort(group.request_id)
         self.forget(group)
         group.metrics.finished_time = time.monotonic()
-        self._failed[group.request_id] = exc
+        group.error = f"{type(exc).__name__}: {exc}"
 
     def _fail_bad_grammars(self, touched: dict[str, SequenceGroup]) -> None:
         """Finish (as aborted) the requests whose grammar failed to compile; the error is
@@ -329,13 +320,49 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             token_bitmask=self.structured.fill_bitmask(pairs) if self.structured else None,
         )
-        out = self.sampler(logits, batch)
+        out = self._sample(logits, batch, pairs)
         now = time.monotonic()
         for i, (seq, group) in enumerate(pairs):
-            seq.append_token(out.sampled_token_ids[i], out.sampled_logprobs[i])
-            self.stats.generation_tokens += 1
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            self.output_processor.process_sample(seq, group, out, i)
+            if group.error is not None:
+                continue  # failed in this step (its sampling or an earlier sample's output)
+            try:
+                seq.append_token(out.sampled_token_ids[i], out.sampled_logprobs[i])
+                self.stats.generation_tokens += 1
+                if group.metrics.first_token_time is None:
+                    group.metrics.first_token_time = now
+                self.output_processor.process_sample(seq, group, out, i)
+            except Exception as exc:  # noqa: BLE001 - this request's failure alone
+                self._fail_request(group, exc)
+                continue
             if seq.is_finished() and len(group.seqs) > 1:
                 self.scheduler.free_seq(seq)  # a finished sample gives its blocks back at once
+
+    def _sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, pairs: list[tuple[Sequence, SequenceGroup]]
+    ) -> SamplerOutput:
+        """The sampler's output for every row of ``batch``. If the batched call raises, each
+        request's rows are sampled again on their own (a row's result never depends on the
+        batch it is in: counter-based seeds, per-row ops), and a request whose own rows raise
+        is failed (``_fail_request``); its rows keep placeholder values that the caller skips."""
+        try:
+            return self.sampler(logits, batch)
+        except Exception:  # noqa: BLE001 - find whose rows raise; the others go on
+            pass
+        rows_of: dict[str, list[int]] = {}
+        for i, (_, group) in enumerate(pairs):
+            rows_of.setdefault(group.request_id, []).append(i)
+        n = len(pairs)
+        out = SamplerOutput([0] * n, [0.0] * n, [0] * n, [None] * n)
+        for rows in rows_of.values():
+            group = pairs[rows[0]][1]
+            try:
+                part = self.sampler(logits[torch.tensor(rows)], batch.select(rows))
+            except Exception as exc:  # noqa: BLE001 - this request's failure alone
+                self._fail_request(group, exc)
+                continue
+            for j, i in enumerate(rows):
+                out.sampled_token_ids[i] = part.sampled_token_ids[j]
+                out.sampled_logprobs[i] = part.sampled_logprobs[j]
+                out.sampled_ranks[i] = part.sampled_ranks[j]
+                out.top_logprobs[i] = part.top_logprobs[j]
+        return out

@@ -205,6 +205,7 @@ class OutputProcessor:
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
             embedding=group.embedding,
+            error=group.error,
         )
 
     def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
@@ -244,4 +245,5 @@ class OutputProcessor:
             finished=group.beam_results is not None or aborted,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
+            error=group.error,
         )

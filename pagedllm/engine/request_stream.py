@@ -60,9 +60,11 @@ class EngineStepError(RuntimeError):
     """A step of the engine raised while this request was live; the request was aborted."""
 
 
-def step_error(exc: BaseException) -> EngineStepError:
-    """What the consumer of a request that ``exc`` failed inside a step gets (a 500)."""
-    return EngineStepError(f"internal engine error: {type(exc).__name__}: {exc}")
+def step_error(exc: BaseException | str) -> EngineStepError:
+    """What the consumer of a request that ``exc`` failed inside a step gets (a 500); ``exc``
+    may be the exception or its "ExceptionType: message" (``RequestOutput.error``)."""
+    what = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return EngineStepError(f"internal engine error: {what}")
 
 
 class RequestAbortedError(RuntimeError):

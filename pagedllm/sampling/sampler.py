@@ -166,14 +166,22 @@ class SamplingBatch:
     token_bitmask: TokenBitmask | None = None
 
     def select(self, rows: list[int]) -> SamplingBatch:
-        """The sub-batch of ``rows`` (in that order), without a grammar bitmask (callers use it
-        for rows that have none: speculating requests)."""
+        """The sub-batch of ``rows`` (in that order), the grammar mask of its constrained rows
+        included (None when none of them is constrained)."""
+        mask = None
+        if self.token_bitmask is not None:
+            constrained = set(self.token_bitmask.rows)
+            kept = [j for j, r in enumerate(rows) if r in constrained]
+            if kept:
+                bits = self.token_bitmask.bitmask
+                mask = TokenBitmask(bits[torch.tensor(rows, device=bits.device)], kept)
         return SamplingBatch(
             [self.params[i] for i in rows],
             [self.seeds[i] for i in rows],
             [self.output_token_ids[i] for i in rows],
             [self.prompt_token_ids[i] for i in rows],
             self.eos_token_ids,
+            mask,
         )
 
 

@@ -62,7 +62,7 @@ def test_beam_blocks_form_a_tree_and_are_freed(tiny_llm_factory, tiny_tokenizer)
 def test_a_failing_beam_step_aborts_only_its_request(tiny_llm_factory):
     """An exception in one request's beam step (as length_penalty 1000's OverflowError was)
     aborts that request alone: the greedy request beside it finishes with the tokens it gets
-    alone, the failed one comes out finished "abort" and is reported by take_failed_requests,
+    alone, the failed one comes out finished "abort" with the exception in its output's ``error``,
     and every block is free."""
     from pagedllm.sampling_params import SamplingParams
 
@@ -92,7 +92,6 @@ def test_a_failing_beam_step_aborts_only_its_request(tiny_llm_factory):
     assert calls["n"] == 3
     assert finished["greedy"].outputs[0].token_ids == alone
     assert [c.finish_reason for c in finished["beam"].outputs] == ["abort", "abort"]
-    failed = eng.engine_core.take_failed_requests()
-    assert list(failed) == ["beam"] and isinstance(failed["beam"], OverflowError)
-    assert eng.engine_core.take_failed_requests() == {}
+    assert finished["beam"].error == "OverflowError: injected"
+    assert finished["greedy"].error is None
     assert eng.block_manager.num_free_blocks == eng.num_blocks
