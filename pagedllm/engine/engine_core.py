@@ -30,7 +30,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.model.step_interrupt import StepInterrupt, StepInterrupted
-from pagedllm.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.structured.manager import StructuredOutputManager
@@ -203,7 +203,7 @@ class EngineCore:
         if self.speculator is not None and sample_ids:
             sample_ids, logits = self.speculator.verify(
                 sched, sample_ids, logits, self._seqs, self.sampler, self.output_processor,
-                self.scheduler, self.stats, self.eos_token_ids,
+                self.scheduler, self.stats, self.eos_token_ids, self._fail_request,
             )
         if sample_ids:
             self._process_samples(sample_ids, logits)
@@ -320,7 +320,12 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             token_bitmask=self.structured.fill_bitmask(pairs) if self.structured else None,
         )
-        out = self._sample(logits, batch, pairs)
+        out, failed = self.sampler.sample_by_request(
+            logits, batch, [g.request_id for _, g in pairs]
+        )
+        for _, group in pairs:
+            if group.request_id in failed and group.error is None:
+                self._fail_request(group, failed[group.request_id])
         now = time.monotonic()
         for i, (seq, group) in enumerate(pairs):
             if group.error is not None:
@@ -336,33 +341,3 @@ class EngineCore:
                 continue
             if seq.is_finished() and len(group.seqs) > 1:
                 self.scheduler.free_seq(seq)  # a finished sample gives its blocks back at once
-
-    def _sample(
-        self, logits: torch.Tensor, batch: SamplingBatch, pairs: list[tuple[Sequence, SequenceGroup]]
-    ) -> SamplerOutput:
-        """The sampler's output for every row of ``batch``. If the batched call raises, each
-        request's rows are sampled again on their own (a row's result never depends on the
-        batch it is in: counter-based seeds, per-row ops), and a request whose own rows raise
-        is failed (``_fail_request``); its rows keep placeholder values that the caller skips."""
-        try:
-            return self.sampler(logits, batch)
-        except Exception:  # noqa: BLE001 - find whose rows raise; the others go on
-            pass
-        rows_of: dict[str, list[int]] = {}
-        for i, (_, group) in enumerate(pairs):
-            rows_of.setdefault(group.request_id, []).append(i)
-        n = len(pairs)
-        out = SamplerOutput([0] * n, [0.0] * n, [0] * n, [None] * n)
-        for rows in rows_of.values():
-            group = pairs[rows[0]][1]
-            try:
-                part = self.sampler(logits[torch.tensor(rows)], batch.select(rows))
-            except Exception as exc:  # noqa: BLE001 - this request's failure alone
-                self._fail_request(group, exc)
-                continue
-            for j, i in enumerate(rows):
-                out.sampled_token_ids[i] = part.sampled_token_ids[j]
-                out.sampled_logprobs[i] = part.sampled_logprobs[j]
-                out.sampled_ranks[i] = part.sampled_ranks[j]
-                out.top_logprobs[i] = part.top_logprobs[j]
-        return out

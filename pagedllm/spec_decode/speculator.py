@@ -39,12 +39,12 @@ speculation-off engine samples.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.sampling.sampler import Sampler, SamplingBatch
+from pagedllm.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_verify import verify_with_draft_probs
 from pagedllm.spec_decode.policy import DraftAllocator
@@ -205,6 +205,7 @@ class Speculator:
         scheduler: Scheduler,
         stats: EngineStats,
         eos_token_ids: list[int],
+        fail: Callable[[SequenceGroup, Exception], None],
     ) -> tuple[list[int], torch.Tensor]:
         """Verify the speculative sequences of the step and emit their tokens.
 
@@ -214,6 +215,8 @@ class Speculator:
                 ([sum(1 + num_spec_tokens), V] float32, see ``ModelRunnerOutput``).
             seqs: the engine's seq_id -> (sequence, group) map.
             sampler / output / scheduler / stats / eos_token_ids: the engine's parts.
+            fail: aborts a request whose own verification (its sampling, its output
+                processing) raised, so that the others go on (``EngineCore._fail_request``).
 
         Returns:
             The sequences without speculative tokens and their logits rows ([n, V]), for the
@@ -235,7 +238,9 @@ class Speculator:
             row += 1 + k
         if not spec:
             return seq_ids, logits
-        self._verify_rows(spec, drafts, logits, seqs, sampler, output, scheduler, stats, eos_token_ids)
+        self._verify_rows(
+            spec, drafts, logits, seqs, sampler, output, scheduler, stats, eos_token_ids, fail
+        )
         return plain_ids, select_rows(logits, plain_rows)
 
     def _verify_rows(
@@ -249,9 +254,11 @@ class Speculator:
         scheduler: Scheduler,
         stats: EngineStats,
         eos_token_ids: list[int],
+        fail: Callable[[SequenceGroup, Exception], None],
     ) -> None:
         """Sample all ``k + 1`` rows of every speculative sequence in one sampler call, keep
-        the accepted run, emit it token by token (stop checks), then roll back the rest."""
+        the accepted run, emit it token by token (stop checks), then roll back the rest. A
+        request whose rows or output processing raise is failed (``fail``) alone."""
         rows: list[int] = []
         batch = SamplingBatch([], [], [], [], eos_token_ids)
         for seq_id, first, k in spec:
@@ -268,44 +275,74 @@ class Speculator:
                 [(*seqs[seq_id], drafts[seq_id][:k]) for seq_id, _, k in spec]
             )
         row_logits = select_rows(logits, rows)
-        out = sampler(row_logits, batch)
+        pairs = [seqs[seq_id] for seq_id, _, _ in spec]  # a failed request leaves ``seqs``
+        out, failed = sampler.sample_by_request(
+            row_logits,
+            batch,
+            [g.request_id for (_, g), (_, _, k) in zip(pairs, spec, strict=True) for _ in range(k + 1)],
+        )
+        for _, group in pairs:
+            if group.request_id in failed and group.error is None:
+                fail(group, failed[group.request_id])
         # A draft model's sampled proposals: rejection sampling with its probabilities q.
         draft_probs = getattr(self.proposer, "draft_probs", None)
         forced = (
             verify_with_draft_probs(
                 spec, drafts, row_logits, batch, out, sampler, seqs, draft_probs
             )
-            if draft_probs
+            if draft_probs and not failed
             else {}
         )
         now = time.monotonic()
         base = 0
-        for seq_id, _, k in spec:
-            seq, group = seqs[seq_id]
-            draft = drafts[seq_id]
-            accepted = forced.get(seq_id, 0)
-            while seq_id not in forced and accepted < k and (
-                out.sampled_token_ids[base + accepted] == draft[accepted]
-            ):
-                accepted += 1
-            self._record(seq.seq_id, k, accepted, stats)
-            start = seq.num_computed_tokens - (k + 1)  # position of the last real token
-            for j in range(accepted + 1):
-                seq.append_token(out.sampled_token_ids[base + j], out.sampled_logprobs[base + j])
-                stats.generation_tokens += 1
-                output.process_sample(seq, group, out, base + j)
-                if seq.is_finished():
-                    break
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            # Valid KV: the last real token and the accepted drafts, never past the new last token.
-            valid = min(start + 1 + accepted, seq.num_tokens - 1)
-            scheduler.finish_speculation(seq, seq.num_computed_tokens - valid)
-            if seq.is_finished():
-                self.forget_seq(seq.seq_id)
-                if len(group.seqs) > 1:
-                    scheduler.free_seq(seq)  # a finished sample gives its blocks back at once
+        for (seq, group), (seq_id, _, k) in zip(pairs, spec, strict=True):
+            if group.error is None:
+                try:
+                    self._emit(seq, group, drafts[seq_id], k, base, forced.get(seq_id), out,
+                               output, scheduler, stats, now)
+                except Exception as exc:  # noqa: BLE001 - this request's failure alone
+                    fail(group, exc)
             base += k + 1
+
+    def _emit(
+        self,
+        seq: Sequence,
+        group: SequenceGroup,
+        draft: list[int],
+        k: int,
+        base: int,
+        forced: int | None,
+        out: SamplerOutput,
+        output: OutputProcessor,
+        scheduler: Scheduler,
+        stats: EngineStats,
+        now: float,
+    ) -> None:
+        """One sequence's verification (its rows from ``base`` in ``out``): the accepted
+        drafts (``forced`` by rejection sampling, else the longest run ``out`` agrees with)
+        plus one token, emitted with stop checks, then the rejected slots rolled back."""
+        accepted = forced if forced is not None else 0
+        while forced is None and accepted < k and (
+            out.sampled_token_ids[base + accepted] == draft[accepted]
+        ):
+            accepted += 1
+        self._record(seq.seq_id, k, accepted, stats)
+        start = seq.num_computed_tokens - (k + 1)  # position of the last real token
+        for j in range(accepted + 1):
+            seq.append_token(out.sampled_token_ids[base + j], out.sampled_logprobs[base + j])
+            stats.generation_tokens += 1
+            output.process_sample(seq, group, out, base + j)
+            if seq.is_finished():
+                break
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        # Valid KV: the last real token and the accepted drafts, never past the new last token.
+        valid = min(start + 1 + accepted, seq.num_tokens - 1)
+        scheduler.finish_speculation(seq, seq.num_computed_tokens - valid)
+        if seq.is_finished():
+            self.forget_seq(seq.seq_id)
+            if len(group.seqs) > 1:
+                scheduler.free_seq(seq)  # a finished sample gives its blocks back at once
 
     def _record(self, seq_id: int, k: int, accepted: int, stats: EngineStats) -> None:
         """Count one verification and adapt the sequence's ``k``."""

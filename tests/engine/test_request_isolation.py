@@ -8,6 +8,7 @@ import torch
 from pagedllm.sampling.sampler import SamplingBatch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.mask import TokenBitmask
+from tests.spec_decode.test_spec_engine import OracleProposer
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a block table maps logical blocks"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -28,22 +29,20 @@ def run_all(eng):
     return finished
 
 
-class FailingSampler:
-    """The engine's sampler, raising whenever a batch holds a marked row, from the
-    ``after``-th such call on."""
+def fail_marked_rows(sampler, after=1):
+    """Make ``sampler`` raise whenever a batch holds a marked row, from the ``after``-th such
+    batch on (its row processing, which every sampling path runs first)."""
+    real = sampler._process
+    calls = {"n": 0}
 
-    def __init__(self, sampler, after=1):
-        self.sampler, self.after, self.calls = sampler, after, 0
-
-    def __call__(self, logits, batch):
+    def process(raw, batch):
         if any(p.top_k == MARKED_TOP_K for p in batch.params):
-            self.calls += 1
-            if self.calls >= self.after:
+            calls["n"] += 1
+            if calls["n"] >= after:
                 raise RuntimeError("injected")
-        return self.sampler(logits, batch)
+        return real(raw, batch)
 
-    def __getattr__(self, name):
-        return getattr(self.sampler, name)
+    sampler._process = process
 
 
 def test_a_failing_sampler_row_fails_its_request_alone(tiny_llm_factory):
@@ -52,7 +51,7 @@ def test_a_failing_sampler_row_fails_its_request_alone(tiny_llm_factory):
     want_greedy = alone(llm, PROMPTS[0], GREEDY)
     want_seeded = alone(llm, PROMPTS[2], SEEDED)
     bad = SamplingParams(temperature=1.0, top_k=MARKED_TOP_K, n=2, max_tokens=8, ignore_eos=True)
-    eng.engine_core.sampler = FailingSampler(eng.engine_core.sampler, after=3)
+    fail_marked_rows(eng.engine_core.sampler, after=3)
     eng.add_request("greedy", PROMPTS[0], GREEDY)
     eng.add_request("bad", PROMPTS[1], bad)
     eng.add_request("seeded", PROMPTS[2], SEEDED)
@@ -75,7 +74,7 @@ def test_a_lone_failing_request_does_not_fail_the_step(tiny_llm_factory):
     eng = llm.engine
     long_prompt = " ".join(PROMPTS * 3)
     want = alone(llm, long_prompt, GREEDY)
-    eng.engine_core.sampler = FailingSampler(eng.engine_core.sampler)
+    fail_marked_rows(eng.engine_core.sampler)
     eng.add_request("bad", PROMPTS[0], SamplingParams(top_k=MARKED_TOP_K, max_tokens=4))
     eng.add_request("long", long_prompt, GREEDY)
     finished = run_all(eng)
@@ -117,3 +116,43 @@ def test_select_keeps_the_grammar_mask_of_the_rows_it_takes():
     assert torch.equal(sub.token_bitmask.bitmask, bits[[3, 0]])
     assert batch.select([0, 2]).token_bitmask is None
     assert SamplingBatch([GREEDY], [1], [[]], [[5]], [0]).select([0]).token_bitmask is None
+
+
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64, '
+        '"learn_step_cost": false}')
+REPETITIVE = ["abab abab abab abab abab", "hello hello hello hello", "one two one two one two"]
+
+
+def test_speculative_verification_fails_a_request_alone(tiny_llm_factory):
+    """Under speculation, a request whose verify rows raise in the sampler, or whose output
+    processing raises while its accepted drafts are emitted, fails alone."""
+    off = tiny_llm_factory()
+    want = [alone(off, p, GREEDY) for p in REPETITIVE]
+    llm = tiny_llm_factory(block_size=4, speculative_config=SPEC)
+    eng = llm.engine
+    ids = [tuple(llm.get_tokenizer().encode(p)) for p in REPETITIVE]
+    # Drafts that are the speculation-off answers: all accepted.
+    eng.engine_core.speculator.proposer = OracleProposer(dict(zip(ids, want, strict=True)))
+    fail_marked_rows(eng.engine_core.sampler, after=3)
+    processor = eng.engine_core.output_processor
+    real = processor.process_sample
+
+    def process_sample(seq, group, out, row):
+        if group.request_id == "bad-output" and seq.num_output_tokens == 4:
+            raise RuntimeError("injected output")
+        return real(seq, group, out, row)
+
+    processor.process_sample = process_sample
+    marked = SamplingParams(temperature=0, top_k=MARKED_TOP_K, max_tokens=8, ignore_eos=True)
+    eng.add_request("ok0", REPETITIVE[0], GREEDY)
+    eng.add_request("bad-sampler", REPETITIVE[1], marked)
+    eng.add_request("ok2", REPETITIVE[2], GREEDY)
+    eng.add_request("bad-output", REPETITIVE[0], GREEDY)
+    finished = run_all(eng)
+    assert finished["ok0"].outputs[0].token_ids == want[0]
+    assert finished["ok2"].outputs[0].token_ids == want[2]
+    assert finished["bad-sampler"].error == "RuntimeError: injected"
+    assert finished["bad-output"].error == "RuntimeError: injected output"
+    assert {finished[r].outputs[0].finish_reason for r in ("bad-sampler", "bad-output")} == {"abort"}
+    assert eng.stats.spec_accepted_tokens > 0  # verification really ran
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
