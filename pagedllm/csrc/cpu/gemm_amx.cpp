@@ -10,7 +10,8 @@
 // Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
 // tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. Up to
 // kWideRows rows (decode), wide blocks of 1 x 6 or 2 x 3 C tiles, with one A and one B register,
-// stream more panels at once (decode steps 7-13 % faster at batch 1-16). x is
+// stream more panels at once (decode steps 7-13 % faster at batch 1-16); 2 x 3 blocks prefetch
+// their B tiles two k steps ahead into L1 (prefetch_b_ahead). x is
 // rounded to a bf16 copy in tile order (each A tile one contiguous KiB), padded to a multiple of
 // 16 rows (the pad rows are zero; at decode sizes the tiles are far from the bottleneck, which
 // is streaming the weights). At decode sizes the threads split the panels, so each weight byte
@@ -279,6 +280,26 @@ __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_1x6(
   store_six(t, ld);
 }
 
+// The B tiles kBPrefetchSteps k steps ahead of bk in each of NP panels, into L1 (PREFETCHT0).
+// A 2 x 3 block issues two TDPBF16PS per B tile, and a tile load that misses L1 holds up the
+// tile instructions behind it, so with the weights streamed from memory the extra row tile's
+// work added to the stream's time instead of hiding under it: one thread, 18 KiB panels from a
+// 192 MiB buffer, 2 x 3 took 88-98 ns per KiB of B against 68-73 for a plain read of the same
+// bytes and for 1 x 6 / 1 x 3 blocks; prefetching 2 k steps ahead brought it to 70-75 (4 steps
+// 70-78, 8 steps 75-84, 16 steps 82-91; PREFETCHT1 2-8 points worse than T0). On an AMX Xeon's
+// decode step (8 sequences, 200-token contexts, 1-9 tokens each) 24-40 rows went 33.1 / 34.5 /
+// 42.2 -> 29.6 / 30.0 / 37.9 ms (docs/spec_decode.md, session 34). 1 x 6 blocks already keep
+// pace with memory (no gain measured), so they do without. Past the last panel the addresses
+// are read-ahead only: a prefetch never faults.
+constexpr int64_t kBPrefetchSteps = 2;
+template <int NP>
+inline void prefetch_b_ahead(const char* bk, int64_t panel_bytes) {
+  const char* ahead = bk + kBPrefetchSteps * kBTileBytes;
+  for (int n = 0; n < NP; ++n)
+    for (int line = 0; line < 16; ++line)
+      _mm_prefetch(ahead + n * panel_bytes + 64 * line, _MM_HINT_T0);
+}
+
 // a_tiles: bytes from a row tile's A tiles to the next row tile's.
 template <bool LOAD>
 __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_2x3(
@@ -291,6 +312,7 @@ __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_2x3(
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
     if constexpr (!LOAD) prefetch_store_rows(dst, ld, 2 * kTileRows, 3, kt, k_tiles);
+    prefetch_b_ahead<3>(bk, panel_bytes);
     const int64_t o = kt * kBTileBytes;
     _tile_loadd(6, a + o, 64);
     _tile_loadd(7, bk, 64);
