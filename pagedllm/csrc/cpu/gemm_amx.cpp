@@ -128,18 +128,41 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak,
   }
 }
 
+// The B tiles kBPrefetchSteps k steps ahead of bk in each of NP panels, into L1 (PREFETCHT0), for
+// blocks of two row tiles whose panels come from memory (the first row block of a group). Such a
+// block issues two TDPBF16PS per B tile, and a tile load that misses L1 holds up the tile
+// instructions behind it, so the second row tile's work added to the weight stream's time
+// instead of hiding under it. One thread, 18 KiB panels streamed from a 192 MiB buffer, ns per
+// KiB of B (a plain read of the same bytes 68-83, 1 x 6 blocks 68-81): 2 x 3 blocks 88-98 ->
+// 70-82 with the prefetch 2 k steps ahead (4 steps 70-78, 8 steps 75-84, 16 steps 82-91;
+// PREFETCHT1 2-8 worse than T0), 2 x 2 blocks 93 -> 86. With the panels in L2 (a later row
+// block) it only costs: 2 x 3 18.5 -> 20.9, 1 x 6 12.1 -> 15.1. An AMX Xeon's decode step (8
+// sequences, 200-token contexts, 1-9 tokens each): 24 / 32 / 40 rows 33.1 / 34.5 / 42.2 ->
+// 29.6 / 30.0 / 37.9 ms (docs/spec_decode.md, session 34). Past the last panel the addresses are
+// read-ahead only: a prefetch never faults.
+constexpr int64_t kBPrefetchSteps = 2;
+template <int NP>
+inline void prefetch_b_ahead(const char* bk, int64_t panel_bytes) {
+  const char* ahead = bk + kBPrefetchSteps * kBTileBytes;
+  for (int n = 0; n < NP; ++n)
+    for (int line = 0; line < 16; ++line)
+      _mm_prefetch(ahead + n * panel_bytes + 64 * line, _MM_HINT_T0);
+}
+
 // C tiles [MT][NT] of dst (row stride ld bytes) (+)= x rows a[0 : 16 MT] in tile order (A tile
 // (m, kt) at a + 16 m lda + kt KiB; lda = K bf16 values in bytes) . the NT panels from b (panel
-// stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4).
+// stride panel_bytes) over k_tiles 32-wide k steps (MT NT <= 4); with streamed_b (the panels
+// come from memory) each k step prefetches B ahead (prefetch_b_ahead).
 template <int MT, int NT, bool LOAD, Stream S>
 __attribute__((target("amx-tile,amx-bf16,prfchw"))) void tile_block(
     const char* a, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles, float* dst,
-    int64_t ld) {
+    int64_t ld, bool streamed_b) {
   static_assert(MT * NT <= 4 && NT <= 2, "8 tiles: up to 4 C, 2 A and 2 B");
   init_c<MT, NT, LOAD>(dst, ld);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
     if constexpr (!LOAD) prefetch_store_rows(dst, ld, MT * kTileRows, NT, kt, k_tiles);
+    if (streamed_b) prefetch_b_ahead<NT>(bk, panel_bytes);
     load_tile_as<6, S == Stream::kB>(bk, 64);
     if constexpr (NT > 1) load_tile_as<7, S == Stream::kB>(bk + panel_bytes, 64);
     dp_rows<MT, NT, S>(a + kt * kBTileBytes, kTileRows * lda);
@@ -206,21 +229,21 @@ void buffer_block(float* buf, int64_t row0, int64_t M, int NT, int64_t p, int64_
 template <int MT, int NT, Stream S>
 void run_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                bool whole, int64_t row0, int64_t M, int64_t p, int64_t N, int64_t out_per_panel,
-               GemmEpilogue E, float* c, int64_t ldc, float* buf) {
+               GemmEpilogue E, float* c, int64_t ldc, float* buf, bool streamed_b) {
   constexpr int64_t buf_ld = kBufCols * 4;
   if (whole && E != kSwiGlu) {
     float* dst = c + row0 * ldc + p * kPanelCols;
     if (E == kAccumulate)
-      tile_block<MT, NT, true, S>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+      tile_block<MT, NT, true, S>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4, streamed_b);
     else
-      tile_block<MT, NT, false, S>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4);
+      tile_block<MT, NT, false, S>(a, lda, b, panel_bytes, k_tiles, dst, ldc * 4, streamed_b);
     return;
   }
   if (E == kAccumulate) {
     buffer_block<true>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
-    tile_block<MT, NT, true, S>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
+    tile_block<MT, NT, true, S>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld, streamed_b);
   } else {
-    tile_block<MT, NT, false, S>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld);
+    tile_block<MT, NT, false, S>(a, lda, b, panel_bytes, k_tiles, buf, buf_ld, streamed_b);
   }
   buffer_block<false>(buf, row0, M, NT, p, N, out_per_panel, E, c, ldc);
 }
@@ -280,31 +303,11 @@ __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_1x6(
   store_six(t, ld);
 }
 
-// The B tiles kBPrefetchSteps k steps ahead of bk in each of NP panels, into L1 (PREFETCHT0).
-// A 2 x 3 block issues two TDPBF16PS per B tile, and a tile load that misses L1 holds up the
-// tile instructions behind it, so with the weights streamed from memory the extra row tile's
-// work added to the stream's time instead of hiding under it: one thread, 18 KiB panels from a
-// 192 MiB buffer, 2 x 3 took 88-98 ns per KiB of B against 68-73 for a plain read of the same
-// bytes and for 1 x 6 / 1 x 3 blocks; prefetching 2 k steps ahead brought it to 70-75 (4 steps
-// 70-78, 8 steps 75-84, 16 steps 82-91; PREFETCHT1 2-8 points worse than T0). On an AMX Xeon's
-// decode step (8 sequences, 200-token contexts, 1-9 tokens each) 24-40 rows went 33.1 / 34.5 /
-// 42.2 -> 29.6 / 30.0 / 37.9 ms (docs/spec_decode.md, session 34). 1 x 6 blocks already keep
-// pace with memory (no gain measured), so they do without. Past the last panel the addresses
-// are read-ahead only: a prefetch never faults.
-constexpr int64_t kBPrefetchSteps = 2;
-template <int NP>
-inline void prefetch_b_ahead(const char* bk, int64_t panel_bytes) {
-  const char* ahead = bk + kBPrefetchSteps * kBTileBytes;
-  for (int n = 0; n < NP; ++n)
-    for (int line = 0; line < 16; ++line)
-      _mm_prefetch(ahead + n * panel_bytes + 64 * line, _MM_HINT_T0);
-}
-
-// a_tiles: bytes from a row tile's A tiles to the next row tile's.
+// a_tiles: bytes from a row tile's A tiles to the next row tile's; streamed_b as in tile_block.
 template <bool LOAD>
 __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_2x3(
     const char* a, int64_t a_tiles, const char* b, int64_t panel_bytes, int64_t k_tiles,
-    float* dst, int64_t ld) {
+    float* dst, int64_t ld, bool streamed_b) {
   float* lower = dst + kTileRows * (ld / 4);
   float* const t[6] = {dst, dst + 16, dst + 32, lower, lower + 16, lower + 32};
   const char* a1 = a + a_tiles;
@@ -312,7 +315,7 @@ __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_2x3(
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const char* bk = b + kt * kBTileBytes;
     if constexpr (!LOAD) prefetch_store_rows(dst, ld, 2 * kTileRows, 3, kt, k_tiles);
-    prefetch_b_ahead<3>(bk, panel_bytes);
+    if (streamed_b) prefetch_b_ahead<3>(bk, panel_bytes);
     const int64_t o = kt * kBTileBytes;
     _tile_loadd(6, a + o, 64);
     _tile_loadd(7, bk, 64);
@@ -338,7 +341,8 @@ __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_2x3(
 template <int MT>
 void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes,
                     int64_t k_tiles, int64_t row0, int64_t M, int64_t p, int64_t N,
-                    int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
+                    int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc,
+                    bool streamed_b) {
   constexpr int kPanels = MT == 1 ? 6 : 3;
   constexpr int64_t kRows = MT * kTileRows, kCols = kPanels * kPanelCols;
   const char* bp = b + p * panel_bytes;
@@ -347,7 +351,8 @@ void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_byt
     if constexpr (MT == 1)
       wide_block_1x6<kLoad>(a, bp, panel_bytes, k_tiles, d, ld_bytes);
     else
-      wide_block_2x3<kLoad>(a, kTileRows * lda, bp, panel_bytes, k_tiles, d, ld_bytes);
+      wide_block_2x3<kLoad>(a, kTileRows * lda, bp, panel_bytes, k_tiles, d, ld_bytes,
+                            streamed_b);
   };
   if (E != kSwiGlu && row0 + kRows <= M) {
     float* dst = c + row0 * ldc + p * kPanelCols;
@@ -376,8 +381,9 @@ void run_wide_block(const char* a, int64_t lda, const char* b, int64_t panel_byt
 // keeps the group's panels in L2 while a row block's A tiles stay in L1 across them and its
 // output rows are written left to right. (Measured on an AMX Xeon at 48-64 rows: 1 panel x 4
 // row tiles per pass, every B tile loaded once, was 3-4 % slower, its 4 A tile loads per B tile
-// coming from L2; software prefetches of the panels ahead, into L1 or L2, were up to 15 % slower
-// than the hardware prefetchers alone.)
+// coming from L2; software prefetches of the panels ahead in every row block, into L1 or L2, up
+// to 15 % slower than the hardware prefetchers alone: only the first row block, the one that
+// reads the panels from memory, prefetches them, prefetch_b_ahead.)
 template <Stream S>
 void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                 int64_t p0, int64_t p1, int64_t group, int64_t m0, int64_t m1, int64_t M,
@@ -391,15 +397,18 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
     for (int64_t m = m0; m < m1; m += 2 * kTileRows) {
       const int MT = m + kTileRows < m1 ? 2 : 1;
       const char* a = xb + (m - m0) * lda;
+      // The group's first row block reads its panels from memory, the others from L1 / L2,
+      // where a prefetch only costs (wide 2 x 3 blocks with B in L2: 18.5 -> 20.9 ns per KiB).
+      const bool streamed_b = m == m0 && S != Stream::kB;
       for (int64_t p = g0; p < g1;) {
         const int64_t np = MT == 1 ? 6 : 3;  // a wide block's panels
         if (wide && p + np <= g1 && (p + np) * out_per_panel <= N) {
           if (MT == 1)
             run_wide_block<1>(a, lda, b, panel_bytes, k_tiles, m, M, p, N, out_per_panel, E, c,
-                              ldc);
+                              ldc, streamed_b);
           else
             run_wide_block<2>(a, lda, b, panel_bytes, k_tiles, m, M, p, N, out_per_panel, E, c,
-                              ldc);
+                              ldc, streamed_b);
           p += np;
           continue;
         }
@@ -408,7 +417,8 @@ void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes,
         const char* bp = b + p * panel_bytes;
         auto run = [&](auto mt, auto nt) {
           run_block<decltype(mt)::value, decltype(nt)::value, S>(
-              a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, buf);
+              a, lda, bp, panel_bytes, k_tiles, whole, m, M, p, N, out_per_panel, E, c, ldc, buf,
+              streamed_b);
         };
         if (MT == 2)
           NT == 2 ? run(Two{}, Two{}) : run(Two{}, One{});
