@@ -25,8 +25,8 @@ Design:
   output with what was generated and ``finish_reason="timeout"`` on every sample that had not
   finished (``TIMEOUT_FINISH_REASON``).
 - An exception in one request's own part of a step (its sampling, speculative verification,
-  beam step or output processing) fails that request alone with an ``EngineStepError`` (its output's ``error``);
-  the step goes on for the others.
+  beam step or output processing) fails that request alone with an ``EngineStepError`` (its
+  output's ``error``); the step goes on for the others.
 - An exception inside ``step()`` fails every live request with an ``EngineStepError`` and aborts
   them; the engine is kept if its block pool is consistent afterwards, otherwise it is marked dead
   (``is_dead``; ``/health`` then answers 500) and every later request fails at once.

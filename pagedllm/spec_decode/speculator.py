@@ -284,13 +284,16 @@ class Speculator:
         for _, group in pairs:
             if group.request_id in failed and group.error is None:
                 fail(group, failed[group.request_id])
-        # A draft model's sampled proposals: rejection sampling with its probabilities q.
+        # A draft model's sampled proposals: rejection sampling with its probabilities q (not
+        # for a request failed above, gone from ``seqs``: its rows hold placeholders).
         draft_probs = getattr(self.proposer, "draft_probs", None)
+        if draft_probs and failed:
+            draft_probs = {sid: q for sid, q in draft_probs.items() if sid in seqs}
         forced = (
             verify_with_draft_probs(
                 spec, drafts, row_logits, batch, out, sampler, seqs, draft_probs
             )
-            if draft_probs and not failed
+            if draft_probs
             else {}
         )
         now = time.monotonic()

@@ -8,6 +8,7 @@ import torch
 from pagedllm.sampling.sampler import SamplingBatch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.mask import TokenBitmask
+from tests.spec_decode.test_draft_model import near_draft  # noqa: F401 (fixture)
 from tests.spec_decode.test_spec_engine import OracleProposer
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a block table maps logical blocks"]
@@ -156,3 +157,30 @@ def test_speculative_verification_fails_a_request_alone(tiny_llm_factory):
     assert {finished[r].outputs[0].finish_reason for r in ("bad-sampler", "bad-output")} == {"abort"}
     assert eng.stats.spec_accepted_tokens > 0  # verification really ran
     assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+def test_draft_model_verification_fails_a_request_alone(tiny_llm_factory, near_draft):
+    """With a draft model, a request whose verify rows raise fails alone, and the seeded
+    request beside it keeps its rejection sampling: the tokens it gets alone."""
+    from tests.spec_decode.test_draft_model import spec
+
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
+    want = alone(tiny_llm_factory(speculative_config=spec(near_draft)), PROMPTS[0], seeded)
+    llm = tiny_llm_factory(speculative_config=spec(near_draft))
+    eng = llm.engine
+    sampler = eng.engine_core.sampler
+    real = sampler._process
+
+    def process(raw, batch):  # verify batches only: k + 1 rows of the marked request
+        if sum(p.top_k == MARKED_TOP_K for p in batch.params) > 1:
+            raise RuntimeError("injected")
+        return real(raw, batch)
+
+    sampler._process = process
+    eng.add_request("ok", PROMPTS[0], seeded)
+    eng.add_request("bad", PROMPTS[1], SamplingParams(temperature=0.8, seed=3, top_k=MARKED_TOP_K,
+                                                      max_tokens=10, ignore_eos=True))
+    finished = run_all(eng)
+    assert finished["bad"].error == "RuntimeError: injected"
+    assert finished["ok"].outputs[0].token_ids == want and finished["ok"].error is None
+    assert eng.stats.spec_accepted_tokens > 0
