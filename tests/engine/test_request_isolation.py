@@ -159,7 +159,7 @@ def test_speculative_verification_fails_a_request_alone(tiny_llm_factory):
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
-def test_draft_model_verification_fails_a_request_alone(tiny_llm_factory, near_draft):
+def test_draft_model_verification_fails_a_request_alone(tiny_llm_factory, near_draft):  # noqa: F811
     """With a draft model, a request whose verify rows raise fails alone, and the seeded
     request beside it keeps its rejection sampling: the tokens it gets alone."""
     from tests.spec_decode.test_draft_model import spec
