@@ -24,6 +24,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # sets glibc's thresholds.
 from pagedllm import malloc_tuning  # noqa: F401
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

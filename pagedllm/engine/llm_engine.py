@@ -172,14 +172,22 @@ class LLMEngine:
             cpu_flags().summary(),
             "yes" if malloc_tuning.malloc_tuned else "no",
         )
-        if config.speculative is not None and dtype == torch.float16 and str(config.device) == "cpu":
-            # ATen's float16 matmuls round differently for different row counts, so a verify
-            # pass (k + 1 rows) can flip a near-tied greedy token (found by a new-user test).
+        on_cpu = str(config.device) == "cpu"
+        if config.speculative is not None and on_cpu and (
+            dtype == torch.float16 or (tp > 1 and dtype != torch.float32)
+        ):
+            # ATen's half-precision matmuls round differently for different row counts, so a
+            # verify pass (k + 1 rows) can flip a near-tied greedy token (found by new-user
+            # tests): float16 runs every projection there, and under tensor parallelism the
+            # row-parallel projections and the LM head shard stay on ATen in bfloat16 too.
             logger.warning(
-                "speculative decoding with dtype float16 on CPU: its matmuls run on ATen, whose "
+                "speculative decoding with dtype %s%s on CPU: some matmuls run on ATen, whose "
                 "results depend on the number of rows, so greedy output can differ from "
-                "speculation off where the two best logits nearly tie; bfloat16 and float32 run "
-                "the own kernels and give the same tokens"
+                "speculation off where the two best logits nearly tie (and, as the drafts "
+                "verified per step follow measured step times, between runs); float32, and "
+                "bfloat16 without tensor parallelism, give the same tokens",
+                str(dtype).replace("torch.", ""),
+                f" and tensor parallelism ({tp} ranks)" if tp > 1 else "",
             )
         if tp > 1:
             logger.info(

@@ -9,6 +9,12 @@ while ``finish_reason`` says ``stop``. :func:`check_schema` finds them first, so
 a 400 naming the keyword and where it sits. An ``allOf`` whose schemas share no keyword (the
 usual "a type here, a bound there") is merged into its parent instead, which means the same.
 
+It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``oneOf`` or
+``type: []`` (no value matches; the grammar allowed an empty or broken reply ending "stop"), a
+``$ref`` outside the schema (nothing may be fetched; the constraint was dropped) and a
+``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``; the grammar ignored it,
+while the same regex as ``structured_outputs.regex`` is refused).
+
 ``oneOf`` stays: xgrammar enforces it exactly when its branches are provably disjoint (a
 string or an integer; objects told apart by a ``const`` tag, as pydantic's discriminated
 unions are) and as ``anyOf`` otherwise (README, "Structured outputs").
@@ -32,6 +38,8 @@ UNENFORCED_KEYWORDS = (
     "unevaluatedItems",
 )
 
+_LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
+
 # Keywords holding one subschema, a list of them, or a name -> subschema map.
 _ONE = ("additionalProperties", "items", "contains", "propertyNames", "additionalItems")
 _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -44,8 +52,10 @@ def check_schema(schema: Any) -> Any:
 
     Raises:
         ValueError: "'KEYWORD' at PATH is not supported ..." for a keyword of
-            ``UNENFORCED_KEYWORDS``, ``uniqueItems: true``, or an ``allOf`` of several schemas
-            that share a keyword or use ``$ref``; PATH is a JSON pointer ("/" for the root).
+            ``UNENFORCED_KEYWORDS``, ``uniqueItems: true``, an ``allOf`` of several schemas
+            that share a keyword or use ``$ref``, a ``$ref`` not starting with "#" or a
+            lookaround in ``pattern``; "... matches no value" for an empty ``anyOf`` /
+            ``oneOf`` / ``type`` list. PATH is a JSON pointer ("/" for the root).
     """
     return _check(schema, "")
 
@@ -60,6 +70,17 @@ def _check(node: Any, path: str) -> Any:
             raise ValueError(f"'{key}' at {where} is not supported (the grammar cannot enforce it)")
     if out.get("uniqueItems") is True:
         raise ValueError(f"'uniqueItems' at {where} is not supported (the grammar cannot enforce it)")
+    for key in ("anyOf", "oneOf", "type"):
+        if out.get(key) == []:
+            raise ValueError(f"'{key}' at {where} is an empty list: the schema matches no value")
+    ref = out.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise ValueError(f"'$ref' at {where} is not supported: only references inside the schema "
+                         f"(starting with '#') can be resolved, not {ref!r}")
+    pattern = out.get("pattern")
+    if isinstance(pattern, str) and any(a in pattern for a in _LOOKAROUNDS):
+        raise ValueError(f"'pattern' at {where} is not supported: the grammar cannot enforce a "
+                         "lookaround ((?=, (?!, (?<=, (?<!)")
     for key in _ONE:
         if key in out:
             out[key] = _check(out[key], f"{path}/{key}")

@@ -207,3 +207,11 @@ def test_pooling_params_validation():
         PoolingParams("cls")
     with pytest.raises(ValueError, match="^normalize"):
         PoolingParams("mean", 1)  # type: ignore[arg-type]
+
+
+def test_pooling_params_come_from_the_package_root():
+    """The README's ``from pagedllm import LLM, PoolingParams`` works (a new user found the
+    class only in ``pagedllm.pooling_params``)."""
+    import pagedllm
+
+    assert pagedllm.PoolingParams is PoolingParams and "PoolingParams" in pagedllm.__all__

@@ -200,3 +200,23 @@ def test_engine_wide_k_has_the_request_bound_and_float16_is_flagged(tiny_loaded,
         LLM(loaded=tiny_loaded, dtype="float16", max_model_len=64, kv_cache_memory=1 << 20,
             speculative_config=spec)
     assert "speculative decoding with dtype float16 on CPU" in caplog.text
+
+
+def test_bfloat16_under_tensor_parallelism_is_flagged(tiny_loaded, caplog):
+    """Under tensor parallelism the row-parallel projections and the LM head shard run ATen's
+    bfloat16 matmuls, whose bits depend on the row count: a new user saw greedy output differ
+    from speculation off (and between runs) with tp 3 in bfloat16, so the engine warns."""
+    import logging
+
+    from pagedllm.entrypoints.llm import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    kw = dict(loaded=tiny_loaded, dtype="bfloat16", max_model_len=64, kv_cache_memory=1 << 20,
+              speculative_config=spec)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+        LLM(**kw)
+        assert "speculative decoding with dtype" not in caplog.text
+        llm = LLM(tensor_parallel_size=2, **kw)
+        llm.engine.shutdown()
+    assert ("speculative decoding with dtype bfloat16 and tensor parallelism (2 ranks) on CPU"
+            in caplog.text)

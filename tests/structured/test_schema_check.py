@@ -82,3 +82,33 @@ def test_keyword_names_as_property_names_or_values_pass() -> None:
         "required": ["not", "if"],
     }
     assert check_schema(schema) == schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"anyOf": []}, "'anyOf' at / is an empty list: the schema matches no value"),
+        ({"oneOf": []}, "'oneOf' at / is an empty list"),
+        ({"type": "object", "properties": {"a": {"anyOf": []}}}, "'anyOf' at /properties/a is an empty"),
+        ({"type": []}, "'type' at / is an empty list"),
+        ({"$ref": "https://example.com/x.json#/defs/y"}, "'$ref' at / is not supported"),
+        ({"type": "object", "properties": {"a": {"$ref": "s.json"}}}, "'$ref' at /properties/a is not"),
+        ({"type": "string", "pattern": "(?=a)b"}, "'pattern' at / is not supported"),
+        ({"type": "string", "pattern": "^(?!b)b$"}, "'pattern' at / is not supported"),
+        ({"items": {"type": "string", "pattern": "(?<=x)y"}}, "'pattern' at /items is not"),
+        ({"items": {"type": "string", "pattern": "(?<!x)y"}}, "'pattern' at /items is not"),
+    ],
+)
+def test_schemas_the_grammar_would_misread_are_refused(schema: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_schema(schema)
+
+
+def test_local_refs_plain_patterns_and_keyword_named_properties_pass() -> None:
+    schema = {
+        "$defs": {"x": {"type": "string", "pattern": "^(ab)+(?:c|d)$"}},
+        "type": "object",
+        "properties": {"r": {"$ref": "#/$defs/x"}, "pattern": {"type": "string"},
+                       "type": {"enum": [[], {"$ref": "http://x"}]}, "$ref": {"const": "(?=a)"}},
+    }
+    assert check_schema(schema) == schema
