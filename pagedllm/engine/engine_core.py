@@ -30,6 +30,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.model.step_interrupt import StepInterrupt, StepInterrupted
+from pagedllm.sampling.by_request import sample_by_request
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.speculator import Speculator
@@ -320,8 +321,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             token_bitmask=self.structured.fill_bitmask(pairs) if self.structured else None,
         )
-        out, failed = self.sampler.sample_by_request(
-            logits, batch, [g.request_id for _, g in pairs]
+        out, failed = sample_by_request(
+            self.sampler, logits, batch, [g.request_id for _, g in pairs]
         )
         for _, group in pairs:
             if group.request_id in failed and group.error is None:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm.sampling.by_request import sample_by_request
 from pagedllm.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_verify import verify_with_draft_probs
@@ -276,7 +277,8 @@ class Speculator:
             )
         row_logits = select_rows(logits, rows)
         pairs = [seqs[seq_id] for seq_id, _, _ in spec]  # a failed request leaves ``seqs``
-        out, failed = sampler.sample_by_request(
+        out, failed = sample_by_request(
+            sampler,
             row_logits,
             batch,
             [g.request_id for (_, g), (_, _, k) in zip(pairs, spec, strict=True) for _ in range(k + 1)],
