@@ -10,8 +10,9 @@
 // Blocking: the 8 tile registers hold 2 x 2 C tiles (32 rows x 2 panels), 2 A tiles and 2 B
 // tiles; per 32-wide k step the kernel loads 2 A and 2 B tiles and issues 4 TDPBF16PS. Up to
 // kWideRows rows (decode), wide blocks of 1 x 6 or 2 x 3 C tiles, with one A and one B register,
-// stream more panels at once (decode steps 7-13 % faster at batch 1-16); 2 x 3 blocks prefetch
-// their B tiles two k steps ahead into L1 (prefetch_b_ahead). x is
+// stream more panels at once (decode steps 7-13 % faster at batch 1-16). 2 x 2 and 2 x 3 blocks
+// that read their panels from memory prefetch them two k steps ahead into L1 (prefetch_b_ahead;
+// 1 x 6 blocks keep pace with memory without). x is
 // rounded to a bf16 copy in tile order (each A tile one contiguous KiB), padded to a multiple of
 // 16 rows (the pad rows are zero; at decode sizes the tiles are far from the bottleneck, which
 // is streaming the weights). At decode sizes the threads split the panels, so each weight byte
@@ -129,8 +130,8 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak,
 }
 
 // The B tiles kBPrefetchSteps k steps ahead of bk in each of NP panels, into L1 (PREFETCHT0), for
-// blocks of two row tiles whose panels come from memory (the first row block of a group). Such a
-// block issues two TDPBF16PS per B tile, and a tile load that misses L1 holds up the tile
+// tile blocks and 2 x 3 blocks whose panels come from memory (a group's first row block). It
+// matters for blocks of two row tiles: they issue two TDPBF16PS per B tile, and a tile load that misses L1 holds up the tile
 // instructions behind it, so the second row tile's work added to the weight stream's time
 // instead of hiding under it. One thread, 18 KiB panels streamed from a 192 MiB buffer, ns per
 // KiB of B (a plain read of the same bytes 68-83, 1 x 6 blocks 68-81): 2 x 3 blocks 88-98 ->
