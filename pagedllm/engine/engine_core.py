@@ -321,12 +321,9 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             token_bitmask=self.structured.fill_bitmask(pairs) if self.structured else None,
         )
-        out, failed = sample_by_request(
-            self.sampler, logits, batch, [g.request_id for _, g in pairs]
+        out = sample_by_request(
+            self.sampler, logits, batch, [g for _, g in pairs], self._fail_request
         )
-        for _, group in pairs:
-            if group.request_id in failed and group.error is None:
-                self._fail_request(group, failed[group.request_id])
         now = time.monotonic()
         for i, (seq, group) in enumerate(pairs):
             if group.error is not None:

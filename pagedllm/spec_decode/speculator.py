@@ -261,35 +261,28 @@ class Speculator:
         the accepted run, emit it token by token (stop checks), then roll back the rest. A
         request whose rows or output processing raise is failed (``fail``) alone."""
         rows: list[int] = []
+        row_groups: list[SequenceGroup] = []
         batch = SamplingBatch([], [], [], [], eos_token_ids)
-        for seq_id, first, k in spec:
-            seq, group = seqs[seq_id]
+        pairs = [seqs[seq_id] for seq_id, _, _ in spec]  # a failed request leaves ``seqs``
+        for (seq, group), (seq_id, first, k) in zip(pairs, spec, strict=True):
             out_ids = seq.output_token_ids
             for j in range(k + 1):
                 rows.append(first + j)
+                row_groups.append(group)
                 batch.params.append(group.sampling_params)
                 batch.seeds.append(seq.seed)
                 batch.output_token_ids.append(out_ids + drafts[seq_id][:j])
                 batch.prompt_token_ids.append(seq.prompt_token_ids)
         if self.structured is not None:
             batch.token_bitmask = self.structured.fill_draft_bitmask(
-                [(*seqs[seq_id], drafts[seq_id][:k]) for seq_id, _, k in spec]
+                [(*pair, drafts[seq_id][:k]) for pair, (seq_id, _, k) in zip(pairs, spec, strict=True)]
             )
         row_logits = select_rows(logits, rows)
-        pairs = [seqs[seq_id] for seq_id, _, _ in spec]  # a failed request leaves ``seqs``
-        out, failed = sample_by_request(
-            sampler,
-            row_logits,
-            batch,
-            [g.request_id for (_, g), (_, _, k) in zip(pairs, spec, strict=True) for _ in range(k + 1)],
-        )
-        for _, group in pairs:
-            if group.request_id in failed and group.error is None:
-                fail(group, failed[group.request_id])
+        out = sample_by_request(sampler, row_logits, batch, row_groups, fail)
         # A draft model's sampled proposals: rejection sampling with its probabilities q (not
         # for a request failed above, gone from ``seqs``: its rows hold placeholders).
         draft_probs = getattr(self.proposer, "draft_probs", None)
-        if draft_probs and failed:
+        if draft_probs and any(g.error is not None for _, g in pairs):
             draft_probs = {sid: q for sid, q in draft_probs.items() if sid in seqs}
         forced = (
             verify_with_draft_probs(
