@@ -66,8 +66,24 @@ class TensorParallelGroup:
         self.world_size = world_size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` (any shape, contiguous) over the ranks, in place; returns ``t``."""
-        self.pg.allreduce([t]).wait()
+        """Sum ``t`` (any shape, contiguous) over the ranks, in place; returns ``t``.
+
+        Every element is the same sum of the same addends on every rank and for every tensor
+        size: two ranks use the backend's all-reduce (a + b == b + a bitwise); three or more
+        gather all parts and add them in rank order, because a ring all-reduce (gloo) starts
+        each chunk's sum at a different rank and the chunks follow the tensor's size, so an
+        element's bits would depend on how many rows the step had (a speculative verify pass
+        of k + 1 rows then differed from a one-row decode: greedy tokens under tp 3 in
+        bfloat16, logprobs in float32).
+        """
+        if self.world_size <= 2:
+            self.pg.allreduce([t]).wait()
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.pg.allgather([parts], [t]).wait()
+        t.copy_(parts[0])
+        for part in parts[1:]:
+            t.add_(part)
         return t
 
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor | None:

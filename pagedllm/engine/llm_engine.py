@@ -33,6 +33,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.executor.factory import create_executor
 from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.model.packed_linear import own_gemm_runs
 from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.model.step_interrupt import StepInterrupt
 from pagedllm.outputs import RequestOutput
@@ -173,21 +174,20 @@ class LLMEngine:
             "yes" if malloc_tuning.malloc_tuned else "no",
         )
         on_cpu = str(config.device) == "cpu"
-        if config.speculative is not None and on_cpu and (
-            dtype == torch.float16 or (tp > 1 and dtype != torch.float32)
+        if config.speculative is not None and on_cpu and dtype != torch.float32 and not (
+            own_gemm_runs(dtype)
         ):
-            # ATen's half-precision matmuls round differently for different row counts, so a
-            # verify pass (k + 1 rows) can flip a near-tied greedy token (found by new-user
-            # tests): float16 runs every projection there, and under tensor parallelism the
-            # row-parallel projections and the LM head shard stay on ATen in bfloat16 too.
+            # ATen's (and oneDNN's) half-precision matmuls round differently for different row
+            # counts, so a verify pass (k + 1 rows) can flip a near-tied greedy token (found by
+            # new-user tests); the own GEMM computes every row on its own.
             logger.warning(
-                "speculative decoding with dtype %s%s on CPU: some matmuls run on ATen, whose "
-                "results depend on the number of rows, so greedy output can differ from "
+                "speculative decoding with dtype %s on CPU: its matmuls run on ATen/oneDNN, "
+                "whose results depend on the number of rows, so greedy output can differ from "
                 "speculation off where the two best logits nearly tie (and, as the drafts "
                 "verified per step follow measured step times, between runs); float32, and "
-                "bfloat16 without tensor parallelism, give the same tokens",
+                "bfloat16 where pagedllm's own GEMM runs it (CPUs with AVX512-BF16), give the "
+                "same tokens",
                 str(dtype).replace("torch.", ""),
-                f" and tensor parallelism ({tp} ranks)" if tp > 1 else "",
             )
         if tp > 1:
             logger.info(

@@ -31,8 +31,14 @@ from pagedllm.model.layers.embedding import scale_embedding, token_embedding
 from pagedllm.model.layers.logits import lm_head_logits
 from pagedllm.model.layers.mlp import GatedMLP
 from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.parallel import pack_row_parallel_layers
 from pagedllm.model.layers.rotary import RotaryEmbedding, Rotate
-from pagedllm.model.packed_linear import PackedLinear, pack_linear_layers, pack_swiglu_layers
+from pagedllm.model.packed_linear import (
+    PackedLinear,
+    cpu_gemm_ops,
+    pack_linear_layers,
+    pack_swiglu_layers,
+)
 from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.model.step_interrupt import StepInterrupt
 from pagedllm.model.weight_map import load_named_weights
@@ -294,11 +300,14 @@ class DecoderForCausalLM(nn.Module):
         when ``cpu_ops``, the C++ CPU kernels, run the avx2 variant, oneDNN otherwise); call after
         ``load_weights``. Returns the number of packed matrices."""
         # Gate/up with the SwiGLU epilogue first (own GEMM only), then every other projection;
-        # row-parallel layers (all-reduce) stay as they are.
+        # row-parallel layers (all-reduce) only where the own GEMM runs them.
         count = pack_swiglu_layers(self.layers, cpu_ops)
         count += pack_linear_layers(self.layers, cpu_ops)
         if self.group is not None:
-            return count  # the LM head is a vocabulary shard gathered to rank 0
+            count += pack_row_parallel_layers(self.layers, cpu_ops)
+            if not cpu_gemm_ops(cpu_ops, self.lm_head_weight.dtype):
+                return count  # the vocabulary shard stays on ATen, as the layers above
+        # Under a group this is the rank's vocabulary shard (gathered to rank 0).
         self.lm_head_packed = PackedLinear(self.lm_head_weight, cpu_ops)
         return count + 1
 

@@ -105,6 +105,18 @@ def cpu_gemm_ops(cpu_ops: CpuOps | None, dtype: torch.dtype) -> CpuOps | None:
     return cpu_ops
 
 
+def own_gemm_runs(dtype: torch.dtype) -> bool:
+    """Whether the engine's CPU linears of ``dtype`` weights run on the own GEMM (packing on,
+    :func:`cpu_gemm_ops` accepts the C++ kernels this process loads), whose every output row
+    depends only on its own input row: a speculative verify pass of k + 1 rows then gives each
+    row the bits a one-row decode would."""
+    if os.environ.get("PAGEDLLM_DISABLE_PACKED_LINEAR") == "1":
+        return False
+    from pagedllm.attention.cpu import load_cpu_ops
+
+    return cpu_gemm_ops(load_cpu_ops(), dtype) is not None
+
+
 BF16_GEMM_CHOICES = ("auto", "own", "onednn")
 
 

@@ -7,6 +7,7 @@ step and that every block is free at the end."""
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from pagedllm.sampling_params import SamplingParams
 from tests.spec_decode.stress import drive_with_aborts
@@ -202,21 +203,24 @@ def test_engine_wide_k_has_the_request_bound_and_float16_is_flagged(tiny_loaded,
     assert "speculative decoding with dtype float16 on CPU" in caplog.text
 
 
-def test_bfloat16_under_tensor_parallelism_is_flagged(tiny_loaded, caplog):
-    """Under tensor parallelism the row-parallel projections and the LM head shard run ATen's
-    bfloat16 matmuls, whose bits depend on the row count: a new user saw greedy output differ
-    from speculation off (and between runs) with tp 3 in bfloat16, so the engine warns."""
+def test_bfloat16_is_flagged_where_aten_runs_its_matmuls(tiny_loaded, caplog, monkeypatch):
+    """ATen's (and oneDNN's) bfloat16 matmuls give bits that depend on the row count, so greedy
+    speculation can differ from speculation off there (a new user saw it under tp 3, where the
+    row-parallel layers ran ATen): the engine warns exactly where the own GEMM does not run the
+    linears (tensor parallelism included since the row-parallel layers are packed too)."""
     import logging
 
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.packed_linear import own_gemm_runs
 
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     kw = dict(loaded=tiny_loaded, dtype="bfloat16", max_model_len=64, kv_cache_memory=1 << 20,
               speculative_config=spec)
+    flag = "speculative decoding with dtype bfloat16 on CPU"
     with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
         LLM(**kw)
-        assert "speculative decoding with dtype" not in caplog.text
-        llm = LLM(tensor_parallel_size=2, **kw)
-        llm.engine.shutdown()
-    assert ("speculative decoding with dtype bfloat16 and tensor parallelism (2 ranks) on CPU"
-            in caplog.text)
+        assert (flag in caplog.text) == (not own_gemm_runs(torch.bfloat16))
+        caplog.clear()
+        monkeypatch.setenv("PAGEDLLM_DISABLE_PACKED_LINEAR", "1")  # every linear on ATen
+        LLM(**kw)
+        assert flag in caplog.text

@@ -47,7 +47,8 @@ def lm_head_logits(
         else:
             logits = packed(h) if packed is not None else F.linear(h, weight)
         return soft_cap(logits.float(), final_logit_softcapping)
-    full = vocab_parallel_logits(h, weight, group, vocab_size)
+    shard_packed = packed if isinstance(packed, PackedLinear) else None
+    full = vocab_parallel_logits(h, weight, group, vocab_size, shard_packed)
     if full is None:
         return h.new_empty(h.shape[0], 0)
     return soft_cap(full.float(), final_logit_softcapping)

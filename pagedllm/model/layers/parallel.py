@@ -7,11 +7,17 @@ communicate.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.packed_linear import PackedLinear, cpu_gemm_ops
+
+if TYPE_CHECKING:
+    from pagedllm.ops import CpuOps
 
 
 class RowParallelLinear(nn.Linear):
@@ -45,6 +51,56 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
+
+
+class PackedRowParallelLinear(nn.Module):
+    """A :class:`RowParallelLinear` whose shard is prepacked (:class:`PackedLinear`): with the
+    own GEMM the partial sums stay float32 through the all-reduce and are rounded to the
+    activations' dtype once, after the (replicated) bias. The own GEMM computes each row on its
+    own, so a row's result never depends on how many rows the step has (ATen's bfloat16 matmul
+    does: a speculative verify pass could then flip a near-tied greedy token).
+
+    Args:
+        layer: the loaded row-parallel layer (its weight is copied into the packed layout).
+        cpu_ops: the C++ CPU kernels, as for :class:`PackedLinear` (None: oneDNN's layout, whose
+            product comes back in the weight's dtype).
+
+    Forward: x [T, in_features] -> [T, out_features] in x's dtype, identical on every rank.
+    """
+
+    def __init__(self, layer: RowParallelLinear, cpu_ops: CpuOps | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.linear = PackedLinear(layer.weight, cpu_ops)
+        self.group = layer.group
+        self.bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = self.group.all_reduce(self.linear.forward_float32(flat).contiguous())
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        bias = ", bias" if self.bias is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}{bias}, "
+            f"{self.linear.kernel}, all-reduce"
+        )
+
+
+def pack_row_parallel_layers(model: nn.Module, cpu_ops: CpuOps | None = None) -> int:
+    """Replace every :class:`RowParallelLinear` (exact type) under ``model`` by a
+    :class:`PackedRowParallelLinear` when the own GEMM runs its dtype (``cpu_gemm_ops``; with
+    oneDNN the layer stays on ATen, as before). Returns the count."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is RowParallelLinear and cpu_gemm_ops(cpu_ops, child.weight.dtype):
+                setattr(parent, name, PackedRowParallelLinear(child, cpu_ops))
+                count += 1
+    return count
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -86,7 +142,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_logits(
-    h: torch.Tensor, weight: torch.Tensor, group: TensorParallelGroup, vocab_size: int
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    group: TensorParallelGroup,
+    vocab_size: int,
+    packed: PackedLinear | None = None,
 ) -> torch.Tensor | None:
     """LM head over a vocabulary shard, gathered to rank 0.
 
@@ -95,9 +155,14 @@ def vocab_parallel_logits(
         weight: [ceil(V / world_size), d] this rank's LM-head rows.
         group: the tensor-parallel group.
         vocab_size: V, to drop the padding rows of the last shard.
+        packed: ``weight`` prepacked, or None. Its float32 products are gathered as they are
+            (a bfloat16 model's logits are not rounded to bfloat16, as without tensor
+            parallelism).
 
     Returns:
-        [S, V] logits in ``h``'s dtype on rank 0; None on the other ranks.
+        [S, V] logits on rank 0 (float32 with ``packed``, else ``h``'s dtype); None on the
+        other ranks.
     """
-    full = group.gather_last_dim(F.linear(h, weight))
+    shard = packed.forward_float32(h) if packed is not None else F.linear(h, weight)
+    full = group.gather_last_dim(shard)
     return None if full is None else full[:, :vocab_size]
