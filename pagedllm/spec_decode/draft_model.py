@@ -118,6 +118,8 @@ class DraftModelProposer:
     Attributes:
         draft_probs: seq_id -> [k, V] float32 draft distributions ``q`` of the current step's
             proposals, for sampled (non-greedy) sequences only.
+        failed: seq_ids whose draft sampling raised in the current step (placeholder drafts,
+            no ``q``; see :meth:`_sample`).
     """
 
     def __init__(self, worker: Worker, sampler: Sampler, eos_token_ids: list[int]) -> None:
@@ -125,6 +127,7 @@ class DraftModelProposer:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.draft_probs: dict[int, torch.Tensor] = {}
+        self.failed: set[int] = set()  # seq_ids whose draft sampling raised this step
         self._computed: dict[int, int] = {}  # seq_id -> positions with valid draft K/V
         self._request_of: dict[int, str] = {}  # seq_id -> request id
 
@@ -161,6 +164,7 @@ class DraftModelProposer:
         for seq_id in [s for s, r in self._request_of.items() if r in preempted]:
             self._computed.pop(seq_id, None)
         self.draft_probs.clear()
+        self.failed.clear()
         spec = [(rid, w) for rid, w in sched.scheduled if w.num_spec_tokens > 0]
         if spec:
             with torch.inference_mode():
@@ -199,7 +203,7 @@ class DraftModelProposer:
             k = w.num_spec_tokens
             w.token_ids[-k:] = drafts[w.seq_id]
             self._computed[w.seq_id] = w.start_pos + k  # positions 0 .. L + k - 2
-            if probs[w.seq_id]:
+            if probs[w.seq_id] and w.seq_id not in self.failed:
                 self.draft_probs[w.seq_id] = torch.stack(probs[w.seq_id])
 
     def _sample(
@@ -212,7 +216,13 @@ class DraftModelProposer:
     ) -> None:
         """One draft token per row of ``logits`` ([len(seq_ids), V]): the ordinary sampler with
         the request's parameters and seed at the token's own output position (so a draft token
-        follows ``q`` exactly); ``q`` itself is kept for sampled rows."""
+        follows ``q`` exactly); ``q`` itself is kept for sampled rows.
+
+        A request whose rows raise drafts ``PLACEHOLDER_TOKEN`` from then on, without ``q``
+        (:attr:`failed`): its verification compares the target's own samples with them, which is
+        exact for any sampling, and its own error, if the target's sampler raises too, fails the
+        request there. The other requests draft what they would alone (a row's sample never
+        depends on its batch)."""
         batch = SamplingBatch([], [], [], [], self.eos_token_ids)
         for seq_id in seq_ids:
             seq, group = seqs[seq_id]
@@ -220,19 +230,58 @@ class DraftModelProposer:
             batch.seeds.append(seq.seed)
             batch.output_token_ids.append(seq.output_token_ids + drafts[seq_id])
             batch.prompt_token_ids.append(seq.prompt_token_ids)
+        try:
+            tokens, q = self._sample_rows(logits, batch)
+        except Exception:  # noqa: BLE001 - find whose rows raise; the others go on
+            tokens, q = self._sample_each_request(seq_ids, logits, batch, seqs)
+        for i, seq_id in enumerate(seq_ids):
+            drafts[seq_id].append(tokens[i])
+            if i in q and seq_id not in self.failed:
+                probs[seq_id].append(q[i])
+
+    def _sample_rows(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """The sampled token of every row, and ``q`` ([V] float32) of each sampled row by row."""
         out = self.sampler(logits, batch)
         sampled = [
             i for i, p in enumerate(batch.params) if p.sampling_type != SamplingType.GREEDY
         ]
-        q = None
+        q: dict[int, torch.Tensor] = {}
         if sampled:
             sub = batch.select(sampled)
-            q = self.sampler.probs(logits[torch.tensor(sampled, device=logits.device)], sub)
+            rows = self.sampler.probs(logits[torch.tensor(sampled, device=logits.device)], sub)
+            q = {i: rows[r] for r, i in enumerate(sampled)}
+        return list(out.sampled_token_ids), q
+
+    def _sample_each_request(
+        self,
+        seq_ids: list[int],
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        seqs: dict[int, tuple[Seq, SequenceGroup]],
+    ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """:meth:`_sample_rows` one request at a time; a request whose rows raise gets
+        placeholders and joins :attr:`failed`."""
+        rows_of: dict[str, list[int]] = {}
         for i, seq_id in enumerate(seq_ids):
-            drafts[seq_id].append(out.sampled_token_ids[i])
-        for r, i in enumerate(sampled):
-            assert q is not None
-            probs[seq_ids[i]].append(q[r])
+            rows_of.setdefault(seqs[seq_id][1].request_id, []).append(i)
+        tokens = [PLACEHOLDER_TOKEN] * len(seq_ids)
+        q: dict[int, torch.Tensor] = {}
+        for request_id, rows in rows_of.items():
+            try:
+                part, part_q = self._sample_rows(
+                    logits[torch.tensor(rows, device=logits.device)], batch.select(rows)
+                )
+            except Exception as exc:  # noqa: BLE001 - this request's drafts alone
+                logger.warning("draft sampling failed for request %s: %r", request_id, exc)
+                self.failed.update(seq_ids[i] for i in rows)
+                continue
+            for j, i in enumerate(rows):
+                tokens[i] = part[j]
+                if j in part_q:
+                    q[i] = part_q[j]
+        return tokens, q
 
 
 def build_draft_worker(

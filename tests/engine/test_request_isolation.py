@@ -184,3 +184,77 @@ def test_draft_model_verification_fails_a_request_alone(tiny_llm_factory, near_d
     assert finished["bad"].error == "RuntimeError: injected"
     assert finished["ok"].outputs[0].token_ids == want and finished["ok"].error is None
     assert eng.stats.spec_accepted_tokens > 0
+
+
+def raise_for_marked(sampler):
+    """A stand-in for ``sampler`` that raises on any batch holding a marked row (sampling or
+    its probabilities) and is ``sampler`` otherwise."""
+
+    class Failing:
+        def _check(self, batch):
+            if any(p.top_k == MARKED_TOP_K for p in batch.params):
+                raise RuntimeError("injected draft")
+
+        def __call__(self, logits, batch):
+            self._check(batch)
+            return sampler(logits, batch)
+
+        def probs(self, logits, batch):
+            self._check(batch)
+            return sampler.probs(logits, batch)
+
+    return Failing()
+
+
+def test_failing_draft_sampling_keeps_the_request_exact(tiny_llm_factory, near_draft):  # noqa: F811
+    """The draft model's own sampling raising for one request (the target's does not) leaves
+    that request on placeholder drafts, which its verification compares with the target's own
+    seeded samples: it ends with its speculation-off tokens (rejection sampling would give
+    others, equally distributed). The seeded request beside it keeps its drafts and rejection
+    sampling: the tokens it gets alone with the draft model."""
+    from tests.spec_decode.test_draft_model import spec
+
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
+    marked = SamplingParams(temperature=0.8, seed=3, top_k=MARKED_TOP_K, max_tokens=10,
+                            ignore_eos=True)
+    want = {"ok": alone(tiny_llm_factory(speculative_config=spec(near_draft)), PROMPTS[0], seeded),
+            "marked": alone(tiny_llm_factory(), PROMPTS[1], marked)}
+    llm = tiny_llm_factory(speculative_config=spec(near_draft))
+    eng = llm.engine
+    proposer = eng.engine_core.speculator.proposer
+    proposer.sampler = raise_for_marked(proposer.sampler)
+    eng.add_request("ok", PROMPTS[0], seeded)
+    eng.add_request("marked", PROMPTS[1], marked)
+    finished = run_all(eng)
+    for rid in ("ok", "marked"):
+        assert finished[rid].error is None
+        assert finished[rid].outputs[0].token_ids == want[rid]
+    assert eng.stats.spec_accepted_tokens > 0
+
+
+def test_failing_draft_and_target_sampling_fail_the_request_alone(tiny_llm_factory, near_draft):  # noqa: F811
+    """When both the draft's and the target's verify sampling raise for a request (a bad
+    parameter reaches both), the step goes on: that request fails with the target's error, the
+    greedy request beside it gets its own tokens."""
+    from tests.spec_decode.test_draft_model import spec
+
+    want = alone(tiny_llm_factory(speculative_config=spec(near_draft)), PROMPTS[0], GREEDY)
+    llm = tiny_llm_factory(speculative_config=spec(near_draft))
+    eng = llm.engine
+    proposer = eng.engine_core.speculator.proposer
+    proposer.sampler = raise_for_marked(proposer.sampler)
+    sampler = eng.engine_core.sampler
+    real = sampler._process
+
+    def process(raw, batch):  # verify batches only, after the draft's sampling has raised
+        if sum(p.top_k == MARKED_TOP_K for p in batch.params) > 1:
+            raise RuntimeError("injected")
+        return real(raw, batch)
+
+    sampler._process = process
+    eng.add_request("ok", PROMPTS[0], GREEDY)
+    eng.add_request("bad", PROMPTS[1], SamplingParams(temperature=0.8, seed=3,
+                                                      top_k=MARKED_TOP_K, max_tokens=10))
+    finished = run_all(eng)
+    assert finished["bad"].error == "RuntimeError: injected"
+    assert finished["ok"].outputs[0].token_ids == want and finished["ok"].error is None
