@@ -218,13 +218,22 @@ class DraftModelProposer:
         the request's parameters and seed at the token's own output position (so a draft token
         follows ``q`` exactly); ``q`` itself is kept for sampled rows.
 
-        A request whose rows raise drafts ``PLACEHOLDER_TOKEN`` from then on, without ``q``
-        (:attr:`failed`): its verification compares the target's own samples with them, which is
+        A request whose rows raise drafts ``PLACEHOLDER_TOKEN`` for the rest of the step, without
+        ``q`` (:attr:`failed`; not sampled again until the next step): its verification compares the target's own samples with them, which is
         exact for any sampling, and its own error, if the target's sampler raises too, fails the
         request there. The other requests draft what they would alone (a row's sample never
         depends on its batch)."""
-        batch = SamplingBatch([], [], [], [], self.eos_token_ids)
         for seq_id in seq_ids:
+            if seq_id in self.failed:  # failed at an earlier draft step: not sampled again
+                drafts[seq_id].append(PLACEHOLDER_TOKEN)
+        live = [i for i, seq_id in enumerate(seq_ids) if seq_id not in self.failed]
+        if not live:
+            return
+        live_ids = [seq_ids[i] for i in live]
+        if len(live) < len(seq_ids):
+            logits = logits[torch.tensor(live, device=logits.device)]
+        batch = SamplingBatch([], [], [], [], self.eos_token_ids)
+        for seq_id in live_ids:
             seq, group = seqs[seq_id]
             batch.params.append(group.sampling_params)
             batch.seeds.append(seq.seed)
@@ -233,8 +242,8 @@ class DraftModelProposer:
         try:
             tokens, q = self._sample_rows(logits, batch)
         except Exception:  # noqa: BLE001 - find whose rows raise; the others go on
-            tokens, q = self._sample_each_request(seq_ids, logits, batch, seqs)
-        for i, seq_id in enumerate(seq_ids):
+            tokens, q = self._sample_each_request(live_ids, logits, batch, seqs)
+        for i, seq_id in enumerate(live_ids):
             drafts[seq_id].append(tokens[i])
             if i in q and seq_id not in self.failed:
                 probs[seq_id].append(q[i])
