@@ -58,8 +58,9 @@ def load_draft_model(config: EngineConfig, target: LoadedModel) -> LoadedModel:
     Raises:
         ValueError: naming ``speculative_config.model`` when the draft's vocabulary size or
             tokenizer differs from the target's or its learned position table is shorter than
-            ``max_model_len``, or ``speculative_config.method`` under tensor /
-            pipeline parallelism (the draft runs in the driver, one rank).
+            ``max_model_len``, or the path it names does not exist (nor is it a bundled
+            model's name); naming ``speculative_config.method`` under tensor / pipeline
+            parallelism (the draft runs in the driver, one rank).
     """
     from pagedllm.model.loader import LoadedModel, load_model
 
@@ -71,7 +72,10 @@ def load_draft_model(config: EngineConfig, target: LoadedModel) -> LoadedModel:
             "pipeline_parallel_size 1"
         )
     model = spec.model
-    draft = model if isinstance(model, LoadedModel) else load_model(model, config.torch_dtype)
+    try:
+        draft = model if isinstance(model, LoadedModel) else load_model(model, config.torch_dtype)
+    except FileNotFoundError as e:
+        raise ValueError(f"speculative_config.model: {e}") from e
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"speculative_config.model must share the target's tokenizer: its vocab_size is "

@@ -179,6 +179,9 @@ def test_draft_must_share_the_tokenizer(tiny_llm_factory, tiny_loaded):
         tiny_llm_factory(speculative_config={"method": "draft_model"})
     with pytest.raises(ValueError, match="speculative_config.model is only used"):
         tiny_llm_factory(speculative_config={"method": "ngram", "model": "x"})
+    with pytest.raises(ValueError, match="speculative_config.model: .*not found"):
+        tiny_llm_factory(speculative_config={"method": "draft_model",
+                                             "model": "/nonexistent/draft.gguf"})
 
 
 # ---- the sampled tokens follow the target's distribution ------------------------------------
