@@ -13,7 +13,8 @@ proposals' match lengths). With ``--curve``
 (a step time curve measured by ``benchmarks/spec_cutoff.py``) the steps are timed on that curve
 instead, and ``goodput-learned`` also runs: the allocator is told every step's curve time (as the
 engine tells it the measured forward time), and its figure is a second pass over the workload
-with what the first pass learned.
+with what the first pass learned. ``oracle`` verifies exactly the drafts that will be accepted:
+the bound no policy over the same proposals can pass (speculation's ceiling on that cost curve).
 
     PAGEDLLM_DATA=../shared/data PYTHONPATH=. python benchmarks/spec_policy_replay.py [--k 4]
         [--batches 1 8 16] [--curve 1:26.4,8:34.2,16:44.2,40:94.5]
@@ -97,7 +98,7 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
             props: dict[int, list[int]] = {}
             matches: dict[int, int] = {}
             for s in active:
-                kk = 0 if policy == "off" else k if goodput else k_of.get(s["id"], k)
+                kk = 0 if policy == "off" else k if goodput or policy == "oracle" else k_of.get(s["id"], k)
                 kk = min(kk, len(s["out"]) - s["done"] - 1)  # never past max_tokens
                 draft, match = (proposer.propose_matched(s["ids"], s["n_prompt"], kk, str(s["id"]))
                                 if kk > 0 else ([], 0))
@@ -106,6 +107,13 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
                 kept = alloc.allocate({i: len(p) for i, p in props.items() if p}, len(active),
                                       {i: matches[i] for i, p in props.items() if p})
                 props.update({i: props[i][:n] for i, n in kept.items()})
+            elif policy == "oracle":  # only the drafts that will be accepted: no policy does better
+                for s in active:
+                    p = props[s["id"]]
+                    a = 0
+                    while a < len(p) and p[a] == s["out"][s["done"] + a]:
+                        a += 1
+                    props[s["id"]] = p[:a]
             rows = 0
             for s in active:
                 p = props[s["id"]]
@@ -150,6 +158,7 @@ def main() -> None:
     print(f"{len(pairs)} greedy answers, {sum(len(p['out']) for p in pairs)} output tokens; "
           f"{timing}; k = {args.k}")
     policies = ("halving", "goodput") if args.curve is None else ("halving", "goodput", "goodput-learned")
+    policies += ("oracle",)
     for method in ("ngram", "suffix"):
         for batch in args.batches:
             line = [f"{method} batch {batch}:"]
