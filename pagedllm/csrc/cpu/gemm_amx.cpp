@@ -67,15 +67,17 @@ constexpr int64_t kWideGroup = 6;
 // 16 with m1 at most M rounded up to 16, in blocks of 2 x 2 tiles (4 tile loads per 4
 // TDPBF16PS), or with `wide` in wide blocks: 3 x 2 blocks for the first three row tiles when
 // there are three or more, then 2 x 3 / 1 x 6 blocks. The panels go in groups of `group`: each
-// group runs over all row blocks, a row block over all the group's panels. kPanelPair (the threads' split of the panels, small M) runs
-// all row blocks of a panel pair before the next pair, so the pair's panels come from memory for
-// its first rows and from L1 for the rest. A group of ~kPanelGroupBytes (the row split, large M)
-// keeps the group's panels in L2 while a row block's A tiles stay in L1 across them and its
-// output rows are written left to right. (Measured on an AMX Xeon at 48-64 rows: 1 panel x 4
-// row tiles per pass, every B tile loaded once, was 3-4 % slower, its 4 A tile loads per B tile
-// coming from L2; software prefetches of the panels ahead in every row block, into L1 or L2, up
-// to 15 % slower than the hardware prefetchers alone: only the first row block, the one that
-// reads the panels from memory, prefetches them, prefetch_b_ahead.)
+// group runs over all row blocks, a row block over all the group's panels. kPanelPair (the
+// threads' split of the panels, small M) runs all row blocks of a panel pair before the next
+// pair, so the pair's panels come from memory for its first rows and from L1 for the rest. A
+// group of ~kPanelGroupBytes (the row split, large M) keeps the group's panels in L2 while a row
+// block's A tiles stay in L1 across them and its output rows are written left to right.
+// (Measured on an AMX Xeon at 48-64 rows: 1 panel x 4 row tiles per pass, every B tile loaded
+// once, was 3-4 % slower than 2 x 2 blocks, and 3-13 % slower than 3 x 2 + 1 x 6 blocks with B
+// prefetched too (session 35), its 4 A tile loads per B tile coming from L2; software prefetches
+// of the panels ahead in every row block, into L1 or L2, up to 15 % slower than the hardware
+// prefetchers alone: only the first row block, the one that reads the panels from memory,
+// prefetches them, prefetch_b_ahead.)
 template <Stream S>
 void run_panels(const char* xb, int64_t lda, const char* b, int64_t panel_bytes, int64_t k_tiles,
                 int64_t p0, int64_t p1, int64_t group, int64_t m0, int64_t m1, int64_t M,

@@ -88,10 +88,10 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_rows(const char* ak,
 }
 
 // The B tiles kBPrefetchSteps k steps ahead of bk in each of NP panels, into L1 (PREFETCHT0), for
-// tile blocks and 2 x 3 blocks whose panels come from memory (a group's first row block). It
-// matters for blocks of two row tiles: they issue two TDPBF16PS per B tile, and a tile load that misses L1 holds up the tile
-// instructions behind it, so the second row tile's work added to the weight stream's time
-// instead of hiding under it. One thread, 18 KiB panels streamed from a 192 MiB buffer, ns per
+// tile blocks, 2 x 3 and 3 x 2 blocks whose panels come from memory (a group's first row block).
+// It matters for blocks of several row tiles: they issue several TDPBF16PS per B tile, and a
+// tile load that misses L1 holds up the tile instructions behind it, so the second row tile's
+// work added to the weight stream's time instead of hiding under it. One thread, 18 KiB panels streamed from a 192 MiB buffer, ns per
 // KiB of B (a plain read of the same bytes 68-83, 1 x 6 blocks 68-81): 2 x 3 blocks 88-98 ->
 // 70-82 with the prefetch 2 k steps ahead (4 steps 70-78, 8 steps 75-84, 16 steps 82-91;
 // PREFETCHT1 2-8 worse than T0), 2 x 2 blocks 93 -> 86. With the panels in L2 (a later row
@@ -347,8 +347,8 @@ __attribute__((target("amx-tile,amx-bf16,prfchw"))) void wide_block_3x2(
 // whole row tiles straight to c and the third through a buffer when partial (an accumulate's
 // buffer starts from c's values); SwiGLU goes through a buffer whole.
 inline void run_tall_block(const char* a, int64_t lda, const char* b, int64_t panel_bytes,
-                    int64_t k_tiles, int64_t row0, int64_t M, int64_t p, int64_t N,
-                    int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
+                           int64_t k_tiles, int64_t row0, int64_t M, int64_t p, int64_t N,
+                           int64_t out_per_panel, GemmEpilogue E, float* c, int64_t ldc) {
   constexpr int64_t kRows = 3 * kTileRows, kCols = 2 * kPanelCols, buf_ld = kCols * 4;
   alignas(64) float buf[kRows * kCols];
   const char* bp = b + p * panel_bytes;
