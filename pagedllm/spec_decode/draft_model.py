@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.sampling.by_request import by_request
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sampling_params import SamplingType
 
@@ -222,35 +223,39 @@ class DraftModelProposer:
         the request's parameters and seed at the token's own output position (so a draft token
         follows ``q`` exactly); ``q`` itself is kept for sampled rows.
 
-        A request whose rows raise drafts ``PLACEHOLDER_TOKEN`` for the rest of the step, without
-        ``q`` (:attr:`failed`; not sampled again until the next step): its verification compares the target's own samples with them, which is
-        exact for any sampling, and its own error, if the target's sampler raises too, fails the
-        request there. The other requests draft what they would alone (a row's sample never
-        depends on its batch)."""
-        for seq_id in seq_ids:
-            if seq_id in self.failed:  # failed at an earlier draft step: not sampled again
-                drafts[seq_id].append(PLACEHOLDER_TOKEN)
-        live = [i for i, seq_id in enumerate(seq_ids) if seq_id not in self.failed]
-        if not live:
-            return
-        live_ids = [seq_ids[i] for i in live]
-        if len(live) < len(seq_ids):
+        A request whose rows raise (:func:`~pagedllm.sampling.by_request.by_request`) drafts
+        ``PLACEHOLDER_TOKEN`` for the rest of the step, without ``q`` (:attr:`failed`; not
+        sampled again until the next step): its verification compares the target's own samples
+        with them, which is exact for any sampling, and its own error, if the target's sampler
+        raises too, fails the request there. The other requests draft what they would alone."""
+        live_ids = [seq_id for seq_id in seq_ids if seq_id not in self.failed]
+        if len(live_ids) < len(seq_ids):
+            live = [i for i, seq_id in enumerate(seq_ids) if seq_id not in self.failed]
             logits = logits[torch.tensor(live, device=logits.device)]
         batch = SamplingBatch([], [], [], [], self.eos_token_ids)
+        groups: list[SequenceGroup] = []
         for seq_id in live_ids:
             seq, group = seqs[seq_id]
+            groups.append(group)
             batch.params.append(group.sampling_params)
             batch.seeds.append(seq.seed)
             batch.output_token_ids.append(seq.output_token_ids + drafts[seq_id])
             batch.prompt_token_ids.append(seq.prompt_token_ids)
-        try:
-            tokens, q = self._sample_rows(logits, batch)
-        except Exception:  # noqa: BLE001 - find whose rows raise; the others go on
-            tokens, q = self._sample_each_request(live_ids, logits, batch, seqs)
-        for i, seq_id in enumerate(live_ids):
-            drafts[seq_id].append(tokens[i])
-            if i in q and seq_id not in self.failed:
-                probs[seq_id].append(q[i])
+
+        def fail(group: SequenceGroup, exc: Exception) -> None:
+            logger.warning("draft sampling failed for request %s: %r", group.request_id, exc)
+            self.failed.update(s.seq_id for s in group.seqs)
+
+        if live_ids:
+            for rows, (tokens, q) in by_request(self._sample_rows, logits, batch, groups, fail):
+                ids = live_ids if rows is None else [live_ids[i] for i in rows]
+                for j, seq_id in enumerate(ids):
+                    drafts[seq_id].append(tokens[j])
+                    if j in q:
+                        probs[seq_id].append(q[j])
+        for seq_id in seq_ids:
+            if seq_id in self.failed:  # now or at an earlier draft step of this step
+                drafts[seq_id].append(PLACEHOLDER_TOKEN)
 
     def _sample_rows(
         self, logits: torch.Tensor, batch: SamplingBatch
@@ -266,35 +271,6 @@ class DraftModelProposer:
             rows = self.sampler.probs(logits[torch.tensor(sampled, device=logits.device)], sub)
             q = {i: rows[r] for r, i in enumerate(sampled)}
         return list(out.sampled_token_ids), q
-
-    def _sample_each_request(
-        self,
-        seq_ids: list[int],
-        logits: torch.Tensor,
-        batch: SamplingBatch,
-        seqs: dict[int, tuple[Seq, SequenceGroup]],
-    ) -> tuple[list[int], dict[int, torch.Tensor]]:
-        """:meth:`_sample_rows` one request at a time; a request whose rows raise gets
-        placeholders and joins :attr:`failed`."""
-        rows_of: dict[str, list[int]] = {}
-        for i, seq_id in enumerate(seq_ids):
-            rows_of.setdefault(seqs[seq_id][1].request_id, []).append(i)
-        tokens = [PLACEHOLDER_TOKEN] * len(seq_ids)
-        q: dict[int, torch.Tensor] = {}
-        for request_id, rows in rows_of.items():
-            try:
-                part, part_q = self._sample_rows(
-                    logits[torch.tensor(rows, device=logits.device)], batch.select(rows)
-                )
-            except Exception as exc:  # noqa: BLE001 - this request's drafts alone
-                logger.warning("draft sampling failed for request %s: %r", request_id, exc)
-                self.failed.update(seq_ids[i] for i in rows)
-                continue
-            for j, i in enumerate(rows):
-                tokens[i] = part[j]
-                if j in part_q:
-                    q[i] = part_q[j]
-        return tokens, q
 
 
 def build_draft_worker(
