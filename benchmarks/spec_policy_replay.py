@@ -4,10 +4,14 @@ Greedy verification keeps exactly the drafts that equal the model's greedy outpu
 proposer over the speculation-off output (the bundled SmolLM2-135M-Instruct, fp32, on the
 repetitive workload of ``benchmarks/spec_workload.py``) gives the exact drafts, acceptances and
 rows of every step without running the model again. The sequences of a batch advance in lockstep
-(as the engine's steps do); each step costs ``T(R) = 1 + row_cost * max(0, R - knee)`` decode
-steps for R rows (the model of ``spec_decode.policy``), so the printed speed-up is modelled,
-not measured (``benchmarks/spec_decode.py`` measures), but it does not depend on the machine's
-load. Policies: ``halving`` (the earlier rule: k grows by one after a fully accepted run, halves
+(as the engine's steps do), a batch at a time (as ``benchmarks/spec_decode.py`` runs them); each
+step costs ``T(R) = 1 + row_cost * max(0, R - knee)`` decode
+steps for R rows (the model of ``spec_decode.policy``), so the printed speed-ups are modelled,
+not measured (``benchmarks/spec_decode.py`` measures), but they do not depend on the machine's
+load. Two per policy: of the wall time, and of the mean per-request time per output token (TPOT:
+a request's time from its first token to its last over its tokens after the first, the figure
+``spec_decode.py`` reports), which weighs each request alike: a request whose drafts miss pays
+for its neighbours' rows. Policies: ``halving`` (the earlier rule: k grows by one after a fully accepted run, halves
 after a miss) and ``goodput`` (``DraftAllocator`` on its prior cost model, drafts valued by their
 proposals' match lengths). With ``--curve``
 (a step time curve measured by ``benchmarks/spec_cutoff.py``) the steps are timed on that curve
@@ -77,10 +81,10 @@ def curve_time(points: list[tuple[int, float]], rows: int) -> float:
 
 def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, proposer: MatchingProposer,
            knee: int, row_cost: float, curve: list[tuple[int, float]] | None = None,
-           alloc: DraftAllocator | None = None) -> tuple[float, int, int]:
-    """(modelled time, drafts verified, drafts accepted) of one policy.
+           alloc: DraftAllocator | None = None) -> tuple[float, float, int, int]:
+    """(modelled time, mean per-request TPOT, drafts verified, drafts accepted) of one policy.
 
-    The time is in one-token decode steps of the prior model, or in ms of ``curve`` when one is
+    Times are in one-token decode steps of the prior model, or in ms of ``curve`` when one is
     given. Policy ``goodput-learned`` reports every step's curve time to the allocator (its
     ``StepCostTable`` learns the curve); pass the same ``alloc`` to a second call to replay
     with what it learned.
@@ -91,7 +95,9 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
     k_of: dict[int, int] = {}
     time = 0.0
     drafts = accepted = 0
+    tpots: list[float] = []  # each request's (last token - first token) / (tokens - 1)
     for lo in range(0, len(pairs), batch):
+        first_token = time  # the batch's prefill gave every request its first token
         seqs = [{"id": lo + i, "ids": p["prompt"] + p["out"][:1], "done": 1, "out": p["out"],
                  "n_prompt": len(p["prompt"])} for i, p in enumerate(pairs[lo : lo + batch])]
         while active := [s for s in seqs if s["done"] < len(s["out"])]:
@@ -133,9 +139,11 @@ def replay(pairs: list[dict[str, Any]], batch: int, policy: str, k: int, propose
             time += step
             if policy == "goodput-learned":
                 alloc.observe_step(rows, step)
+            tpots += [(time - first_token) / (len(s["out"]) - 1) for s in active
+                      if s["done"] == len(s["out"])]
         for s in seqs:
             proposer.on_request_finished(s["ids"], s["n_prompt"], str(s["id"]))
-    return time, drafts, accepted
+    return time, sum(tpots) / max(len(tpots), 1), drafts, accepted
 
 
 def main() -> None:
@@ -162,14 +170,16 @@ def main() -> None:
     for method in ("ngram", "suffix"):
         for batch in args.batches:
             line = [f"{method} batch {batch}:"]
-            off = replay(pairs, batch, "off", 0, NgramProposer(), args.knee, args.row_cost, args.curve)[0]
+            off, off_tpot, _, _ = replay(pairs, batch, "off", 0, NgramProposer(), args.knee,
+                                         args.row_cost, args.curve)
             for policy in policies:
                 alloc = DraftAllocator(knee_rows=args.knee, row_cost=args.row_cost)
                 for _ in range(2 if policy == "goodput-learned" else 1):  # learn, then measure
                     proposer: MatchingProposer = NgramProposer(1, 4) if method == "ngram" else SuffixProposer()
-                    t, d, a = replay(pairs, batch, policy, args.k, proposer, args.knee,
-                                     args.row_cost, args.curve, alloc)
-                line.append(f"{policy} {off / t:.2f}x (drafts {d}, accepted {a})")
+                    t, tpot, d, a = replay(pairs, batch, policy, args.k, proposer, args.knee,
+                                           args.row_cost, args.curve, alloc)
+                line.append(f"{policy} wall {off / t:.2f}x TPOT {off_tpot / tpot:.2f}x "
+                            f"(drafts {d}, accepted {a})")
             print(" ".join(line))
 
 
