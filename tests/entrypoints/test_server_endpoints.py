@@ -113,12 +113,43 @@ def test_chat_beam_search_equals_offline(client, ref_llm):
         ({"temperature": 0.7}, "temperature"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
         ({"length_penalty": "long"}, "length_penalty"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"echo": True, "logprobs": 0}, "logprobs"),  # was a 500 (no prompt logprobs came)
+        ({"echo": True, "logprobs": 1, "n": 2, "max_tokens": 0}, "logprobs"),
     ],
 )
 def test_beam_search_bad_values_are_400(client, server, extra, param):
     body = {"prompt": "hi", "max_tokens": 3, "use_beam_search": True, "best_of": 2, **extra}
     assert_error(client.post(CMPL, json=body), 400, param)
     healthy(server, client)
+
+
+def test_beam_search_chat_logprobs_is_400(client, server):
+    body = {
+        "messages": MESSAGES_HI,
+        "max_tokens": 3,
+        "use_beam_search": True,
+        "best_of": 2,
+        "logprobs": True,
+    }
+    assert_error(client.post(CHAT, json=body), 400, "logprobs")
+    healthy(server, client)
+
+
+def test_beam_search_echo_without_logprobs(client, server):
+    body = {
+        "prompt": "hi",
+        "max_tokens": 3,
+        "use_beam_search": True,
+        "best_of": 2,
+        "echo": True,
+        "temperature": 0,
+    }
+    got = ok(client, CMPL, body)
+    assert got["choices"][0]["text"].startswith("hi")
+
+
+MESSAGES_HI = [{"role": "user", "content": "hi"}]
 
 
 # ---- per-request chat template -------------------------------------------------------------------

@@ -116,3 +116,9 @@ def test_clone_is_deep():
     q.stop_token_ids.append(2)
     q.logit_bias[3] = 1.0
     assert p.stop == ["a"] and p.stop_token_ids == [1] and p.logit_bias == {1: 2.0}
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_beam_search_refuses_logprobs_naming_the_field(field):
+    with pytest.raises(ValueError, match=f"^{field} is not supported with use_beam_search"):
+        SamplingParams(use_beam_search=True, best_of=2, **{field: 1})

@@ -152,12 +152,15 @@ class CompletionContext(RequestContext):
         text = ""
         acc: dict[str, list] | None = None
         if self.req.echo and not st.echoed:
-            if want_lp and out.prompt_logprobs is None:
+            if want_lp and out.prompt_logprobs is None and not final:
                 return None  # prompt logprobs not complete yet (chunked prefill)
             text += self.prompt_text(i)
             if want_lp:
+                # A request that ended before its prefill did (aborted, failed) has none: its
+                # prompt tokens are echoed with null logprobs.
+                entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
                 acc, st.offset = self.tokens.legacy_logprobs(
-                    out.prompt_token_ids, list(out.prompt_logprobs or []), self.k or 0, st.offset
+                    out.prompt_token_ids, list(entries), self.k or 0, st.offset
                 )
             st.echoed = True
         finished = c.finish_reason is not None
