@@ -65,7 +65,9 @@ class GrammarBackend(Protocol):
 
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly ``choices`` (each a literal; JSON escaping is EBNF's)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    # ensure_ascii=False: an escaped character outside the BMP is a UTF-16 surrogate pair, which
+    # the grammar reads as two code points (an emoji choice came out as CESU-8 bytes).
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class _XGrammarMatcher:

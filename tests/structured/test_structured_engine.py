@@ -97,6 +97,8 @@ def _texts(llm, prompts, sp):  # type: ignore[no-untyped-def]
     [
         (S(regex="[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
         (S(choice=["yes", "no", "maybe not"]), lambda t: t in ("yes", "no", "maybe not")),
+        # characters outside the BMP (json.dumps' surrogate-pair escapes made them CESU-8)
+        (S(choice=["🌶", "maybe 🌶", "€"]), lambda t: t in ("🌶", "maybe 🌶", "€")),
         (S(json=SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
         (S(json=json.dumps(SCHEMA), disable_any_whitespace=True),
          lambda t: " " not in t and jsonschema.validate(json.loads(t), SCHEMA) is None),
@@ -106,7 +108,7 @@ def _texts(llm, prompts, sp):  # type: ignore[no-untyped-def]
         (S(json={"allOf": [{"type": "integer"}, {"minimum": 1000, "maximum": 1200}]}),
          lambda t: 1000 <= int(t) <= 1200),
     ],
-    ids=["regex", "choice", "json", "json_compact", "ebnf", "lark", "all_of_merged"],
+    ids=["regex", "choice", "choice_emoji", "json", "json_compact", "ebnf", "lark", "all_of_merged"],
 )
 def test_outputs_follow_the_constraint_n2(tiny_llm_factory, spec, check) -> None:
     llm = tiny_llm_factory()
