@@ -3,7 +3,8 @@
 xgrammar (0.2.x) compiles a JSON schema into a grammar but skips the keywords whose constraint is
 not context-free or that it does not implement yet: ``not``, ``if`` / ``then`` / ``else``,
 ``uniqueItems``, ``dependentRequired`` / ``dependentSchemas`` / ``dependencies``,
-``unevaluatedProperties`` / ``unevaluatedItems``, and ``allOf`` with more than one schema (it
+``unevaluatedProperties`` / ``unevaluatedItems``, ``contains`` / ``minContains`` /
+``maxContains``, and ``allOf`` with more than one schema (it
 logs "still ongoing" and keeps one). A reply generated under such a schema may then break it
 while ``finish_reason`` says ``stop``. :func:`check_schema` finds them first, so the request is
 a 400 naming the keyword and where it sits. An ``allOf`` whose schemas share no keyword (the
@@ -14,6 +15,13 @@ It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``on
 ``$ref`` outside the schema (nothing may be fetched; the constraint was dropped) and a
 ``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``; the grammar ignored it,
 while the same regex as ``structured_outputs.regex`` is refused).
+
+Objects are compiled in xgrammar's strict mode, where an absent ``additionalProperties`` means
+no property beyond ``properties``. Two schemas that JSON Schema satisfies with such properties
+are completed instead: a ``required`` name missing from ``properties`` is added to them (with
+the ``additionalProperties`` schema, else any value; the grammar ignored it and the reply
+lacked it), and a ``minProperties`` above the number of ``properties`` gets
+``additionalProperties: {}`` (it was refused as unsatisfiable).
 
 ``oneOf`` stays: xgrammar enforces it exactly when its branches are provably disjoint (a
 string or an integer; objects told apart by a ``const`` tag, as pydantic's discriminated
@@ -36,6 +44,9 @@ UNENFORCED_KEYWORDS = (
     "dependencies",
     "unevaluatedProperties",
     "unevaluatedItems",
+    "contains",
+    "minContains",
+    "maxContains",
 )
 
 _LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
@@ -69,18 +80,25 @@ def _check(node: Any, path: str) -> Any:
         if key in out:
             raise ValueError(f"'{key}' at {where} is not supported (the grammar cannot enforce it)")
     if out.get("uniqueItems") is True:
-        raise ValueError(f"'uniqueItems' at {where} is not supported (the grammar cannot enforce it)")
+        raise ValueError(
+            f"'uniqueItems' at {where} is not supported (the grammar cannot enforce it)"
+        )
     for key in ("anyOf", "oneOf", "type"):
         if out.get(key) == []:
             raise ValueError(f"'{key}' at {where} is an empty list: the schema matches no value")
     ref = out.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
-        raise ValueError(f"'$ref' at {where} is not supported: only references inside the schema "
-                         f"(starting with '#') can be resolved, not {ref!r}")
+        raise ValueError(
+            f"'$ref' at {where} is not supported: only references inside the schema "
+            f"(starting with '#') can be resolved, not {ref!r}"
+        )
     pattern = out.get("pattern")
     if isinstance(pattern, str) and any(a in pattern for a in _LOOKAROUNDS):
-        raise ValueError(f"'pattern' at {where} is not supported: the grammar cannot enforce a "
-                         "lookaround ((?=, (?!, (?<=, (?<!)")
+        raise ValueError(
+            f"'pattern' at {where} is not supported: the grammar cannot enforce a "
+            "lookaround ((?=, (?!, (?<=, (?<!)"
+        )
+    _complete_object(out, where)
     for key in _ONE:
         if key in out:
             out[key] = _check(out[key], f"{path}/{key}")
@@ -91,8 +109,51 @@ def _check(node: Any, path: str) -> Any:
         out["items"] = [_check(s, f"{path}/items/{i}") for i, s in enumerate(out["items"])]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _check(s, f"{path}/{key}/{_escape(name)}") for name, s in out[key].items()}
+            out[key] = {
+                name: _check(s, f"{path}/{key}/{_escape(name)}") for name, s in out[key].items()
+            }
     return out
+
+
+def _complete_object(out: dict[str, Any], where: str) -> None:
+    """Give ``out`` (in place) the properties that JSON Schema allows by default and that
+    ``required`` / ``minProperties`` need (module docstring: strict mode).
+
+    Raises:
+        ValueError: a ``required`` name outside ``properties`` where ``additionalProperties``
+            is false ("matches no value") or ``patternProperties`` may decide its schema.
+    """
+    props = out.get("properties")
+    props = dict(props) if isinstance(props, dict) else {}
+    required = out.get("required")
+    missing = (
+        [r for r in required if isinstance(r, str) and r not in props]
+        if isinstance(required, list)
+        else []
+    )
+    extra = out.get("additionalProperties", True)
+    if missing:
+        if "patternProperties" in out:
+            raise ValueError(
+                f"'required' at {where} names {missing[0]!r}, which is not in "
+                "'properties': not supported beside 'patternProperties'"
+            )
+        if extra is False:
+            raise ValueError(
+                f"'required' at {where} names {missing[0]!r}, which "
+                "'additionalProperties': false forbids: the schema matches no value"
+            )
+        for name in missing:
+            props[name] = extra if isinstance(extra, dict) else {}
+        out["properties"] = props
+    min_props = out.get("minProperties")
+    if (
+        isinstance(min_props, int)
+        and min_props > len(props)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+    ):
+        out["additionalProperties"] = {}
 
 
 def _merge_all_of(node: dict[str, Any], where: str) -> dict[str, Any]:

@@ -112,3 +112,42 @@ def test_local_refs_plain_patterns_and_keyword_named_properties_pass() -> None:
                        "type": {"enum": [[], {"$ref": "http://x"}]}, "$ref": {"const": "(?=a)"}},
     }
     assert check_schema(schema) == schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "want"),
+    [
+        # a required name outside properties: added with additionalProperties' schema, else any
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
+         {"type": "object", "properties": {"a": {"type": "integer"}, "zz": {}},
+          "required": ["a", "zz"]}),
+        ({"type": "object", "required": ["zz"], "additionalProperties": {"type": "integer"}},
+         {"type": "object", "required": ["zz"], "additionalProperties": {"type": "integer"},
+          "properties": {"zz": {"type": "integer"}}}),
+        # minProperties above the properties: JSON Schema's default additionalProperties (any)
+        ({"type": "object", "minProperties": 2},
+         {"type": "object", "minProperties": 2, "additionalProperties": {}}),
+        ({"type": "object", "properties": {"a": {}}, "minProperties": 1},
+         {"type": "object", "properties": {"a": {}}, "minProperties": 1}),
+        ({"type": "object", "minProperties": 2, "additionalProperties": {"type": "integer"}},
+         {"type": "object", "minProperties": 2, "additionalProperties": {"type": "integer"}}),
+    ],
+)
+def test_objects_get_the_properties_required_and_min_properties_need(schema, want) -> None:
+    kept = copy.deepcopy(schema)
+    assert check_schema(schema) == want
+    assert schema == kept
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "object", "required": ["zz"], "additionalProperties": False},
+         "'required' at / names 'zz', which 'additionalProperties': false forbids"),
+        ({"type": "object", "required": ["zz"], "patternProperties": {"^z": {"type": "integer"}}},
+         "'required' at / names 'zz', which is not in 'properties'"),
+    ],
+)
+def test_required_names_that_cannot_be_added_are_refused(schema, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_schema(schema)
