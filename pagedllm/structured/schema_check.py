@@ -115,6 +115,30 @@ def _check(node: Any, path: str) -> Any:
     return out
 
 
+def rebase_local_refs(schema: Any, base: str) -> Any:
+    """``schema`` (a new object; the input is not changed) with every local ``$ref`` ("#...")
+    in a schema position prefixed by the JSON pointer ``base``: what its references mean once
+    the schema sits at ``base`` inside a larger one (a tool's parameters inside the schema of
+    ``tool_choice="required"``, whose root is no longer theirs). ``const`` / ``enum`` /
+    ``default`` values are data and stay as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = "#" + base + ref[1:]
+    for key in _ONE:
+        if key in out:
+            out[key] = rebase_local_refs(out[key], base)
+    for key in _LIST + ("items",):
+        if isinstance(out.get(key), list):
+            out[key] = [rebase_local_refs(x, base) for x in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: rebase_local_refs(x, base) for name, x in out[key].items()}
+    return out
+
+
 def _complete_object(out: dict[str, Any], where: str) -> None:
     """Give ``out`` (in place) the properties that JSON Schema allows by default and that
     ``required`` / ``minProperties`` need (module docstring: strict mode).

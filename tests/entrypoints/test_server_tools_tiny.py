@@ -265,3 +265,34 @@ def test_stop_string_cutting_a_forced_call_finishes_stop(client, choice):
             for tc in ch["delta"].get("tool_calls") or []:
                 args[tc["index"]] = args.get(tc["index"], "") + tc["function"].get("arguments", "")
     assert [args[i] for i in sorted(args)] == [call["function"]["arguments"] for call in calls]
+
+
+# pydantic writes nested models as $defs + local $refs, resolved against the parameters' root
+# (short: the tiny tokenizer spends a token per character of the rendered tools).
+REF_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "b",
+        "parameters": {
+            "$defs": {"C": {"enum": [1, 2]}},
+            "type": "object",
+            "properties": {"s": {"$ref": "#/$defs/C"}},
+            "required": ["s"],
+        },
+    },
+}
+
+
+def test_required_accepts_parameters_with_local_refs(client, server):
+    """Was a 400 "Cannot find field '$defs'": the forced array schema nests each tool's
+    parameters, so their "#/..." references must be rebased."""
+    body = {"messages": MSG, "tools": [REF_TOOL], "tool_choice": "required", "max_tokens": 120,
+            "temperature": 0, "parallel_tool_calls": False,
+            "chat_template": "{{ messages[0]['content'] }}"}  # a short prompt: room to answer
+    r = client.post(CH, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+    assert args == {"s": 1} or args == {"s": 2}
+    healthy(server, client)

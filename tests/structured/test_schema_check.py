@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from pagedllm.structured.schema_check import UNENFORCED_KEYWORDS, check_schema
+from pagedllm.structured.schema_check import UNENFORCED_KEYWORDS, check_schema, rebase_local_refs
 
 
 @pytest.mark.parametrize("keyword", UNENFORCED_KEYWORDS)
@@ -151,3 +151,21 @@ def test_objects_get_the_properties_required_and_min_properties_need(schema, wan
 def test_required_names_that_cannot_be_added_are_refused(schema, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         check_schema(schema)
+
+
+def test_rebase_local_refs_moves_schema_refs_and_keeps_data() -> None:
+    schema = {
+        "$defs": {"C": {"type": "object", "properties": {"x": {"$ref": "#/$defs/C"}}}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/C"}, "b": {"anyOf": [{"$ref": "#"}]},
+                       "c": {"const": {"$ref": "#/data"}, "default": {"$ref": "#"}},
+                       "e": {"$ref": "other.json#/x"}},
+    }
+    kept = copy.deepcopy(schema)
+    got = rebase_local_refs(schema, "/items/anyOf/0")
+    assert got["properties"]["a"] == {"$ref": "#/items/anyOf/0/$defs/C"}
+    assert got["$defs"]["C"]["properties"]["x"] == {"$ref": "#/items/anyOf/0/$defs/C"}
+    assert got["properties"]["b"] == {"anyOf": [{"$ref": "#/items/anyOf/0"}]}
+    assert got["properties"]["c"] == schema["properties"]["c"]  # const / default are data
+    assert got["properties"]["e"] == {"$ref": "other.json#/x"}  # not local: refused elsewhere
+    assert schema == kept

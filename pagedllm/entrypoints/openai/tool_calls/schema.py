@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.structured.schema_check import rebase_local_refs
 
 #: OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -162,18 +163,22 @@ def required_schema(config: ToolConfig) -> dict[str, Any]:
     """The JSON schema forced for ``tool_choice="required"``: an array of at least one
     ``{"name": <a declared function>, "arguments": <its parameters>}`` (at most one when
     ``parallel_tool_calls`` is false). ``name`` comes first, so it streams before the arguments.
+    A parameters schema's local ``$ref``s (pydantic's ``#/$defs/...``) are rebased to where it
+    sits in this one.
     """
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t["function"]["name"]},
-                "arguments": t["function"]["parameters"],
+                "arguments": rebase_local_refs(
+                    t["function"]["parameters"], f"/items/anyOf/{i}/properties/arguments"
+                ),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for t in config.tools
+        for i, t in enumerate(config.tools)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not config.parallel:
