@@ -24,6 +24,14 @@ from pagedllm.entrypoints.openai.tool_calls.parsers import (
 )
 from pagedllm.entrypoints.openai.tool_calls.schema import forced_schema, resolve_tools
 
+
+def _declared(parser_cls, *names):
+    """A parser of ``parser_cls`` for a request declaring the functions ``names``."""
+    parser = parser_cls()
+    parser.declared = frozenset(names)
+    return parser
+
+
 W = '{"city": "Paris, \\"FR\\"", "days": [1, 2.5e1], "ok": true, "x": null}'
 
 # (parser, model output, expected content, expected [(name, arguments)])
@@ -109,6 +117,32 @@ CASES = [
         [("a", '{"k": 1}'), ("b", "{}")],
     ),
     (NamedToolParser("get_weather"), f"  {W}", None, [("get_weather", W)]),
+    # Not calls (they stay content): a function the request did not declare, arguments given as
+    # a string that is not JSON; in a region of several calls the ones before it are kept.
+    (
+        _declared(HermesToolParser, "get_weather"),
+        'x <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+        'x <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+        [],
+    ),
+    (
+        HermesToolParser(),
+        '<tool_call>{"name": "f", "arguments": "not-json-string"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "not-json-string"}</tool_call>',
+        [],
+    ),
+    (
+        _declared(MistralToolParser, "a"),
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "zz", "arguments": {}}]',
+        None,
+        [("a", "{}")],
+    ),
+    (
+        _declared(HermesToolParser, "get_weather"),
+        f'<tool_call>{{"name": "get_weather", "arguments": {W}}}</tool_call>',
+        None,
+        [("get_weather", W)],
+    ),
 ]
 
 

@@ -37,12 +37,15 @@ ARGS_KEYS = ("arguments", "parameters")
 
 @dataclass
 class ParsedCall:
-    """One tool call as far as it is known: ``name`` (None until complete), ``arguments`` (JSON
-    text, possibly unfinished), ``complete`` once the call's text has ended."""
+    """One tool call as far as it is known: ``name`` (None until complete, until its arguments
+    start, and while arguments sent as a JSON-encoded string are unfinished: only the whole
+    string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished), ``complete`` once the call's
+    text has ended; ``valid`` False for arguments given as a string that is not JSON text."""
 
     name: str | None
     arguments: str
     complete: bool
+    valid: bool = True
 
 
 @dataclass
@@ -60,9 +63,17 @@ class _Unfinished(Exception):
 def _call_from_scan(text: str, scan: CallScan) -> ParsedCall:
     complete = scan.end is not None
     if scan.args_start is None:
-        args = "{}" if complete else ""
+        if not complete:  # held until the arguments start: they may come as a string
+            return ParsedCall(None, "", False)
+        args = "{}"
     elif text[scan.args_start] == '"':  # arguments sent as a JSON-encoded string
-        args = json.loads(text[scan.args_start : scan.args_end]) if scan.args_end else ""
+        if not scan.args_end:
+            return ParsedCall(None, "", complete)  # held until the string ends
+        args = json.loads(text[scan.args_start : scan.args_end])
+        try:
+            json.loads(args)
+        except ValueError:
+            return ParsedCall(scan.name, args, complete, valid=False)
     else:
         args = text[scan.args_start : scan.args_end if scan.args_end is not None else len(text)]
     return ParsedCall(scan.name, args, complete)
@@ -108,6 +119,9 @@ class ToolParser:
     markers: tuple[str, ...] = ()
     #: Whether output starting with ``{`` (after whitespace) is a tool-call region (Llama 3).
     bare_json = False
+    #: The request's function names (``tool_choice="auto"``): a call naming another function
+    #: is no call (None: any name).
+    declared: frozenset[str] | None = None
 
     def region(self, text: str, j: int, calls: list[ParsedCall], final: bool) -> int:
         """Scan the region whose body starts at ``text[j]`` into ``calls``; returns the index
@@ -140,18 +154,32 @@ class ToolParser:
         found: list[ParsedCall] = []
         try:
             end: int | None = self.region(text, body, found, final)
+            unfinished = False
         except _Unfinished:
-            end = None
-            if not final:
-                calls.extend(found)
-                return None
+            end, unfinished = None, True
         except Malformed:
-            end = None
+            end, unfinished = None, False
+        # A call to an undeclared function, or with string arguments that are not JSON, is no
+        # call: the region ends before it (its first call: the region is content). Known only
+        # once its name / arguments are whole, before any of it is sent, so what was streamed
+        # stands.
+        bad = next((k for k, c in enumerate(found) if not self._is_call(c)), None)
+        if bad is not None:
+            found, end, unfinished = found[:bad], None, False
+        if unfinished and not final:
+            calls.extend(found)
+            return None
         if any(c.name is not None for c in found):
             calls.extend(found)
             return end
         parts.append(text[start : end if end is not None else len(text)])
         return end
+
+    def _is_call(self, c: ParsedCall) -> bool:
+        """False for a named call that may not be sent (``declared``, ``ParsedCall.valid``)."""
+        if c.name is None:
+            return True  # not known yet
+        return c.valid and (self.declared is None or c.name in self.declared)
 
     def parse(self, text: str, final: bool) -> ParseResult:
         """Content and calls of ``text``; ``final`` when no more text will come.

@@ -70,6 +70,7 @@ def setup(
         )
         return _constrained(params, forced_schema(config)), parser
     parser = TOOL_PARSERS[parser_name or default_parser_name(tokenizer)]()
+    parser.declared = frozenset(t["function"]["name"] for t in config.tools)
     if set(parser.markers) & set(special_token_strings(tokenizer)):
         # The call markers are control tokens ([TOOL_CALLS], <|python_tag|>): keep them in the text.
         params = dataclasses.replace(params, skip_special_tokens=False)
