@@ -112,6 +112,14 @@ class LLMEngine:
                 f"max_position_embeddings ({mc.max_position_embeddings}), the size of its "
                 "learned position table"
             )
+        if config.max_model_len > mc.max_position_embeddings:
+            # Rotary positions run on past the table, but the model never saw them trained.
+            logger.warning(
+                "max_model_len (%d) exceeds the model's max_position_embeddings (%d): positions "
+                "past it are beyond the model's training, and its output may degrade there",
+                config.max_model_len,
+                mc.max_position_embeddings,
+            )
         self.max_model_len: int = config.max_model_len
         eos_token_ids: list[int] = list(mc.eos_token_ids)
 

@@ -110,6 +110,17 @@ def test_max_tokens_and_max_model_len(tiny_llm_factory, tiny_tokenizer):
     assert out.outputs[0].finish_reason == "length"
 
 
+def test_max_model_len_past_the_trained_positions_warns(tiny_llm_factory, caplog):
+    """The tiny model's max_position_embeddings is 512: longer runs (rotary positions go on),
+    with a warning; vLLM refuses it unless told to allow it."""
+    with caplog.at_level("WARNING", logger="pagedllm.engine.llm_engine"):
+        tiny_llm_factory(max_model_len=512)
+    assert "max_position_embeddings" not in caplog.text
+    with caplog.at_level("WARNING", logger="pagedllm.engine.llm_engine"):
+        tiny_llm_factory(max_model_len=1024)
+    assert "max_model_len (1024) exceeds the model's max_position_embeddings (512)" in caplog.text
+
+
 def test_stop_token_ids_and_min_tokens(tiny_llm_factory, reference, tiny_tokenizer):
     llm = tiny_llm_factory()
     ref = reference[PROMPTS[0]]
