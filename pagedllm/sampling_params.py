@@ -275,15 +275,21 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        else:
+        elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
         for tid in self.stop_token_ids:
             if not _is_int(tid) or tid < 0:
                 raise ValueError(f"stop_token_ids must be integers >= 0, got {tid!r}")

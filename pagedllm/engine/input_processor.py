@@ -8,7 +8,9 @@ sequence later, by the engine core, once its prompt is computed (paper section 4
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import operator
 import random
 import time
 from collections.abc import Iterator
@@ -233,7 +235,7 @@ class InputProcessor:
             token_ids = self.tokenize(prompt) if prompt else []
         else:
             prompt_text = None
-            token_ids = list(prompt)
+            token_ids = token_id_list(prompt)
         max_tokens = self.validate(token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         salt = cache_salt.encode() if cache_salt else None
@@ -270,3 +272,16 @@ class InputProcessor:
                 vocab_size=self.vocab_size,
             )
         return group
+
+
+def token_id_list(ids: Any) -> list[Any]:
+    """Prompt token ids as a list, those given as numpy / torch integer scalars (an array's
+    items) as Python ints, which ``validate`` takes; anything else as it is, for ``validate``
+    to name (a bool stays a bool: refused)."""
+    out: list[Any] = []
+    for t in ids:
+        if not isinstance(t, (int, bool)):
+            with contextlib.suppress(TypeError):  # not an integer: validate names it
+                t = operator.index(t)
+        out.append(t)
+    return out

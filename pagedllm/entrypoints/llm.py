@@ -9,7 +9,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig, check_engine_kwargs
-from pagedllm.engine.input_processor import require_valid_unicode
+from pagedllm.engine.input_processor import require_valid_unicode, token_id_list
 from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
@@ -208,11 +208,12 @@ class LLM:
         conversation or a list of them, then generate.
 
         Raises:
-            ValueError: naming ``messages`` when a conversation is empty, or when the model has
-                no chat template and none was given (``chat_template``).
+            ValueError: naming ``messages`` when a conversation is empty or a message is
+                malformed (``template_messages``), or when the model has no chat template and
+                none was given (``chat_template``).
         """
         conversations = cast(
-            list[list[dict[str, str]]],
+            list[list[dict[str, Any]]],
             [messages] if messages and isinstance(messages[0], dict) else messages,
         )
         prompts: list[PromptType] = []
@@ -222,7 +223,10 @@ class LLM:
             prompts.append(
                 {
                     "prompt_token_ids": apply_chat_template(
-                        self.engine.tokenizer, conv, add_generation_prompt, continue_final_message
+                        self.engine.tokenizer,
+                        template_messages(conv),
+                        add_generation_prompt,
+                        continue_final_message,
                     )
                 }
             )
@@ -244,6 +248,49 @@ class LLM:
             for rid in wanted - done.keys():  # e.g. KeyboardInterrupt: leave no blocks behind
                 engine.abort_request(rid)
         return [done[r] for r in request_ids]
+
+
+#: Chat roles served (OpenAI's; ``function`` is the legacy form of ``tool``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages of ``LLM.chat`` as the chat template takes them, checked as the server
+    checks them: a known role, and a content that is a string (null: an assistant message
+    with tool calls) or a list of ``{"type": "text", "text": ...}`` parts, joined with newlines
+    as the server joins them.
+
+    Raises:
+        ValueError: naming ``messages[i]`` and what is wrong.
+    """
+    out = []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}"
+            )
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(
+                        f"messages[{i}].content: only text parts are supported, got {kind!r}"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content: a text part needs a 'text' string")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of text parts, got "
+                f"{type(content).__name__}"
+            )
+        out.append(m)
+    return out
 
 
 def apply_chat_template(
@@ -299,7 +346,7 @@ def _prompt_ids(engine: LLMEngine, p: PromptType) -> list[int]:
         return engine.tokenize(p) if p else []
     if isinstance(p, dict):
         if "prompt_token_ids" in p:
-            return list(p["prompt_token_ids"])
+            return token_id_list(p["prompt_token_ids"])
         if "prompt" in p:
             return engine.tokenize(p["prompt"]) if p["prompt"] else []
         raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")

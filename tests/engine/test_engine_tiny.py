@@ -230,6 +230,21 @@ def test_bad_input_rejected_before_engine(tiny_llm_factory, prompt, params, fiel
     assert len(out.outputs[0].token_ids) == 24
 
 
+def test_numpy_and_torch_integer_token_ids_are_token_ids(tiny_llm_factory, reference):
+    """Were refused as "not integers in the vocabulary" (np.int64 is no int subclass)."""
+    import numpy as np
+
+    llm = tiny_llm_factory()
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    want = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    for given in (np.array(ids), torch.tensor(ids), [np.int32(t) for t in ids]):
+        out = llm.generate({"prompt_token_ids": given}, sp, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="not integers in the vocabulary"):
+        llm.generate({"prompt_token_ids": [np.float32(1.0)]}, sp, use_tqdm=False)
+
+
 def test_bad_request_does_not_disturb_running_ones(tiny_llm_factory, reference):
     llm = tiny_llm_factory()
     eng = llm.engine

@@ -55,3 +55,27 @@ def test_server_chat_uses_the_template_file(tiny_loaded, template_file):
         assert r.json()["tokens"] == expected
     finally:
         srv.stop()
+
+
+def test_llm_chat_takes_text_parts_and_checks_messages(tiny_llm_factory, template_file):
+    """LLM.chat reads messages as the server does: text parts joined with newlines; an unknown
+    role or a non-text part is a ValueError naming the message (the list was a TypeError)."""
+    llm = tiny_llm_factory(chat_template=template_file)
+    tok = llm.get_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                          {"type": "text", "text": "world"}]}]
+    out = llm.chat(parts, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    rendered = "[USER] hello\nworld\n[ASSISTANT]"
+    assert out.prompt_token_ids == list(tok(rendered, add_special_tokens=False).input_ids)
+    bad = [
+        ([{"role": "robot", "content": "hi"}], r"messages\[0\]\.role must be one of"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+         r"messages\[0\]\.content: only text parts are supported, got 'image_url'"),
+        ([{"role": "user", "content": [{"type": "text"}]}],
+         r"messages\[0\]\.content: a text part needs a 'text' string"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string"),
+        (["hi"], r"messages\[0\] must be a dict"),
+    ]
+    for messages, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)

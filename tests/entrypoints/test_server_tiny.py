@@ -205,6 +205,10 @@ def test_chat_content_parts_and_generation_prompt(client):
     assert r.status_code == 200, r.text
     img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert_error(client.post("/v1/chat/completions", json={"messages": img}), 400, "messages")
+    no_text = [{"role": "user", "content": [{"type": "text"}]}]
+    err = assert_error(client.post("/v1/chat/completions", json={"messages": no_text}), 400,
+                       "messages")
+    assert "a text part needs a 'text' string" in err["message"]
     cont = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel"}]
     r = client.post(
         "/v1/chat/completions",

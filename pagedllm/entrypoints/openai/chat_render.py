@@ -35,11 +35,15 @@ def message_text(m: ChatMessage, i: int) -> str:
         return content or ""
     texts = []
     for part in content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise APIError(
                 400,
                 f"messages[{i}].content: only text parts are supported, got {part.type!r}",
                 param="messages",
+            )
+        if part.text is None:
+            raise APIError(
+                400, f"messages[{i}].content: a text part needs a 'text' string", param="messages"
             )
         texts.append(part.text)
     return "\n".join(texts)

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pagedllm.entrypoints.llm import CHAT_ROLES
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -23,9 +24,6 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.tool_calls.template import tool_message_fields
 
 logger = logging.getLogger(__name__)
-
-#: Chat roles served (OpenAI's; ``function`` is the legacy form of ``tool``).
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _set(v: Any) -> bool:
