@@ -47,7 +47,12 @@ from typing import Any
 
 from pagedllm.engine.admission import AdmissionControl
 from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
-from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
+from pagedllm.engine.llm_engine import (
+    LLMEngine,
+    QueueFullError,
+    check_cache_salt,
+    check_priority,
+)
 from pagedllm.engine.model_facts import ModelFacts, ModelFactsMixin
 from pagedllm.engine.request_stream import (
     TIMEOUT_FINISH_REASON,
@@ -278,11 +283,13 @@ class AsyncLLMEngine(ModelFactsMixin):
         arrival_time: float | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it.
 
         Args:
-            request_id / prompt / params / arrival_time: see ``LLMEngine.add_request``.
+            request_id / prompt / params / arrival_time / cache_salt: see
+                ``LLMEngine.add_request``.
             priority: lower = served first under the priority scheduling policy.
             timeout: seconds after ``arrival_time`` (default now) at which the request is
                 aborted and finished with ``TIMEOUT_FINISH_REASON``; None = no deadline.
@@ -298,6 +305,7 @@ class AsyncLLMEngine(ModelFactsMixin):
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self._policy)
         check_timeout(timeout)
+        check_cache_salt(cache_salt)
         prompt_len = None if isinstance(prompt, str) else len(prompt)
         self._admission.check(params, self._counters, self._pending_adds, prompt_len)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -312,7 +320,17 @@ class AsyncLLMEngine(ModelFactsMixin):
                 fut.set_exception(EngineDeadError("the engine is not running"))
             else:
                 self._cmds.put(
-                    ("add", request_id, prompt, params, arrival, priority, deadline, fut)
+                    (
+                        "add",
+                        request_id,
+                        prompt,
+                        params,
+                        arrival,
+                        priority,
+                        deadline,
+                        cache_salt,
+                        fut,
+                    )
                 )
         self._wake.set()
         self._interrupt_decode_step()
@@ -336,14 +354,21 @@ class AsyncLLMEngine(ModelFactsMixin):
         arrival_time: float | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (each cumulative, the last finished).
 
-        Cancelling the consumer (or closing this generator) aborts the request. ``priority``
-        and ``timeout``: see ``add_request``.
+        Cancelling the consumer (or closing this generator) aborts the request. ``priority``,
+        ``timeout`` and ``cache_salt``: see ``add_request``.
         """
         stream = await self.add_request(
-            request_id, prompt, params, arrival_time, priority=priority, timeout=timeout
+            request_id,
+            prompt,
+            params,
+            arrival_time,
+            priority=priority,
+            timeout=timeout,
+            cache_salt=cache_salt,
         )
         try:
             async for out in stream:
@@ -450,14 +475,21 @@ class AsyncLLMEngine(ModelFactsMixin):
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival, priority, deadline, fut = cmd
+                _, rid, prompt, params, arrival, priority, deadline, salt, fut = cmd
                 if not fut.set_running_or_notify_cancel():
                     continue
                 if reject is not None:
                     fut.set_exception(reject)
                     continue
                 try:
-                    eng.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
+                    eng.add_request(
+                        rid,
+                        prompt,
+                        params,
+                        arrival_time=arrival,
+                        cache_salt=salt,
+                        priority=priority,
+                    )
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
                 else:

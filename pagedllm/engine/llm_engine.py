@@ -57,6 +57,17 @@ __all__ = ["ContextLengthExceededError", "EngineStats", "LLMEngine", "QueueFullE
 logger = logging.getLogger(__name__)
 
 
+def check_cache_salt(cache_salt: str | None) -> None:
+    """Check a request's prefix-cache salt.
+
+    Raises:
+        ValueError: naming ``cache_salt`` when it is set but not a non-empty string (an empty
+            one would silently mean no salt).
+    """
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+
+
 def check_priority(priority: int, policy: str) -> None:
     """Check a request's ``priority`` against the scheduling policy.
 
@@ -182,8 +193,11 @@ class LLMEngine:
             "yes" if malloc_tuning.malloc_tuned else "no",
         )
         on_cpu = str(config.device) == "cpu"
-        if config.speculative is not None and on_cpu and dtype != torch.float32 and not (
-            own_gemm_runs(dtype)
+        if (
+            config.speculative is not None
+            and on_cpu
+            and dtype != torch.float32
+            and not (own_gemm_runs(dtype))
         ):
             # ATen's (and oneDNN's) half-precision matmuls round differently for different row
             # counts, so a verify pass (k + 1 rows) can flip a near-tied greedy token (found by
@@ -402,13 +416,15 @@ class LLMEngine:
 
         Raises:
             ValueError: see ``validate_request``; a duplicate ``request_id``; a nonzero
-                ``priority`` under ``fcfs`` (``check_priority``).
+                ``priority`` under ``fcfs`` (``check_priority``); an empty or non-string
+                ``cache_salt`` (``check_cache_salt``).
             QueueFullError: ``max_waiting_requests`` requests are waiting already.
         """
         params = params or SamplingParams()
         if request_id in self.engine_core.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduling_policy)
+        check_cache_salt(cache_salt)
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(

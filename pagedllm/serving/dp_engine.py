@@ -256,7 +256,12 @@ class DataParallelEngine(ModelFactsMixin):
                 raise EngineDeadError(f"no replica could take the request: {last_error}")
             replica = self.replicas[index]
             gen = replica.actor.generate.remote(
-                stream.request_id, stream.prompt, stream.params, stream.priority, stream.timeout
+                stream.request_id,
+                stream.prompt,
+                stream.params,
+                stream.priority,
+                stream.timeout,
+                stream.cache_salt,
             )
             replica.in_flight += 1
             try:
@@ -293,6 +298,7 @@ class DataParallelEngine(ModelFactsMixin):
         arrival_time: float | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> ReplicaStream:
         """Route and queue a request; returns once a replica accepted it (see the module doc).
 
@@ -306,7 +312,9 @@ class DataParallelEngine(ModelFactsMixin):
         if isinstance(prompt, str):
             prompt = list(self.tokenizer(prompt).input_ids)
         self._admit()
-        stream = ReplicaStream(self, request_id, list(prompt), params, priority, timeout)
+        stream = ReplicaStream(
+            self, request_id, list(prompt), params, priority, timeout, cache_salt
+        )
         self._routing.add(stream)
         try:
             await self._submit(stream, set())
@@ -403,6 +411,7 @@ class ReplicaStream:
         params: SamplingParams,
         priority: int,
         timeout: float | None,
+        cache_salt: str | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -410,6 +419,7 @@ class ReplicaStream:
         self.params = params
         self.priority = priority
         self.timeout = timeout
+        self.cache_salt = cache_salt
         self.finished = False
         self._closed = False
         self._streamed = False

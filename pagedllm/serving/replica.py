@@ -133,6 +133,7 @@ class EngineReplica:
         params: SamplingParams,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[tuple[str, Any]]:
         """Stream one request: first ``("accepted", None)`` or ``("error", WireError)``, then
         ``("output", RequestOutput)`` items (cumulative; the last one finished) or a final
@@ -140,7 +141,12 @@ class EngineReplica:
         self._ensure_started()
         try:
             stream = await self.engine.add_request(
-                request_id, prompt, params, priority=priority, timeout=timeout
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                timeout=timeout,
+                cache_salt=cache_salt,
             )
         except Exception as e:  # noqa: BLE001 - sent back as data
             yield "error", WireError.of(e)

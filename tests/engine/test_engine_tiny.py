@@ -245,6 +245,14 @@ def test_numpy_and_torch_integer_token_ids_are_token_ids(tiny_llm_factory, refer
         llm.generate({"prompt_token_ids": [np.float32(1.0)]}, sp, use_tqdm=False)
 
 
+def test_cache_salt_must_be_a_non_empty_string(tiny_llm_factory):
+    engine = tiny_llm_factory().engine
+    for bad in ("", b"x", 3):
+        with pytest.raises(ValueError, match="^cache_salt must be a non-empty string"):
+            engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=1), cache_salt=bad)
+    assert not engine.has_unfinished_requests()
+
+
 def test_bad_request_does_not_disturb_running_ones(tiny_llm_factory, reference):
     llm = tiny_llm_factory()
     eng = llm.engine

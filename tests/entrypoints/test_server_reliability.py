@@ -70,6 +70,28 @@ CONTINUE = {
 }
 
 
+def test_cache_salt_separates_prefix_cache_hits(client, server):
+    """Requests share prefix-cache blocks only under the same salt (or both without one); a
+    bad salt is a 400 naming cache_salt (the field was refused as unsupported)."""
+    prompt = "salted " * 12  # the tiny tokenizer: a token per character
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    def cached(**extra):
+        return ok(client, CMPL, {**body, **extra})["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 16
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached() >= 16
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "cache_salt": "c"}
+    assert ok(client, CHAT, chat)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ok(client, CHAT, chat)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    for bad in ("", 5):
+        assert_error(client.post(CMPL, json={**body, "cache_salt": bad}), 400, "cache_salt")
+    healthy(server, client)
+
+
 def test_chat_echo_continues_the_final_assistant_message(client, server):
     tok = server.engine.tokenizer
     plain = ok(client, CHAT, {**CONTINUE, "return_token_ids": True})

@@ -120,6 +120,9 @@ class SamplingExtensions(OpenAIBaseModel):
     #: vLLM's scheduling priority: lower is served first under ``--scheduling-policy
     #: priority`` (ties by arrival); must be 0 under the default ``fcfs``.
     priority: Int = 0
+    #: vLLM's prefix-cache salt: requests with different salts never share prefix-cache blocks
+    #: (tenants cannot probe each other's prompts by timing); a non-empty string.
+    cache_salt: str | None = None
     #: Deadline in seconds after the request arrived: the request is then aborted; the answer
     #: holds what was generated, with ``finish_reason: "timeout"`` (504 when nothing was).
     timeout: Float | None = None

@@ -88,7 +88,14 @@ async def create_chat_completion(
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.add_all(
-        request_id, [ids], [params], arrival, rename, priority=req.priority, timeout=req.timeout
+        request_id,
+        [ids],
+        [params],
+        arrival,
+        rename,
+        priority=req.priority,
+        timeout=req.timeout,
+        cache_salt=req.cache_salt,
     )
     ctx = ChatContext(serving, req, ids, request_id)
     if tool_parser is not None:

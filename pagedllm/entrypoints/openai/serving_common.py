@@ -40,7 +40,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 #: Characters JSON leaves raw that Python's ``str.splitlines`` (and clients built on it, such as
 #: httpx's ``iter_lines``) take for line ends, cutting an event's JSON in two.
-_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_LINE_BREAKS_JSON_KEEPS = str.maketrans(
+    {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
 
 
 def sse(obj: Any) -> str:
@@ -181,9 +183,11 @@ class OpenAIServing:
         rename: dict[str, str],
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Validate every prompt, then queue one engine request per prompt
-        (``{request_id}-{i}``) with the request's ``priority`` and ``timeout``; all or nothing.
+        (``{request_id}-{i}``) with the request's ``priority``, ``timeout`` and ``cache_salt``;
+        all or nothing.
 
         Raises:
             APIError: 400 for an invalid request (``param`` renamed by ``rename``), 5xx when the
@@ -201,7 +205,13 @@ class OpenAIServing:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
                 streams.append(
                     await self.async_engine.add_request(
-                        f"{request_id}-{i}", ids, sp, arrival, priority=priority, timeout=timeout
+                        f"{request_id}-{i}",
+                        ids,
+                        sp,
+                        arrival,
+                        priority=priority,
+                        timeout=timeout,
+                        cache_salt=cache_salt,
                     )
                 )
         except BaseException as e:

@@ -113,6 +113,7 @@ async def create_completion(
         rename,
         priority=req.priority,
         timeout=req.timeout,
+        cache_salt=req.cache_salt,
     )
     ctx = CompletionContext(serving, req, prompts, echo_only, request_id)
     return await ctx.respond(streams, raw)

@@ -43,7 +43,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bad_words": (_set, "bad_words is not supported"),
     "truncate_prompt_tokens": (_set, "prompt truncation is not supported"),
     "logits_processors": (_set, "logits_processors is not supported"),
-    "cache_salt": (_set, "cache_salt is not supported"),
     "return_tokens_as_token_ids": (_set, "return_tokens_as_token_ids is not supported"),
     "vllm_xargs": (_set, "vllm_xargs is not supported"),
     "kv_transfer_params": (_set, "KV transfer is not supported"),
@@ -62,7 +61,8 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 #: Known fields of vLLM's embeddings request this server does not implement (same shape).
 UNSUPPORTED_EMBEDDING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    name: UNSUPPORTED_FIELDS[name] for name in ("truncate_prompt_tokens", "cache_salt")
+    "truncate_prompt_tokens": UNSUPPORTED_FIELDS["truncate_prompt_tokens"],
+    "cache_salt": (_set, "cache_salt is not supported for embeddings"),
 }
 
 #: Most distinct unknown field names remembered (and logged); later ones are not logged.
