@@ -153,9 +153,7 @@ class SamplingParams:
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated
             (0 <= min_tokens <= max_tokens).
         logprobs: number of top log-probabilities returned per output token (>= 0) or None.
-            Not allowed with beam search (a hypothesis keeps only its cumulative logprob).
         prompt_logprobs: number of top log-probabilities returned per prompt token (>= 0) or None.
-            Not allowed with beam search.
         include_stop_str_in_output: keep the matched stop string in the output text.
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: put spaces between special tokens when detokenizing
@@ -333,12 +331,6 @@ class SamplingParams:
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )
-        if self.use_beam_search:
-            # A hypothesis keeps only its cumulative logprob (BeamSearch), and a beam request's
-            # prefill skips the prompt logprobs: refuse rather than answer without them.
-            for name in ("logprobs", "prompt_logprobs"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} is not supported with use_beam_search")
 
         # ---- structured outputs -------------------------------------------------------------
         so = self.structured_outputs

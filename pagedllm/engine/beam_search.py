@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,12 +60,15 @@ class BeamHypothesis:
         score: ``cum_logprob / len(token_ids) ** length_penalty`` as transformers computes it
             (float32); this is transformers' ``sequences_scores`` entry.
         finished_by_eos: whether the last token is one of the EOS ids.
+        logprobs: per token of ``token_ids``, the request's logprob entries when it asks for
+            them (set by the engine, ``beam_stepper``; this module never reads them).
     """
 
     token_ids: list[int]
     cum_logprob: float
     score: float
     finished_by_eos: bool
+    logprobs: list[Any] | None = None
 
 
 class BeamSearch:
@@ -130,6 +134,11 @@ class BeamSearch:
     def done(self) -> bool:
         """Whether beam search is over (transformers would leave its generation loop)."""
         return self._done
+
+    @property
+    def hypotheses(self) -> list[BeamHypothesis]:
+        """The finished hypotheses kept so far, best first."""
+        return [h for h in self._slot_hyps if h is not None]
 
     @property
     def num_generated(self) -> int:

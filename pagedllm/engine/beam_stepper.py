@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.core.kv_manager import KVManager
+from pagedllm.engine.beam_search import BeamHypothesis
+from pagedllm.outputs import PositionLogprobs
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -40,6 +42,7 @@ def beam_step(
     logits: torch.Tensor,
     kv: KVManager,
     new_seq_id: Callable[[], int],
+    entry_of: Callable[[torch.Tensor, int], PositionLogprobs] | None = None,
 ) -> BeamStepResult:
     """One beam-search step for a group whose live beams all reached their end.
 
@@ -53,6 +56,10 @@ def beam_step(
         logits: ``[len(group.seqs), vocab]`` raw logits, row ``i`` for ``group.seqs[i]``.
         kv: the KV manager (forks and frees blocks).
         new_seq_id: returns a fresh sequence id per call.
+        entry_of: ``(logprob row [V] float32, token) -> `` the token's logprob entry, when the
+            request asks for ``logprobs``: every live beam and finished hypothesis then carries
+            one entry per generated token (``Sequence.output_logprobs``,
+            ``BeamHypothesis.logprobs``).
 
     Returns:
         The sequences forked and dropped, and the tokens appended.
@@ -61,21 +68,25 @@ def beam_step(
     live = group.seqs
     result = BeamStepResult()
     logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if entry_of is not None and group.sampling_params.logprobs is None:
+        entry_of = None
     kept = beam.step(logprobs, [(s.output_token_ids, s.cumulative_logprob) for s in live])
+    if entry_of is not None:
+        _hypothesis_logprobs(beam.hypotheses, live, logprobs, entry_of)
     used: set[int] = set()
     new_live: list[Sequence] = []
-    plan: list[tuple[Sequence, int, float]] = []
+    plan: list[tuple[Sequence, int, int, float]] = []
     for parent_row, token, cum in kept:
         parent = live[parent_row]
         if parent_row in used:
             child = parent.fork(new_seq_id(), parent.seed)
             kv.fork(parent, child)
             result.forked.append(child)
-            plan.append((child, token, cum))
+            plan.append((child, parent_row, token, cum))
             new_live.append(child)
         else:
             used.add(parent_row)
-            plan.append((parent, token, cum))
+            plan.append((parent, parent_row, token, cum))
             new_live.append(parent)
     if kept:
         for row, seq in enumerate(live):
@@ -83,9 +94,11 @@ def beam_step(
                 seq.status = SequenceStatus.FINISHED_ABORTED
                 kv.free(seq)
                 result.dropped.append(seq)
-        for seq, token, cum in plan:
+        for seq, parent_row, token, cum in plan:
             seq.token_ids.append(token)
             seq.cumulative_logprob = cum
+            if entry_of is not None:
+                seq.output_logprobs.append(entry_of(logprobs[parent_row], token))
         result.num_new_tokens = len(plan)
         group.seqs = new_live
     else:
@@ -97,6 +110,30 @@ def beam_step(
             [(s.output_token_ids, s.cumulative_logprob) for s in new_live],
             group.sampling_params.n,
         )
+        if entry_of is not None:  # live beams that entered the finished set at the end
+            by_tokens = {tuple(s.output_token_ids): s for s in new_live}
+            for h in group.beam_results:
+                if h.logprobs is None and (s := by_tokens.get(tuple(h.token_ids))) is not None:
+                    h.logprobs = list(s.output_logprobs)
         for seq in new_live:
             seq.status = SequenceStatus.FINISHED_STOPPED
     return result
+
+
+def _hypothesis_logprobs(
+    hypotheses: list[BeamHypothesis],
+    live: list[Sequence],
+    logprobs: torch.Tensor,
+    entry_of: Callable[[torch.Tensor, int], PositionLogprobs],
+) -> None:
+    """Give the hypotheses this step finished (those without entries yet) their logprob
+    entries: those of the live beam they extend (its tokens are all but their last), plus their
+    last token's from that beam's row of ``logprobs``. Runs before the step's tokens are
+    appended."""
+    rows = {tuple(s.output_token_ids): row for row, s in enumerate(live)}
+    for h in hypotheses:
+        if h.logprobs is not None:
+            continue
+        row = rows.get(tuple(h.token_ids[:-1]))
+        if row is not None:
+            h.logprobs = [*live[row].output_logprobs, entry_of(logprobs[row], h.token_ids[-1])]

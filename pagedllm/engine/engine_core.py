@@ -203,8 +203,16 @@ class EngineCore:
         sample_ids, logits = result.sample_seq_ids, result.logits
         if self.speculator is not None and sample_ids:
             sample_ids, logits = self.speculator.verify(
-                sched, sample_ids, logits, self._seqs, self.sampler, self.output_processor,
-                self.scheduler, self.stats, self.eos_token_ids, self._fail_request,
+                sched,
+                sample_ids,
+                logits,
+                self._seqs,
+                self.sampler,
+                self.output_processor,
+                self.scheduler,
+                self.stats,
+                self.eos_token_ids,
+                self._fail_request,
             )
         if sample_ids:
             self._process_samples(sample_ids, logits)
@@ -288,7 +296,11 @@ class EngineCore:
                 ordered = [row_of[s.seq_id] for s in group.seqs]
                 try:
                     step = beam_step(
-                        group, logits[torch.tensor(ordered)], self.kv, self._new_seq_id
+                        group,
+                        logits[torch.tensor(ordered)],
+                        self.kv,
+                        self._new_seq_id,
+                        self.output_processor.beam_logprob_entry(group.sampling_params.logprobs),
                     )
                 except Exception as exc:  # noqa: BLE001 - this request's failure alone
                     self._fail_request(group, exc)

@@ -8,6 +8,7 @@ progress in a step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +53,27 @@ class OutputProcessor:
                 entry.setdefault(tid, Logprob(lp, rank, self.token_text(tid)))
             seq.output_logprobs.append(entry)
         self.check_stop(seq, group, token)
+
+    def beam_logprob_entry(
+        self, k: int | None
+    ) -> Callable[[torch.Tensor, int], PositionLogprobs] | None:
+        """For a beam request asking for ``k`` logprobs (None: not asking, and None is
+        returned): ``(logprob row [V] float32, token) ->`` the token's entry, shaped as a
+        sampled token's (its logprob and rank, then the ``k`` best)."""
+        if k is None:
+            return None
+
+        def entry(row: torch.Tensor, token: int) -> PositionLogprobs:
+            lp = float(row[token])
+            rank = int((row > row[token]).sum()) + 1
+            out: PositionLogprobs = {token: Logprob(lp, rank, self.token_text(token))}
+            if k:
+                vals, idx = row.topk(k)
+                for r, (tid, v) in enumerate(zip(idx.tolist(), vals.tolist(), strict=True), 1):
+                    out.setdefault(tid, Logprob(v, r, self.token_text(tid)))
+            return out
+
+        return entry
 
     def check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
         """Apply the stop conditions after ``token`` was appended to ``seq`` (order as in vLLM):
@@ -190,16 +212,11 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-        complete_plp = group.prompt_logprobs is not None and len(group.prompt_logprobs) >= len(
-            group.prompt_token_ids
-        )
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=list(group.prompt_logprobs)
-            if complete_plp and group.prompt_logprobs
-            else None,
+            prompt_logprobs=_complete_prompt_logprobs(group),
             outputs=completions,
             finished=finished,
             num_cached_tokens=group.num_cached_tokens,
@@ -214,14 +231,19 @@ class OutputProcessor:
         params = group.sampling_params
         eos = set(self.eos_token_ids)
         aborted = group.beam_results is None and all(s.is_finished() for s in group.seqs)
+        items: list[tuple[list[int], float, bool, list[PositionLogprobs] | None]]
         if group.beam_results is not None:
-            items = [(h.token_ids, h.cum_logprob, h.finished_by_eos) for h in group.beam_results]
+            items = [
+                (h.token_ids, h.cum_logprob, h.finished_by_eos, h.logprobs)
+                for h in group.beam_results
+            ]
         else:
             items = [
-                (s.output_token_ids, s.cumulative_logprob, False) for s in group.seqs[: params.n]
+                (s.output_token_ids, s.cumulative_logprob, False, s.output_logprobs)
+                for s in group.seqs[: params.n]
             ]
         completions = []
-        for i, (tokens, cum, by_eos) in enumerate(items):
+        for i, (tokens, cum, by_eos, entries) in enumerate(items):
             shown = tokens[:-1] if by_eos and tokens and tokens[-1] in eos else tokens
             completions.append(
                 CompletionOutput(
@@ -231,6 +253,7 @@ class OutputProcessor:
                     ),
                     token_ids=list(tokens),
                     cumulative_logprob=float(cum),
+                    logprobs=list(entries or []) if params.logprobs is not None else None,
                     finish_reason=("abort" if aborted else None)
                     if group.beam_results is None
                     else ("stop" if by_eos else "length"),
@@ -240,10 +263,18 @@ class OutputProcessor:
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=_complete_prompt_logprobs(group),
             outputs=completions,
             finished=group.beam_results is not None or aborted,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
             error=group.error,
         )
+
+
+def _complete_prompt_logprobs(group: SequenceGroup) -> list[PositionLogprobs | None] | None:
+    """The request's prompt logprobs once every prompt position has them, else None."""
+    plp = group.prompt_logprobs
+    if plp and len(plp) >= len(group.prompt_token_ids):
+        return list(plp)
+    return None

@@ -95,3 +95,42 @@ def test_a_failing_beam_step_aborts_only_its_request(tiny_llm_factory):
     assert finished["beam"].error == "OverflowError: injected"
     assert finished["greedy"].error is None
     assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+def test_beam_logprobs_equal_transformers_transition_scores(
+    tiny_llm_factory, hf_tiny_model, tiny_tokenizer
+):
+    """Each returned beam's per-token logprobs are transformers' transition scores of that
+    beam (they sum to its cumulative logprob), with the request's top-k alternatives ranked;
+    prompt logprobs come as for sampling (both were refused with beam search)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    ids0 = tiny_tokenizer(PROMPTS[0]).input_ids
+    with torch.no_grad():
+        eos = int(hf_tiny_model(torch.tensor([ids0])).logits[0, -1].topk(2).indices[1])
+    llm = tiny_llm_factory(block_size=4)
+    llm.engine.eos_token_ids = [eos]
+    width = 3
+    for p in PROMPTS:
+        ids = tiny_tokenizer(p).input_ids
+        ref = hf_tiny_model.generate(
+            torch.tensor([ids]), num_beams=width, num_return_sequences=width, max_new_tokens=10,
+            do_sample=False, eos_token_id=eos, pad_token_id=eos, output_scores=True,
+            return_dict_in_generate=True,
+        )
+        trans = hf_tiny_model.compute_transition_scores(
+            ref.sequences, ref.scores, ref.beam_indices, normalize_logits=False
+        )
+        sp = SamplingParams(use_beam_search=True, n=width, best_of=width, max_tokens=10,
+                            temperature=0, logprobs=2, prompt_logprobs=1)
+        out = llm.generate(p, sp, use_tqdm=False)[0]
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+        for c, row in zip(out.outputs, trans.tolist(), strict=True):
+            assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+            got = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids, strict=True)]
+            assert got == pytest.approx(row[: len(got)], abs=1e-4)
+            assert sum(got) == pytest.approx(c.cumulative_logprob, abs=1e-4)
+            for entry, t in zip(c.logprobs, c.token_ids, strict=True):
+                by_rank = {lp.rank: lp.logprob for lp in entry.values()}
+                assert by_rank[1] >= by_rank[2] and entry[t].logprob <= by_rank[1]
+                assert by_rank[entry[t].rank] == entry[t].logprob

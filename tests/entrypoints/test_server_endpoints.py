@@ -113,9 +113,6 @@ def test_chat_beam_search_equals_offline(client, ref_llm):
         ({"temperature": 0.7}, "temperature"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
         ({"length_penalty": "long"}, "length_penalty"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"echo": True, "logprobs": 0}, "logprobs"),  # was a 500 (no prompt logprobs came)
-        ({"echo": True, "logprobs": 1, "n": 2, "max_tokens": 0}, "logprobs"),
     ],
 )
 def test_beam_search_bad_values_are_400(client, server, extra, param):
@@ -124,29 +121,26 @@ def test_beam_search_bad_values_are_400(client, server, extra, param):
     healthy(server, client)
 
 
-def test_beam_search_chat_logprobs_is_400(client, server):
-    body = {
-        "messages": MESSAGES_HI,
-        "max_tokens": 3,
-        "use_beam_search": True,
-        "best_of": 2,
-        "logprobs": True,
-    }
-    assert_error(client.post(CHAT, json=body), 400, "logprobs")
-    healthy(server, client)
-
-
-def test_beam_search_echo_without_logprobs(client, server):
-    body = {
-        "prompt": "hi",
-        "max_tokens": 3,
-        "use_beam_search": True,
-        "best_of": 2,
-        "echo": True,
-        "temperature": 0,
-    }
+def test_beam_search_logprobs_and_echo(client, server):
+    """Beam search with logprobs, echo and prompt logprobs (echo + logprobs was a 500, then a
+    400): every generated token has its logprob."""
+    body = {"prompt": "hi", "max_tokens": 3, "use_beam_search": True, "best_of": 2, "n": 2,
+            "temperature": 0, "ignore_eos": True, "logprobs": 1}
     got = ok(client, CMPL, body)
-    assert got["choices"][0]["text"].startswith("hi")
+    for ch in got["choices"]:
+        lp = ch["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 3
+        assert all(isinstance(v, float) for v in lp["token_logprobs"])
+    echo = ok(client, CMPL, {**body, "echo": True, "n": 1})["choices"][0]
+    assert echo["text"].startswith("hi") and echo["logprobs"]["token_logprobs"][0] is None
+    assert echo["logprobs"]["token_logprobs"][-3:] == got["choices"][0]["logprobs"]["token_logprobs"]
+    only_echo = ok(client, CMPL, {**body, "echo": True, "max_tokens": 0})
+    assert [c["text"] for c in only_echo["choices"]] == ["hi", "hi"]
+    chat = {"messages": MESSAGES_HI, "max_tokens": 3, "use_beam_search": True, "best_of": 2,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    content = ok(client, CHAT, chat)["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(e["top_logprobs"]) == 2 for e in content)
+    healthy(server, client)
 
 
 MESSAGES_HI = [{"role": "user", "content": "hi"}]

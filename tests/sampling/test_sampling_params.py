@@ -118,12 +118,6 @@ def test_clone_is_deep():
     assert p.stop == ["a"] and p.stop_token_ids == [1] and p.logit_bias == {1: 2.0}
 
 
-@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
-def test_beam_search_refuses_logprobs_naming_the_field(field):
-    with pytest.raises(ValueError, match=f"^{field} is not supported with use_beam_search"):
-        SamplingParams(use_beam_search=True, best_of=2, **{field: 1})
-
-
 @pytest.mark.parametrize(("field", "value"), [("stop", 5), ("stop", {"a"}), ("stop_token_ids", 5)])
 def test_stop_fields_of_the_wrong_type_name_the_field(field, value):
     """Were a TypeError from list(5) (a set's order would make the stops' order arbitrary)."""

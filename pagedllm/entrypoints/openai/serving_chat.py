@@ -40,9 +40,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
     """Raises: APIError 400 naming a field this server cannot honour."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    if req.logprobs and req.use_beam_search:
-        # (the sampling parameters would name top_logprobs, which the request may not set)
-        raise APIError(400, "logprobs is not supported with use_beam_search", param="logprobs")
 
 
 async def create_chat_completion(
