@@ -203,16 +203,8 @@ class EngineCore:
         sample_ids, logits = result.sample_seq_ids, result.logits
         if self.speculator is not None and sample_ids:
             sample_ids, logits = self.speculator.verify(
-                sched,
-                sample_ids,
-                logits,
-                self._seqs,
-                self.sampler,
-                self.output_processor,
-                self.scheduler,
-                self.stats,
-                self.eos_token_ids,
-                self._fail_request,
+                sched, sample_ids, logits, self._seqs, self.sampler, self.output_processor,
+                self.scheduler, self.stats, self.eos_token_ids, self._fail_request,
             )
         if sample_ids:
             self._process_samples(sample_ids, logits)
