@@ -68,8 +68,6 @@ def beam_step(
     live = group.seqs
     result = BeamStepResult()
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    if entry_of is not None and group.sampling_params.logprobs is None:
-        entry_of = None
     kept = beam.step(logprobs, [(s.output_token_ids, s.cumulative_logprob) for s in live])
     if entry_of is not None:
         _hypothesis_logprobs(beam.hypotheses, live, logprobs, entry_of)

@@ -193,11 +193,8 @@ class LLMEngine:
             "yes" if malloc_tuning.malloc_tuned else "no",
         )
         on_cpu = str(config.device) == "cpu"
-        if (
-            config.speculative is not None
-            and on_cpu
-            and dtype != torch.float32
-            and not (own_gemm_runs(dtype))
+        if config.speculative is not None and on_cpu and dtype != torch.float32 and not (
+            own_gemm_runs(dtype)
         ):
             # ATen's (and oneDNN's) half-precision matmuls round differently for different row
             # counts, so a verify pass (k + 1 rows) can flip a near-tied greedy token (found by

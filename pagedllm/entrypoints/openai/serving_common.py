@@ -40,9 +40,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 #: Characters JSON leaves raw that Python's ``str.splitlines`` (and clients built on it, such as
 #: httpx's ``iter_lines``) take for line ends, cutting an event's JSON in two.
-_LINE_BREAKS_JSON_KEEPS = str.maketrans(
-    {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
-)
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(obj: Any) -> str:

@@ -39,8 +39,9 @@ ARGS_KEYS = ("arguments", "parameters")
 class ParsedCall:
     """One tool call as far as it is known: ``name`` (None until complete, until its arguments
     start, and while arguments sent as a JSON-encoded string are unfinished: only the whole
-    string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished), ``complete`` once the call's
-    text has ended; ``valid`` False for arguments given as a string that is not JSON text."""
+    string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished),
+    ``complete`` once the call's text has ended; ``valid`` False for arguments given as a
+    string that is not JSON text."""
 
     name: str | None
     arguments: str
