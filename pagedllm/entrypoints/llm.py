@@ -10,7 +10,12 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig, check_engine_kwargs
 from pagedllm.engine.input_processor import require_valid_unicode, token_id_list
-from pagedllm.engine.llm_engine import LLMEngine, QueueFullError, check_priority
+from pagedllm.engine.llm_engine import (
+    LLMEngine,
+    QueueFullError,
+    check_cache_salt,
+    check_priority,
+)
 from pagedllm.model.loader import LoadedModel
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -91,7 +96,9 @@ class LLM:
 
         Args:
             prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or
-                ``{"prompt": "..."}``, or a list of those.
+                ``{"prompt": "..."}`` (either dict may add ``"cache_salt"``: prompts with
+                different salts never share prefix-cache blocks, as vLLM's prompt dicts), or a
+                list of those.
             sampling_params: one for all prompts or one per prompt (default greedy-free
                 ``SamplingParams()``).
             use_tqdm: show a progress bar.
@@ -100,8 +107,8 @@ class LLM:
 
         Raises:
             ValueError: naming the field of the first invalid prompt or parameter (``priority``:
-                a length that differs from the prompts', or nonzero under ``fcfs``); no request
-                is queued then.
+                a length that differs from the prompts', or nonzero under ``fcfs``;
+                ``cache_salt``: not a non-empty string); no request is queued then.
             QueueFullError: more prompts than ``max_waiting_requests`` allows; none queued.
         """
         prompt_list = _as_prompt_list(prompts)
@@ -124,7 +131,9 @@ class LLM:
             ids = _prompt_ids(engine, p)
             engine.validate_request(ids, sp)
             check_priority(prio, engine.config.scheduling_policy)
-            resolved.append((p, ids, sp, prio))
+            salt = p.get("cache_salt") if isinstance(p, dict) else None
+            check_cache_salt(salt)
+            resolved.append((p, ids, sp, prio, salt))
         limit = engine.config.max_waiting_requests
         if limit is not None and len(engine.scheduler.waiting) + len(resolved) > limit:
             raise QueueFullError(
@@ -132,9 +141,11 @@ class LLM:
                 "generate fewer at a time"
             )
         request_ids = []
-        for p, ids, sp, prio in resolved:
+        for p, ids, sp, prio, salt in resolved:
             rid = str(next(self._ids))
-            engine.add_request(rid, p if isinstance(p, str) else ids, sp, priority=prio)
+            engine.add_request(
+                rid, p if isinstance(p, str) else ids, sp, cache_salt=salt, priority=prio
+            )
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 

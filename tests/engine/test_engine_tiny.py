@@ -253,6 +253,23 @@ def test_cache_salt_must_be_a_non_empty_string(tiny_llm_factory):
     assert not engine.has_unfinished_requests()
 
 
+def test_prompt_dicts_take_a_cache_salt(tiny_llm_factory):
+    """As vLLM's prompt dicts: only prompts under the same salt share prefix-cache blocks."""
+    llm = tiny_llm_factory(block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    prompt = PROMPTS[2] * 3
+
+    def cached(**salt):
+        return llm.generate({"prompt": prompt, **salt}, sp, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached(cache_salt="a") == 0
+    assert cached(cache_salt="a") > 0
+    assert cached(cache_salt="b") == 0
+    assert cached() == 0
+    with pytest.raises(ValueError, match="^cache_salt must be a non-empty string"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, sp, use_tqdm=False)
+
+
 def test_bad_request_does_not_disturb_running_ones(tiny_llm_factory, reference):
     llm = tiny_llm_factory()
     eng = llm.engine
