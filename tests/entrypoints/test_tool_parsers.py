@@ -134,8 +134,36 @@ CASES = [
     (
         _declared(MistralToolParser, "a"),
         '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "zz", "arguments": {}}]',
-        None,
+        ', {"name": "zz", "arguments": {}}]',
         [("a", "{}")],
+    ),
+    # Where a region stops parsing, the text from there is output again: content, then any
+    # later call (it was dropped).
+    (
+        _declared(HermesToolParser, "a", "b"),
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}} oops\n</tool_call>\nMore text.\n'
+        '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+        " oops\n</tool_call>\nMore text.",
+        [("a", '{"x": 1}'), ("b", "{}")],
+    ),
+    (
+        _declared(HermesToolParser, "a"),
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call> then '
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call> then',
+        [("a", "{}")],
+    ),
+    (
+        HermesToolParser(),
+        '<tool_call>{"name": "f", "arguments": 5}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": 5}</tool_call>',
+        [],
+    ),  # arguments that are no JSON object
+    (
+        HermesToolParser(),
+        '<tool_call>{"name": "f", "arguments": "[1, 2]"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "[1, 2]"}</tool_call>',
+        [],
     ),
     (
         _declared(HermesToolParser, "get_weather"),

@@ -40,13 +40,15 @@ class ParsedCall:
     """One tool call as far as it is known: ``name`` (None until complete, until its arguments
     start, and while arguments sent as a JSON-encoded string are unfinished: only the whole
     string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished),
-    ``complete`` once the call's text has ended; ``valid`` False for arguments given as a
-    string that is not JSON text."""
+    ``complete`` once the call's text has ended; ``valid`` False for arguments that are not a
+    JSON object (nor a string holding one); ``end`` the index past the call's text once
+    complete."""
 
     name: str | None
     arguments: str
     complete: bool
     valid: bool = True
+    end: int | None = None
 
 
 @dataclass
@@ -72,12 +74,15 @@ def _call_from_scan(text: str, scan: CallScan) -> ParsedCall:
             return ParsedCall(None, "", complete)  # held until the string ends
         args = json.loads(text[scan.args_start : scan.args_end])
         try:
-            json.loads(args)
+            valid = isinstance(json.loads(args), dict)
         except ValueError:
-            return ParsedCall(scan.name, args, complete, valid=False)
+            valid = False
+        return ParsedCall(scan.name, args, complete, valid, scan.end)
     else:
         args = text[scan.args_start : scan.args_end if scan.args_end is not None else len(text)]
-    return ParsedCall(scan.name, args, complete)
+        if text[scan.args_start] != "{":  # a number, null, an array: no arguments object
+            return ParsedCall(scan.name, args, complete, False, scan.end)
+    return ParsedCall(scan.name, args, complete, end=scan.end)
 
 
 def _one_call(text: str, j: int, calls: list[ParsedCall]) -> int:
@@ -151,25 +156,35 @@ class ToolParser:
         self, text: str, start: int, body: int, final: bool, parts: list[str], calls: list
     ) -> int | None:
         """Scan one region (marker at ``start``, body at ``body``); the index to go on from, or
-        None to stop. A region without a named call is content after all."""
+        None to stop. A region without a named call is content after all. Where a region stops
+        parsing (malformed text, or a call that may not be sent), the calls before that point
+        are kept and the text from there on is read again as ordinary output (content, and any
+        later regions): model output never vanishes."""
         found: list[ParsedCall] = []
         try:
             end: int | None = self.region(text, body, found, final)
-            unfinished = False
+            unfinished = malformed = False
         except _Unfinished:
-            end, unfinished = None, True
+            end, unfinished, malformed = None, True, False
         except Malformed:
-            end, unfinished = None, False
-        # A call to an undeclared function, or with string arguments that are not JSON, is no
-        # call: the region ends before it (its first call: the region is content). Known only
-        # once its name / arguments are whole, before any of it is sent, so what was streamed
+            end, unfinished, malformed = None, False, True
+        # A call to an undeclared function, or whose arguments are no JSON object, is no call:
+        # the region stops parsing before it. Known once its name and the start (a string: the
+        # whole) of its arguments are, before any of the call is sent, so what was streamed
         # stands.
         bad = next((k for k, c in enumerate(found) if not self._is_call(c)), None)
         if bad is not None:
-            found, end, unfinished = found[:bad], None, False
+            found, end, unfinished, malformed = found[:bad], None, False, True
         if unfinished and not final:
             calls.extend(found)
             return None
+        if malformed:
+            kept = [c for c in found if c.complete and c.end is not None]
+            if kept:
+                calls.extend(kept)
+                return kept[-1].end  # read on after the last call kept
+            parts.append(text[start:body])  # the marker was text after all
+            return body
         if any(c.name is not None for c in found):
             calls.extend(found)
             return end
