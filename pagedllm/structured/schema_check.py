@@ -20,8 +20,9 @@ Objects are compiled in xgrammar's strict mode, where an absent ``additionalProp
 no property beyond ``properties``. Two schemas that JSON Schema satisfies with such properties
 are completed instead: a ``required`` name missing from ``properties`` is added to them (with
 the ``additionalProperties`` schema, else any value; the grammar ignored it and the reply
-lacked it), and a ``minProperties`` above the number of ``properties`` gets
-``additionalProperties: {}`` (it was refused as unsatisfiable).
+lacked it). A ``minProperties`` above the number of ``properties`` is refused: only additional
+or pattern keys could make up the count, and the grammar may repeat a key (``{"x": 0, "x":
+1}`` parses to one property).
 
 ``oneOf`` stays: xgrammar enforces it exactly when its branches are provably disjoint (a
 string or an integer; objects told apart by a ``const`` tag, as pydantic's discriminated
@@ -141,11 +142,12 @@ def rebase_local_refs(schema: Any, base: str) -> Any:
 
 def _complete_object(out: dict[str, Any], where: str) -> None:
     """Give ``out`` (in place) the properties that JSON Schema allows by default and that
-    ``required`` / ``minProperties`` need (module docstring: strict mode).
+    ``required`` needs (module docstring: strict mode).
 
     Raises:
         ValueError: a ``required`` name outside ``properties`` where ``additionalProperties``
-            is false ("matches no value") or ``patternProperties`` may decide its schema.
+            is false ("matches no value") or ``patternProperties`` may decide its schema; a
+            ``minProperties`` above the number of ``properties``.
     """
     props = out.get("properties")
     props = dict(props) if isinstance(props, dict) else {}
@@ -171,13 +173,13 @@ def _complete_object(out: dict[str, Any], where: str) -> None:
             props[name] = extra if isinstance(extra, dict) else {}
         out["properties"] = props
     min_props = out.get("minProperties")
-    if (
-        isinstance(min_props, int)
-        and min_props > len(props)
-        and "additionalProperties" not in out
-        and "patternProperties" not in out
-    ):
-        out["additionalProperties"] = {}
+    if isinstance(min_props, int) and min_props > len(props):
+        # Only additional or pattern keys could make up the count, and the grammar does not
+        # keep keys distinct: {"x": 0, "x": 1} parses to one property.
+        raise ValueError(
+            f"'minProperties' at {where} is not supported above the number of 'properties' "
+            f"({min_props} > {len(props)}): the grammar cannot keep other keys distinct"
+        )
 
 
 def _merge_all_of(node: dict[str, Any], where: str) -> dict[str, Any]:
