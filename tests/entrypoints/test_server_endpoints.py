@@ -301,10 +301,26 @@ def test_store_is_a_bounded_lru():
         ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "stream": "sometimes"}, "stream"),
+        ({"input": "hi", "cache_salt": ""}, "cache_salt"),  # (the field was ignored)
+        ({"input": "hi", "cache_salt": 5}, "cache_salt"),
     ],
 )
 def test_responses_bad_values_are_400(client, server, body, param):
     assert_error(client.post(RESP, json=body), 400, param)
+    healthy(server, client)
+
+
+def test_responses_cache_salt_separates_prefix_cache_hits(client, server):
+    body = {"input": "salted responses " * 4, "max_output_tokens": 1, "temperature": 0}
+
+    def cached(**extra):
+        got = ok(client, RESP, {**body, **extra})
+        return got["usage"]["input_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    assert cached(cache_salt="r1") == 0
+    assert cached(cache_salt="r1") > 0
     healthy(server, client)
 
 

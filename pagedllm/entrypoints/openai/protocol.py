@@ -334,3 +334,6 @@ class ResponsesRequest(OpenAIBaseModel):
     parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
     background: StrictBool | None = None
+    #: As in completions and chat: a non-empty string; only requests with the same salt share
+    #: prefix-cache blocks.
+    cache_salt: str | None = None

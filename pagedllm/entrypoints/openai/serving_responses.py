@@ -189,7 +189,9 @@ async def create_response(
     except ValueError as e:
         raise value_error(e, rename) from None
     rid = f"resp_{uuid.uuid4().hex}"
-    streams = await serving.add_all(rid, [ids], [params], arrival, rename)
+    streams = await serving.add_all(
+        rid, [ids], [params], arrival, rename, cache_salt=req.cache_salt
+    )
     return await ResponsesContext(serving, store, req, rid, ids, conversation).respond(streams, raw)
 
 
