@@ -282,8 +282,11 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        elif isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = list(self.stop_token_ids)
+        elif isinstance(self.stop_token_ids, (list, tuple)) or hasattr(
+            self.stop_token_ids, "tolist"
+        ):  # (numpy / torch arrays as well)
+            ids = self.stop_token_ids
+            self.stop_token_ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
         else:
             raise ValueError(
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"

@@ -277,10 +277,20 @@ class InputProcessor:
 def token_id_list(ids: Any) -> list[Any]:
     """Prompt token ids as a list, those given as numpy / torch integer scalars (an array's
     items) as Python ints, which ``validate`` takes; anything else as it is, for ``validate``
-    to name (a bool stays a bool: refused)."""
+    to name (a bool, of any type, stays a bool: refused).
+
+    Raises:
+        ValueError: naming ``prompt`` when ``ids`` is not iterable (a 0-d array).
+    """
+    try:
+        items = list(ids)
+    except TypeError:
+        raise ValueError(
+            f"prompt must be a string or a sequence of token ids, got {type(ids).__name__}"
+        ) from None
     out: list[Any] = []
-    for t in ids:
-        if not isinstance(t, (int, bool)):
+    for t in items:
+        if not isinstance(t, (int, bool)) and "bool" not in str(getattr(t, "dtype", "")):
             with contextlib.suppress(TypeError):  # not an integer: validate names it
                 t = operator.index(t)
         out.append(t)

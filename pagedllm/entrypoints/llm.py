@@ -295,6 +295,11 @@ def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]
                     raise ValueError(f"messages[{i}].content: a text part needs a 'text' string")
                 texts.append(part["text"])
             m = {**m, "content": "\n".join(texts)}
+        elif content is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of text parts (null is only "
+                "valid on an assistant message with tool calls)"
+            )
         elif content is not None and not isinstance(content, str):
             raise ValueError(
                 f"messages[{i}].content must be a string or a list of text parts, got "

@@ -241,8 +241,11 @@ def test_numpy_and_torch_integer_token_ids_are_token_ids(tiny_llm_factory, refer
     for given in (np.array(ids), torch.tensor(ids), [np.int32(t) for t in ids]):
         out = llm.generate({"prompt_token_ids": given}, sp, use_tqdm=False)[0]
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
-    with pytest.raises(ValueError, match="not integers in the vocabulary"):
-        llm.generate({"prompt_token_ids": [np.float32(1.0)]}, sp, use_tqdm=False)
+    for bad in ([np.float32(1.0)], torch.tensor([True, False]), np.array([True])):
+        with pytest.raises(ValueError, match="not integers in the vocabulary"):
+            llm.generate({"prompt_token_ids": bad}, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="^prompt must be a string or a sequence of token ids"):
+        llm.generate({"prompt_token_ids": torch.tensor(3)}, sp, use_tqdm=False)
 
 
 def test_cache_salt_must_be_a_non_empty_string(tiny_llm_factory):

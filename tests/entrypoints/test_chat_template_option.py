@@ -74,6 +74,7 @@ def test_llm_chat_takes_text_parts_and_checks_messages(tiny_llm_factory, templat
         ([{"role": "user", "content": [{"type": "text"}]}],
          r"messages\[0\]\.content: a text part needs a 'text' string"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\.content must be a string"),
         (["hi"], r"messages\[0\] must be a dict"),
     ]
     for messages, match in bad:

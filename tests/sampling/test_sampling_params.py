@@ -123,3 +123,11 @@ def test_stop_fields_of_the_wrong_type_name_the_field(field, value):
     """Were a TypeError from list(5) (a set's order would make the stops' order arbitrary)."""
     with pytest.raises(ValueError, match=f"^{field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_stop_token_ids_from_an_array():
+    import numpy as np
+    import torch
+
+    assert SamplingParams(stop_token_ids=np.array([2, 5])).stop_token_ids == [2, 5]
+    assert SamplingParams(stop_token_ids=torch.tensor([7])).stop_token_ids == [7]
