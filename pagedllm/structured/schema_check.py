@@ -58,6 +58,11 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
+class Unsatisfiable(ValueError):
+    """A (sub)schema that matches no value: refused at the root, dropped as a branch of an
+    ``anyOf`` / ``oneOf`` that has others (it could never be the branch a value matches)."""
+
+
 def check_schema(schema: Any) -> Any:
     """``schema`` with each mergeable ``allOf`` merged into its parent (a new dict; the input is
     not changed).
@@ -66,8 +71,11 @@ def check_schema(schema: Any) -> Any:
         ValueError: "'KEYWORD' at PATH is not supported ..." for a keyword of
             ``UNENFORCED_KEYWORDS``, ``uniqueItems: true``, an ``allOf`` of several schemas
             that share a keyword or use ``$ref``, a ``$ref`` not starting with "#" or a
-            lookaround in ``pattern``; "... matches no value" for an empty ``anyOf`` /
-            ``oneOf`` / ``type`` list. PATH is a JSON pointer ("/" for the root).
+            lookaround in ``pattern``; ``Unsatisfiable`` ("... matches no value") for a schema
+            that matches no value (an empty ``anyOf`` / ``oneOf`` / ``type`` list, a required
+            property that ``additionalProperties: false`` forbids), unless it is one of several
+            branches of an ``anyOf`` / ``oneOf``: such a branch is dropped. PATH is a JSON
+            pointer ("/" for the root).
     """
     return _check(schema, "")
 
@@ -86,7 +94,9 @@ def _check(node: Any, path: str) -> Any:
         )
     for key in ("anyOf", "oneOf", "type"):
         if out.get(key) == []:
-            raise ValueError(f"'{key}' at {where} is an empty list: the schema matches no value")
+            raise Unsatisfiable(
+                f"'{key}' at {where} is an empty list: the schema matches no value"
+            )
     ref = out.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise ValueError(
@@ -105,7 +115,7 @@ def _check(node: Any, path: str) -> Any:
             out[key] = _check(out[key], f"{path}/{key}")
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [_check(s, f"{path}/{key}/{i}") for i, s in enumerate(out[key])]
+            out[key] = _check_list(out[key], key, path, where)
     if isinstance(out.get("items"), list):  # draft-07 tuple form
         out["items"] = [_check(s, f"{path}/items/{i}") for i, s in enumerate(out["items"])]
     for key in _MAP:
@@ -140,6 +150,26 @@ def rebase_local_refs(schema: Any, base: str) -> Any:
     return out
 
 
+def _check_list(schemas: list[Any], key: str, path: str, where: str) -> list[Any]:
+    """The checked schemas of list keyword ``key``; for ``anyOf`` / ``oneOf`` without the
+    branches that match no value (``Unsatisfiable``).
+
+    Raises:
+        Unsatisfiable: every branch of an ``anyOf`` / ``oneOf`` matches no value.
+    """
+    if key not in ("anyOf", "oneOf"):
+        return [_check(s, f"{path}/{key}/{i}") for i, s in enumerate(schemas)]
+    kept, first_error = [], None
+    for i, s in enumerate(schemas):
+        try:
+            kept.append(_check(s, f"{path}/{key}/{i}"))
+        except Unsatisfiable as e:
+            first_error = first_error or e
+    if not kept and first_error is not None:
+        raise Unsatisfiable(f"no branch of '{key}' at {where} matches a value: {first_error}")
+    return kept
+
+
 def _complete_object(out: dict[str, Any], where: str) -> None:
     """Give ``out`` (in place) the properties that JSON Schema allows by default and that
     ``required`` needs (module docstring: strict mode).
@@ -165,7 +195,7 @@ def _complete_object(out: dict[str, Any], where: str) -> None:
                 "'properties': not supported beside 'patternProperties'"
             )
         if extra is False:
-            raise ValueError(
+            raise Unsatisfiable(
                 f"'required' at {where} names {missing[0]!r}, which "
                 "'additionalProperties': false forbids: the schema matches no value"
             )

@@ -172,3 +172,14 @@ def test_rebase_local_refs_moves_schema_refs_and_keeps_data() -> None:
     assert got["properties"]["c"] == schema["properties"]["c"]  # const / default are data
     assert got["properties"]["e"] == {"$ref": "other.json#/x"}  # not local: refused elsewhere
     assert schema == kept
+
+
+def test_a_branch_that_matches_no_value_is_dropped_from_any_of() -> None:
+    """It could never be the branch a value matches; the schema was refused whole."""
+    never = {"type": "object", "properties": {}, "required": ["b"], "additionalProperties": False}
+    assert check_schema({"anyOf": [never, {"type": "integer"}]}) == {"anyOf": [{"type": "integer"}]}
+    assert check_schema({"oneOf": [{"anyOf": []}, {"type": "string"}]}) == {
+        "oneOf": [{"type": "string"}]
+    }
+    with pytest.raises(ValueError, match=re.escape("no branch of 'anyOf' at / matches a value")):
+        check_schema({"anyOf": [never, {"type": []}]})
