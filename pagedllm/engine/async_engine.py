@@ -3,7 +3,7 @@
 Design:
 - One dedicated thread owns the ``LLMEngine``: it is the only code that touches it after start-up.
   Adds and aborts from the event loop are funnelled through a thread-safe command queue that the
-  thread drains between steps, so new requests join the running batch at the next step and a
+  thread drains between steps (``engine_commands``), so new requests join the running batch at the next step and a
   step (blocking CPU work, 10-300 ms) never runs on the event loop.
 - What the server reads about the engine is plain data: immutable facts copied at construction
   (``model_facts.ModelFacts``: ``tokenizer`` -- a private copy --, ``max_model_len``,
@@ -46,6 +46,13 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.engine.admission import AdmissionControl
+from pagedllm.engine.engine_commands import (
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    Command,
+    run_commands,
+)
 from pagedllm.engine.kv_snapshot import EngineCounters, capture, collect_counters
 from pagedllm.engine.llm_engine import (
     LLMEngine,
@@ -117,7 +124,7 @@ class AsyncLLMEngine(ModelFactsMixin):
         self._deadlines: dict[str, float] = {}  # engine thread only: request id -> monotonic
         self._counters: EngineCounters = collect_counters(engine)
         self.log_stats_interval = log_stats_interval
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -320,17 +327,8 @@ class AsyncLLMEngine(ModelFactsMixin):
                 fut.set_exception(EngineDeadError("the engine is not running"))
             else:
                 self._cmds.put(
-                    (
-                        "add",
-                        request_id,
-                        prompt,
-                        params,
-                        arrival,
-                        priority,
-                        deadline,
-                        cache_salt,
-                        fut,
-                    )
+                    AddCommand(request_id, prompt, params, arrival, priority, deadline,
+                               cache_salt, fut)
                 )
         self._wake.set()
         self._interrupt_decode_step()
@@ -378,7 +376,7 @@ class AsyncLLMEngine(ModelFactsMixin):
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, idempotent); its blocks are freed before the next step."""
-        self._cmds.put(("abort", request_id))
+        self._cmds.put(AbortCommand(request_id))
         self._wake.set()
 
     def abort_all(self, error: BaseException) -> None:
@@ -412,7 +410,7 @@ class AsyncLLMEngine(ModelFactsMixin):
             if self._exited:
                 fut.set_exception(EngineDeadError("the engine is not running"))
             else:
-                self._cmds.put(("call", fn, fut))
+                self._cmds.put(CallCommand(fn, fut))
         self._wake.set()
         return fut
 
@@ -468,51 +466,7 @@ class AsyncLLMEngine(ModelFactsMixin):
             interrupt.request()
 
     def _drain_commands(self, reject: BaseException | None = None) -> None:
-        eng = self.engine
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, rid, prompt, params, arrival, priority, deadline, salt, fut = cmd
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                if reject is not None:
-                    fut.set_exception(reject)
-                    continue
-                try:
-                    eng.add_request(
-                        rid,
-                        prompt,
-                        params,
-                        arrival_time=arrival,
-                        cache_salt=salt,
-                        priority=priority,
-                    )
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
-                else:
-                    if deadline is not None:
-                        self._deadlines[rid] = deadline
-                    fut.set_result(None)
-            elif cmd[0] == "abort":
-                self._deadlines.pop(cmd[1], None)
-                try:
-                    eng.abort_request(cmd[1])
-                except Exception:
-                    logger.exception("abort of request %s failed", cmd[1])
-            elif cmd[0] == "call":  # call_in_engine_thread
-                _, fn, fut = cmd
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                if reject is not None:
-                    fut.set_exception(reject)
-                    continue
-                try:
-                    fut.set_result(fn(eng))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+        run_commands(self.engine, self._cmds, self._deadlines, reject)
 
     def _run(self) -> None:
         try:
