@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured.regex_check import check_anchors
 from pagedllm.structured.schema_check import check_schema
 
 #: At most this many whitespace characters between two JSON tokens when whitespace is free, so
@@ -132,6 +133,7 @@ class XGrammarBackend:
                     strict_mode=True,
                 )
             elif kind == "regex":
+                check_anchors(spec.regex or "")
                 compiled = c.compile_regex(spec.regex or "")
             elif kind == "choice":
                 compiled = c.compile_grammar(choice_grammar(spec.choice or []))

@@ -182,6 +182,8 @@ def test_prefix_cache_hit_keeps_output(tiny_llm_factory) -> None:
         (S(grammar="root ::= missing_rule"), "structured_outputs.grammar"),
         (S(regex="a", whitespace_pattern=" *"), "structured_outputs.whitespace_pattern"),
         (S(regex="[^\\x00-\\U0010FFFF]"), "structured_outputs.regex is invalid: it matches no string"),
+        (S(regex="a^b"), "structured_outputs.regex is invalid: '^' is supported only at the start"),
+        (S(regex="a\\Zb"), "structured_outputs.regex is invalid: '\\Z' is not supported"),
         (S(json={"type": "integer", "not": {"const": 3}}), "structured_outputs.json is invalid: 'not' at /"),
         (S(json={"type": "array", "uniqueItems": True}), "structured_outputs.json is invalid: 'uniqueItems'"),
     ],
