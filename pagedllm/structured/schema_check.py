@@ -14,7 +14,12 @@ It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``on
 ``type: []`` (no value matches; the grammar allowed an empty or broken reply ending "stop"), a
 ``$ref`` outside the schema (nothing may be fetched; the constraint was dropped) and a
 ``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``; the grammar ignored it,
-while the same regex as ``structured_outputs.regex`` is refused).
+while the same regex as ``structured_outputs.regex`` is refused), a misplaced anchor in it
+(``regex_check``), and a ``pattern`` beside a ``format`` or either beside ``minLength`` /
+``maxLength`` (the grammar keeps only one of them: the format, else the pattern). A ``const`` /
+``enum`` value is emitted whatever the schema's other keywords say (``{"type": "string",
+"const": 5}`` gave ``5``), so the values that break them are dropped, and a schema left with none
+matches no value.
 
 Objects are compiled in xgrammar's strict mode, where an absent ``additionalProperties`` means
 no property beyond ``properties``. Two schemas that JSON Schema satisfies with such properties
@@ -32,6 +37,8 @@ unions are) and as ``anyOf`` otherwise (README, "Structured outputs").
 from __future__ import annotations
 
 from typing import Any
+
+from pagedllm.structured.regex_check import check_anchors
 
 #: Keywords whose constraint the grammar would drop (an annotation such as ``contentEncoding``
 #: or ``format`` constrains nothing that must be refused).
@@ -64,18 +71,20 @@ class Unsatisfiable(ValueError):
 
 
 def check_schema(schema: Any) -> Any:
-    """``schema`` with each mergeable ``allOf`` merged into its parent (a new dict; the input is
-    not changed).
+    """``schema`` with each mergeable ``allOf`` merged into its parent and ``const`` / ``enum``
+    values that break their schema dropped (a new dict; the input is not changed).
 
     Raises:
         ValueError: "'KEYWORD' at PATH is not supported ..." for a keyword of
             ``UNENFORCED_KEYWORDS``, ``uniqueItems: true``, an ``allOf`` of several schemas
-            that share a keyword or use ``$ref``, a ``$ref`` not starting with "#" or a
-            lookaround in ``pattern``; ``Unsatisfiable`` ("... matches no value") for a schema
-            that matches no value (an empty ``anyOf`` / ``oneOf`` / ``type`` list, a required
-            property that ``additionalProperties: false`` forbids), unless it is one of several
-            branches of an ``anyOf`` / ``oneOf``: such a branch is dropped. PATH is a JSON
-            pointer ("/" for the root).
+            that share a keyword or use ``$ref``, a ``$ref`` not starting with "#", a
+            lookaround or misplaced anchor in ``pattern``, ``pattern`` / ``format`` beside each
+            other or beside ``minLength`` / ``maxLength``; ``Unsatisfiable`` ("... matches no
+            value") for a schema that matches no value (an empty ``anyOf`` / ``oneOf`` /
+            ``type`` list, a required property that ``additionalProperties: false`` forbids, a
+            ``const`` / ``enum`` none of whose values satisfies the other keywords), unless it
+            is one of several branches of an ``anyOf`` / ``oneOf``: such a branch is dropped.
+            PATH is a JSON pointer ("/" for the root).
     """
     return _check(schema, "")
 
@@ -103,12 +112,9 @@ def _check(node: Any, path: str) -> Any:
             f"'$ref' at {where} is not supported: only references inside the schema "
             f"(starting with '#') can be resolved, not {ref!r}"
         )
-    pattern = out.get("pattern")
-    if isinstance(pattern, str) and any(a in pattern for a in _LOOKAROUNDS):
-        raise ValueError(
-            f"'pattern' at {where} is not supported: the grammar cannot enforce a "
-            "lookaround ((?=, (?!, (?<=, (?<!)"
-        )
+    _check_string(out, where)
+    if "const" in out or "enum" in out:
+        _keep_valid_values(out, where)
     _complete_object(out, where)
     for key in _ONE:
         if key in out:
@@ -168,6 +174,81 @@ def _check_list(schemas: list[Any], key: str, path: str, where: str) -> list[Any
     if not kept and first_error is not None:
         raise Unsatisfiable(f"no branch of '{key}' at {where} matches a value: {first_error}")
     return kept
+
+
+def _check_string(out: dict[str, Any], where: str) -> None:
+    """Refuse the string keywords the grammar would misread or drop.
+
+    Raises:
+        ValueError: a lookaround or a misplaced anchor in ``pattern`` (``regex_check``);
+            ``pattern`` beside ``format``, or either beside ``minLength`` / ``maxLength``
+            (the grammar enforces only one of them: the format, else the pattern).
+    """
+    pattern = out.get("pattern")
+    if isinstance(pattern, str):
+        if any(a in pattern for a in _LOOKAROUNDS):
+            raise ValueError(
+                f"'pattern' at {where} is not supported: the grammar cannot enforce a "
+                "lookaround ((?=, (?!, (?<=, (?<!)"
+            )
+        try:
+            check_anchors(pattern)
+        except ValueError as e:
+            raise ValueError(f"'pattern' at {where} is not supported: {e}") from None
+    shape = [k for k in ("format", "pattern") if isinstance(out.get(k), str)]
+    bounds = [k for k in ("minLength", "maxLength") if k in out]
+    if len(shape) == 2 or (shape and bounds):
+        other = shape[1] if len(shape) == 2 else bounds[0]
+        raise ValueError(
+            f"'{other}' at {where} is not supported beside '{shape[0]}': the grammar would "
+            f"enforce only the '{shape[0]}'"
+        )
+
+
+#: The keywords a ``const`` / ``enum`` value is checked against (the grammar emits the listed
+#: values and ignores the rest); keywords holding subschemas are left out (their ``$ref`` s
+#: point into the whole schema).
+_VALUE_KEYWORDS = (
+    "type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "minLength", "maxLength", "pattern", "minItems", "maxItems", "minProperties",
+    "maxProperties", "required",
+)  # fmt: skip
+
+
+def _keep_valid_values(out: dict[str, Any], where: str) -> None:
+    """Keep (in place) only the ``const`` / ``enum`` values that also satisfy the schema's
+    other value keywords: the grammar emits a listed value whatever the rest says
+    (``{"type": "string", "const": 5}`` gave ``5``). Validated with ``jsonschema``; a value
+    it cannot judge is kept.
+
+    Raises:
+        Unsatisfiable: no listed value satisfies the other keywords.
+    """
+    import jsonschema
+
+    rest = {k: out[k] for k in _VALUE_KEYWORDS if k in out}
+    if not rest:
+        return
+    validator = jsonschema.Draft202012Validator(rest)
+
+    def ok(value: Any) -> bool:
+        try:
+            return bool(validator.is_valid(value))
+        except Exception:  # noqa: BLE001 - a malformed keyword: leave the value to the grammar
+            return True
+
+    key = "const" if "const" in out else "enum"
+    values = [out["const"]] if key == "const" else out["enum"]
+    if not isinstance(values, list):
+        return  # not a list: xgrammar refuses it
+    kept = [v for v in values if ok(v)]
+    if not kept:
+        raise Unsatisfiable(
+            f"'{key}' at {where}: no value of it satisfies the other keywords "
+            f"({', '.join(rest)}): the schema matches no value"
+        )
+    if key == "enum":
+        out["enum"] = kept
 
 
 def _complete_object(out: dict[str, Any], where: str) -> None:

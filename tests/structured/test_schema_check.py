@@ -97,6 +97,15 @@ def test_keyword_names_as_property_names_or_values_pass() -> None:
         ({"type": "string", "pattern": "^(?!b)b$"}, "'pattern' at / is not supported"),
         ({"items": {"type": "string", "pattern": "(?<=x)y"}}, "'pattern' at /items is not"),
         ({"items": {"type": "string", "pattern": "(?<!x)y"}}, "'pattern' at /items is not"),
+        ({"type": "string", "pattern": "a^b"}, "'pattern' at / is not supported: '^' is"),
+        # the grammar keeps only the format (else the pattern) and drops the rest
+        ({"type": "string", "minLength": 3, "pattern": "^a$"}, "'minLength' at / is not supported beside 'pattern'"),
+        ({"type": "string", "format": "date", "maxLength": 3}, "'maxLength' at / is not supported beside 'format'"),
+        ({"type": "string", "format": "date", "pattern": "a"}, "'pattern' at / is not supported beside 'format'"),
+        # a const / enum none of whose values satisfies the other keywords
+        ({"type": "string", "const": 5}, "'const' at /: no value of it satisfies the other keywords (type)"),
+        ({"type": "integer", "enum": ["a", "b"]}, "'enum' at /: no value of it"),
+        ({"properties": {"n": {"enum": [1, 2], "minimum": 3}}}, "'enum' at /properties/n: no value"),
     ],
 )
 def test_schemas_the_grammar_would_misread_are_refused(schema: dict, message: str) -> None:
@@ -183,3 +192,14 @@ def test_a_branch_that_matches_no_value_is_dropped_from_any_of() -> None:
     }
     with pytest.raises(ValueError, match=re.escape("no branch of 'anyOf' at / matches a value")):
         check_schema({"anyOf": [never, {"type": []}]})
+
+
+def test_enum_values_that_break_the_schema_are_dropped() -> None:
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "enum": [1, 2, "x", 3.5], "minimum": 2},
+        "s": {"enum": [1, "a", None], "type": "string"},
+        "c": {"type": ["string", "null"], "const": None},
+    }}
+    got = check_schema(schema)["properties"]
+    assert got["n"]["enum"] == [2] and got["s"]["enum"] == ["a"] and got["c"]["const"] is None
+    assert schema["properties"]["n"]["enum"] == [1, 2, "x", 3.5]  # the input is kept
