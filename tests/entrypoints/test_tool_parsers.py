@@ -241,6 +241,26 @@ def test_unfinished_call_at_the_end_keeps_what_was_sent():
     assert calls[0]["function"] == {"name": "f", "arguments": '{"city": "Par'}
 
 
+# Outputs cut short (max_tokens) before a call's arguments start: the name, with empty
+# arguments; cut before any name is complete, a forced array is returned as content.
+CUT_CASES = [
+    (RequiredToolParser(), '[\n{\n "name": "get_weather",\n "arguments', None, [("get_weather", "")]),
+    (RequiredToolParser(), '[{"name": "a", "arguments": {}}, {"name": "b"', None, [("a", "{}"), ("b", "")]),
+    (RequiredToolParser(), '[\n{\n "na', '[\n{\n "na', []),
+    (_declared(HermesToolParser, "f"), 'Hi <tool_call>{"name": "f", "argu', "Hi", [("f", "")]),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CUT_CASES, ids=range(len(CUT_CASES)))
+def test_cut_output_keeps_the_name_or_the_text(parser, text, content, calls):
+    got_content, got_calls = ToolCallStream(parser).message(text)
+    assert got_content == (content if calls or content else "")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
+    # Streamed in pieces: the same answer.
+    for cuts in ([len(text)], list(range(1, len(text) + 1)), [3, len(text) - 1, len(text)]):
+        assert _assemble(parser, text, cuts) == (content, calls), cuts
+
+
 def test_value_end_and_scan_call():
     assert value_end('{"a": "}", "b": [1, {"c": 2}]} tail', 0) == 30
     assert value_end('{"a": [1, 2', 0) is None

@@ -38,8 +38,8 @@ ARGS_KEYS = ("arguments", "parameters")
 @dataclass
 class ParsedCall:
     """One tool call as far as it is known: ``name`` (None until complete, until its arguments
-    start, and while arguments sent as a JSON-encoded string are unfinished: only the whole
-    string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished),
+    start unless the output ended before them, and while arguments sent as a JSON-encoded
+    string are unfinished: only the whole string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished),
     ``complete`` once the call's text has ended; ``valid`` False for arguments that are not a
     JSON object (nor a string holding one); ``end`` the index past the call's text once
     complete."""
@@ -63,11 +63,13 @@ class _Unfinished(Exception):
     """The text ends inside a tool-call region (more output may complete it)."""
 
 
-def _call_from_scan(text: str, scan: CallScan) -> ParsedCall:
+def _call_from_scan(text: str, scan: CallScan, final: bool) -> ParsedCall:
     complete = scan.end is not None
     if scan.args_start is None:
-        if not complete:  # held until the arguments start: they may come as a string
-            return ParsedCall(None, "", False)
+        if not complete:
+            # Held until the arguments start (they may come as a string), unless the output
+            # ended here (``max_tokens``, a stop string): the name is then all there is.
+            return ParsedCall(scan.name if final else None, "", False)
         args = "{}"
     elif text[scan.args_start] == '"':  # arguments sent as a JSON-encoded string
         if not scan.args_end:
@@ -85,20 +87,21 @@ def _call_from_scan(text: str, scan: CallScan) -> ParsedCall:
     return ParsedCall(scan.name, args, complete, end=scan.end)
 
 
-def _one_call(text: str, j: int, calls: list[ParsedCall]) -> int:
-    """Scan the call object at ``text[j]`` into ``calls``; returns the index past it.
+def _one_call(text: str, j: int, calls: list[ParsedCall], final: bool) -> int:
+    """Scan the call object at ``text[j]`` into ``calls`` (``final``: no more text will come);
+    returns the index past it.
 
     Raises: _Unfinished, Malformed."""
     if j >= len(text):
         raise _Unfinished()
     scan = scan_call(text, j, ARGS_KEYS)
-    calls.append(_call_from_scan(text, scan))
+    calls.append(_call_from_scan(text, scan, final))
     if scan.end is None:
         raise _Unfinished()
     return scan.end
 
 
-def _call_array(text: str, j: int, calls: list[ParsedCall]) -> int:
+def _call_array(text: str, j: int, calls: list[ParsedCall], final: bool) -> int:
     """``[{call}, {call}, ...]`` starting at ``text[j]`` (Mistral, ``required``)."""
     if j >= len(text):
         raise _Unfinished()
@@ -108,7 +111,7 @@ def _call_array(text: str, j: int, calls: list[ParsedCall]) -> int:
     if j < len(text) and text[j] == "]":
         return j + 1
     while True:
-        j = skip_ws(text, _one_call(text, j, calls))
+        j = skip_ws(text, _one_call(text, j, calls, final))
         if j >= len(text):
             raise _Unfinished()
         if text[j] == "]":
@@ -236,7 +239,7 @@ class HermesToolParser(ToolParser):
     end_marker = "</tool_call>"
 
     def region(self, text: str, j: int, calls: list[ParsedCall], final: bool) -> int:
-        k = skip_ws(text, _one_call(text, skip_ws(text, j), calls))
+        k = skip_ws(text, _one_call(text, skip_ws(text, j), calls, final))
         rest = text[k : k + len(self.end_marker)]
         if rest == self.end_marker:
             return k + len(self.end_marker)
@@ -256,7 +259,7 @@ class Llama3ToolParser(ToolParser):
 
     def region(self, text: str, j: int, calls: list[ParsedCall], final: bool) -> int:
         while True:
-            end = _one_call(text, skip_ws(text, j), calls)
+            end = _one_call(text, skip_ws(text, j), calls, final)
             k = skip_ws(text, end)
             if k >= len(text) and not final:
                 raise _Unfinished()
@@ -272,7 +275,7 @@ class MistralToolParser(ToolParser):
     markers = ("[TOOL_CALLS]",)
 
     def region(self, text: str, j: int, calls: list[ParsedCall], final: bool) -> int:
-        return _call_array(text, skip_ws(text, j), calls)
+        return _call_array(text, skip_ws(text, j), calls, final)
 
 
 class RequiredToolParser(ToolParser):
@@ -282,7 +285,10 @@ class RequiredToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParseResult:
         calls: list[ParsedCall] = []
         with contextlib.suppress(_Unfinished, Malformed):
-            _call_array(text, skip_ws(text, 0), calls)
+            _call_array(text, skip_ws(text, 0), calls, final)
+        if final and not any(c.name is not None for c in calls):
+            # Cut before a name was complete (``max_tokens``): the text is all there is.
+            return ParseResult(text.strip())
         return ParseResult("", calls)
 
 
