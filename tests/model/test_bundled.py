@@ -238,6 +238,11 @@ def test_server_chat_without_a_template_is_a_400_saying_to_pass_one(base_loaded)
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert "--chat-template" in err["message"] and err["param"] == "messages"
+            # /v1/responses names its own field (it has no "messages")
+            r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "input" and err["message"].startswith("input cannot be")
             r = c.post(
                 "/v1/completions", json={"model": "gemma-3-270m", "prompt": "hi", "max_tokens": 4}
             )

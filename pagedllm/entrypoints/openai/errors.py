@@ -92,7 +92,8 @@ def overloaded(message: str, code: str) -> APIError:
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:
     """Map an engine / ``SamplingParams`` ValueError to a 400 whose ``param`` is the field named
-    first in the message (renamed to the request's own field name where they differ)."""
+    first in the message (renamed, in ``param`` and in the message, to the request's own field
+    name where they differ)."""
     rename = rename or {}
     msg = str(e)
     if isinstance(e, ContextLengthExceededError):
@@ -101,8 +102,10 @@ def value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError
         )
     m = re.match(r"\s*([A-Za-z_]+)", msg)
     param = m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
-    if param is not None:
-        param = rename.get(param, param)
+    if param is not None and m is not None and param in rename:
+        param = rename[param]
+        if not msg[m.end(1) :].startswith("."):  # "structured_outputs.json ..." names a kind
+            msg = msg[: m.start(1)] + param + msg[m.end(1) :]
     return APIError(400, msg, param=param)
 
 

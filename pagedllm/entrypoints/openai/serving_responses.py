@@ -176,9 +176,18 @@ async def create_response(
         history = list(found[1])
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    ids = render_messages(
-        serving.tokenizer, [ChatMessage.model_validate(m) for m in system + conversation], True, False
-    )
+    try:
+        ids = render_messages(
+            serving.tokenizer,
+            [ChatMessage.model_validate(m) for m in system + conversation],
+            True,
+            False,
+        )
+    except APIError as e:
+        if e.param == "messages":  # the conversation is this API's ``input``
+            e.param = "input"
+            e.message = e.message.replace("messages", "input", 1)
+        raise
     rename = {"prompt": "input", "max_tokens": "max_output_tokens"}
     try:
         params = SamplingParams(
