@@ -113,13 +113,24 @@ async def discover_model(
     """The first model id of ``GET /v1/models``.
 
     Raises:
-        ValueError: naming ``base_url`` when the server answers no model.
+        ValueError: naming ``base_url`` when the server cannot be reached (with the reason) or
+            answers no model.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
     async with httpx.AsyncClient(headers=headers, transport=transport) as client:
-        data = await _get_json(client, base_url.rstrip("/") + "/v1/models")
-    if not data or not data.get("data"):
-        raise ValueError(f"base_url: no model listed at {base_url}/v1/models")
+        try:
+            r = await client.get(url, timeout=10.0)
+        except httpx.HTTPError as e:
+            raise ValueError(
+                f"base_url: cannot reach {url}: {type(e).__name__}: {e}".rstrip(": ")
+            ) from None
+    try:
+        data = r.json() if r.status_code == 200 else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not data.get("data"):
+        raise ValueError(f"base_url: no model listed at {url} (HTTP {r.status_code})")
     return str(data["data"][0]["id"])
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedllm.config import served_model_name
 
-__all__ = ["estimate_model_bytes", "model_paths", "serve_multi_model"]
+__all__ = ["check_model_paths", "estimate_model_bytes", "model_paths", "serve_multi_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,24 @@ def model_paths(args: Any) -> dict[str, str | None]:
             raise ValueError(f"--model: two models are named {name!r} ({paths[name]}, {path})")
         paths[name] = path
     return paths
+
+
+def check_model_paths(paths: dict[str, str | None]) -> None:
+    """Find a missing model before the server starts (as one model's start-up does), not while
+    it loads the models (uvicorn's "Application startup failed").
+
+    Raises:
+        ValueError: naming ``--model`` for a path that is neither a file / folder nor the name
+            of a bundled model.
+    """
+    from pagedllm.model.loader.bundled import bundled_model_names, get_bundled_model
+
+    for path in paths.values():
+        if path is not None and not os.path.exists(path) and get_bundled_model(path) is None:
+            raise ValueError(
+                f"--model: model path not found: {path}; it is not a bundled model name either "
+                f"(bundled models: {', '.join(bundled_model_names())})"
+            )
 
 
 def estimate_model_bytes(path: str | None, engine_args: dict[str, Any], replicas: int = 1) -> int:
@@ -82,6 +100,7 @@ def serve_multi_model(args: Any, engine_args: dict[str, Any]) -> int:
     replicas = max(1, getattr(args, "data_parallel_size", 1))
     try:
         paths = model_paths(args)
+        check_model_paths(paths)
         estimates = {
             n: estimate_model_bytes(p, {**engine_args, "model": p}, replicas)
             for n, p in paths.items()

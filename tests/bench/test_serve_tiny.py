@@ -46,3 +46,27 @@ def test_burst_of_streaming_clients_leaves_the_pool_empty(tiny_loaded, kv_manage
         wait_idle(srv.engine)
     finally:
         srv.stop()
+
+
+def test_discover_model_says_why_it_found_none():
+    import httpx
+
+    from pagedllm.bench.serve import discover_model
+
+    def refused(request):
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    def answer(status, body):
+        return lambda request: httpx.Response(status, json=body)
+
+    def find(handler):
+        return asyncio.run(discover_model("http://h:1", transport=httpx.MockTransport(handler)))
+
+    assert find(answer(200, {"data": [{"id": "m"}]})) == "m"
+    with pytest.raises(ValueError, match=r"^base_url: cannot reach http://h:1/v1/models: "
+                                         r"ConnectError: \[Errno 111\] Connection refused$"):
+        find(refused)
+    with pytest.raises(ValueError, match=r"^base_url: no model listed at .*\(HTTP 200\)$"):
+        find(answer(200, {"data": []}))
+    with pytest.raises(ValueError, match=r"\(HTTP 401\)$"):
+        find(answer(401, {"error": {}}))

@@ -161,6 +161,14 @@ def test_bad_size_is_an_argparse_error_naming_the_flag(parser, capsys):
     assert "argument --swap-space" in err and "GiB" in err
 
 
+def test_max_body_bytes_takes_a_size_of_at_least_one_byte(parser, capsys):
+    assert parser.parse_args(["serve", "--max-body-bytes", "8MiB"]).max_body_bytes == 8 << 20
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["serve", "--max-body-bytes", "0"])  # every body would be a 413
+    assert e.value.code == 2
+    assert "argument --max-body-bytes: must be at least 1 byte" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_help_shows_every_flag_with_its_default(parser, capsys, command):
     with pytest.raises(SystemExit):

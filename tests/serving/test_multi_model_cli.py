@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from pagedllm.entrypoints.openai.cli_serve import add_serve_parser
-from pagedllm.serving.multi_model_cli import estimate_model_bytes, model_paths
+from pagedllm.serving.multi_model_cli import check_model_paths, estimate_model_bytes, model_paths
 
 
 def parse(argv):
@@ -37,6 +37,13 @@ def test_model_paths_errors(tmp_path):
         model_paths(parse(["/p/a", "--model-dir", str(tmp_path / "missing")]))
     with pytest.raises(SystemExit):
         parse(["--router-policy", "random"])
+
+
+def test_a_missing_model_is_found_before_the_server_starts(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"")
+    check_model_paths({"a": str(tmp_path / "m.gguf"), "b": "gemma-3-270m", "c": None})
+    with pytest.raises(ValueError, match=r"^--model: model path not found: /nope/b; .*gemma-3"):
+        check_model_paths({"a": str(tmp_path), "b": "/nope/b"})
 
 
 def test_repeated_model_flag_serves_several_models():

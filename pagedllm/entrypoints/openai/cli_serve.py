@@ -89,7 +89,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on the API (default: $PAGEDLLM_API_KEY, or none)",
     )
     p.add_argument(
-        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413"
+        "--max-body-bytes",
+        type=_size,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 (bytes, or a size such as 8MiB; default 4MiB)",
     )
     p.add_argument(
         "--log-stats-interval",
