@@ -53,18 +53,23 @@ def held_out_texts(tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[
 
 
 def cpu_description() -> str:
-    """One line naming this CPU for benchmark output: the ``model name`` of /proc/cpuinfo, the
-    ISA flags pagedllm dispatches on (avx2 / avx512* / amx*, :func:`pagedllm.platform.cpu_flags`)
-    and the core count, e.g. ``AMD EPYC | flags: avx2 fma f16c | 2 cores``."""
+    """One line naming this CPU for benchmark output: the ``model name`` of /proc/cpuinfo with
+    its ``cpu family`` / ``model`` numbers (a VM often shows only "AMD EPYC": family 25 is Zen 3
+    / Zen 4, 26 is Zen 5), the ISA flags pagedllm dispatches on (avx2 / avx512* / amx*,
+    :func:`pagedllm.platform.cpu_flags`) and the core count, e.g. ``AMD EPYC (family 26 model 2)
+    | flags: avx2 fma f16c avx512f ... | 2 cores``."""
     from pagedllm.platform import cpu_flags
 
-    name = "unknown CPU"
+    fields: dict[str, str] = {}
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
             key, sep, value = line.partition(":")
-            if sep and key.strip() == "model name":
-                name = value.strip()
-                break
+            if not sep:
+                break  # the end of the first processor's block
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
     return f"{name} | flags: {cpu_flags().summary()} | {os.cpu_count()} cores"
 
 
