@@ -15,8 +15,9 @@ It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``on
 ``$ref`` outside the schema (nothing may be fetched; the constraint was dropped) and a
 ``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``; the grammar ignored it,
 while the same regex as ``structured_outputs.regex`` is refused), a misplaced anchor in it
-(``regex_check``), and a ``pattern`` beside a ``format`` or either beside ``minLength`` /
-``maxLength`` (the grammar keeps only one of them: the format, else the pattern). A ``const`` /
+(``regex_check``), and a ``pattern`` beside a ``format`` the grammar enforces
+(``GRAMMAR_FORMATS``) or either beside ``minLength`` / ``maxLength`` (the grammar keeps only one
+of them: the format, else the pattern). A ``const`` /
 ``enum`` value is emitted whatever the schema's other keywords say (``{"type": "string",
 "const": 5}`` gave ``5``), so the values that break them are dropped, and a schema left with none
 matches no value.
@@ -181,8 +182,9 @@ def _check_string(out: dict[str, Any], where: str) -> None:
 
     Raises:
         ValueError: a lookaround or a misplaced anchor in ``pattern`` (``regex_check``);
-            ``pattern`` beside ``format``, or either beside ``minLength`` / ``maxLength``
-            (the grammar enforces only one of them: the format, else the pattern).
+            ``pattern`` beside a ``format`` of ``GRAMMAR_FORMATS``, or either beside
+            ``minLength`` / ``maxLength`` (the grammar enforces only one of them: the format,
+            else the pattern).
     """
     pattern = out.get("pattern")
     if isinstance(pattern, str):
@@ -195,7 +197,8 @@ def _check_string(out: dict[str, Any], where: str) -> None:
             check_anchors(pattern)
         except ValueError as e:
             raise ValueError(f"'pattern' at {where} is not supported: {e}") from None
-    shape = [k for k in ("format", "pattern") if isinstance(out.get(k), str)]
+    shape = ["format"] if out.get("format") in GRAMMAR_FORMATS else []
+    shape += ["pattern"] if isinstance(pattern, str) else []
     bounds = [k for k in ("minLength", "maxLength") if k in out]
     if len(shape) == 2 or (shape and bounds):
         other = shape[1] if len(shape) == 2 else bounds[0]
@@ -203,6 +206,16 @@ def _check_string(out: dict[str, Any], where: str) -> None:
             f"'{other}' at {where} is not supported beside '{shape[0]}': the grammar would "
             f"enforce only the '{shape[0]}'"
         )
+
+
+#: The ``format`` values the grammar enforces (xgrammar 0.2.9); beside one of them it drops
+#: ``pattern`` and the length bounds. Other formats are annotations it ignores.
+GRAMMAR_FORMATS = frozenset(
+    {
+        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+    }
+)  # fmt: skip
 
 
 #: The keywords a ``const`` / ``enum`` value is checked against (the grammar emits the listed

@@ -194,6 +194,13 @@ def test_a_branch_that_matches_no_value_is_dropped_from_any_of() -> None:
         check_schema({"anyOf": [never, {"type": []}]})
 
 
+def test_formats_the_grammar_ignores_keep_their_length_bounds() -> None:
+    schema = {"type": "string", "format": "password", "minLength": 8}
+    assert check_schema(schema) == schema  # "password" is an annotation: the length holds
+    with pytest.raises(ValueError, match="'minLength' at / is not supported beside 'format'"):
+        check_schema({"type": "string", "format": "uuid", "minLength": 8})
+
+
 def test_enum_values_that_break_the_schema_are_dropped() -> None:
     schema = {"type": "object", "properties": {
         "n": {"type": "integer", "enum": [1, 2, "x", 3.5], "minimum": 2},
