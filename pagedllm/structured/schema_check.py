@@ -17,7 +17,9 @@ It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``on
 while the same regex as ``structured_outputs.regex`` is refused), a misplaced anchor in it
 (``regex_check``), and a ``pattern`` beside a ``format`` the grammar enforces
 (``GRAMMAR_FORMATS``) or either beside ``minLength`` / ``maxLength`` (the grammar keeps only one
-of them: the format, else the pattern). A ``const`` /
+of them: the format, else the pattern), and a ``multipleOf`` anywhere but as an integer step on
+integers (the grammar drops it for other numbers: ``{"type": "number", "multipleOf": 3}`` gave
+``2.0``). A ``const`` /
 ``enum`` value is emitted whatever the schema's other keywords say (``{"type": "string",
 "const": 5}`` gave ``5``), so the values that break them are dropped, and a schema left with none
 matches no value.
@@ -80,7 +82,8 @@ def check_schema(schema: Any) -> Any:
             ``UNENFORCED_KEYWORDS``, ``uniqueItems: true``, an ``allOf`` of several schemas
             that share a keyword or use ``$ref``, a ``$ref`` not starting with "#", a
             lookaround or misplaced anchor in ``pattern``, ``pattern`` / ``format`` beside each
-            other or beside ``minLength`` / ``maxLength``; ``Unsatisfiable`` ("... matches no
+            other or beside ``minLength`` / ``maxLength``, a ``multipleOf`` that is not an
+            integer step on integers; ``Unsatisfiable`` ("... matches no
             value") for a schema that matches no value (an empty ``anyOf`` / ``oneOf`` /
             ``type`` list, a required property that ``additionalProperties: false`` forbids, a
             ``const`` / ``enum`` none of whose values satisfies the other keywords), unless it
@@ -116,6 +119,11 @@ def _check(node: Any, path: str) -> Any:
     _check_string(out, where)
     if "const" in out or "enum" in out:
         _keep_valid_values(out, where)
+    elif "multipleOf" in out and not _integer_multiple(out):
+        raise ValueError(
+            f"'multipleOf' at {where} is not supported except as an integer on 'type': "
+            "'integer' (the grammar drops it for other numbers)"
+        )
     _complete_object(out, where)
     for key in _ONE:
         if key in out:
@@ -226,6 +234,20 @@ _VALUE_KEYWORDS = (
     "minLength", "maxLength", "pattern", "minItems", "maxItems", "minProperties",
     "maxProperties", "required",
 )  # fmt: skip
+
+
+def _integer_multiple(out: dict[str, Any]) -> bool:
+    """Whether the grammar enforces ``out``'s ``multipleOf``: an integer step on a schema
+    whose numbers are integers (``"integer"``, or ``["integer", "null"]``)."""
+    step, types = out["multipleOf"], out.get("type")
+    types = [types] if isinstance(types, str) else types
+    return (
+        isinstance(step, int)
+        and not isinstance(step, bool)
+        and isinstance(types, list)
+        and "integer" in types
+        and set(types) <= {"integer", "null"}
+    )
 
 
 def _keep_valid_values(out: dict[str, Any], where: str) -> None:

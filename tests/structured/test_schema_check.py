@@ -102,6 +102,10 @@ def test_keyword_names_as_property_names_or_values_pass() -> None:
         ({"type": "string", "minLength": 3, "pattern": "^a$"}, "'minLength' at / is not supported beside 'pattern'"),
         ({"type": "string", "format": "date", "maxLength": 3}, "'maxLength' at / is not supported beside 'format'"),
         ({"type": "string", "format": "date", "pattern": "a"}, "'pattern' at / is not supported beside 'format'"),
+        # multipleOf: enforced only as an integer step on integers
+        ({"type": "number", "multipleOf": 3, "minimum": 1}, "'multipleOf' at / is not supported"),
+        ({"properties": {"x": {"multipleOf": 0.5}}}, "'multipleOf' at /properties/x is not"),
+        ({"type": "integer", "multipleOf": 1.5}, "'multipleOf' at / is not supported"),
         # a const / enum none of whose values satisfies the other keywords
         ({"type": "string", "const": 5}, "'const' at /: no value of it satisfies the other keywords (type)"),
         ({"type": "integer", "enum": ["a", "b"]}, "'enum' at /: no value of it"),
@@ -192,6 +196,13 @@ def test_a_branch_that_matches_no_value_is_dropped_from_any_of() -> None:
     }
     with pytest.raises(ValueError, match=re.escape("no branch of 'anyOf' at / matches a value")):
         check_schema({"anyOf": [never, {"type": []}]})
+
+
+def test_integer_steps_on_integers_and_listed_values_pass() -> None:
+    for schema in ({"type": "integer", "multipleOf": 3}, {"type": ["integer", "null"], "multipleOf": 2}):
+        assert check_schema(schema) == schema
+    # with const / enum the listed values are checked against it instead
+    assert check_schema({"type": "number", "multipleOf": 0.5, "enum": [1.5, 1.2]})["enum"] == [1.5]
 
 
 def test_formats_the_grammar_ignores_keep_their_length_bounds() -> None:
