@@ -56,7 +56,8 @@ class StructuredOutputsParams:
     Exactly one of the constraint fields is set:
 
     Attributes:
-        json: a JSON schema (``dict``, or its JSON text) the output must validate against.
+        json: a JSON schema (``dict``, or its JSON text; the boolean schema ``True`` means
+            ``{}``, ``False`` is refused) the output must validate against.
         json_object: True = any syntactically valid JSON object (OpenAI ``json_object`` mode).
         regex: a regular expression the whole output must match.
         choice: a non-empty list of strings; the output is exactly one of them.
@@ -73,7 +74,7 @@ class StructuredOutputsParams:
             (also a ValueError).
     """
 
-    json: dict[str, Any] | str | None = None
+    json: dict[str, Any] | bool | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
@@ -82,6 +83,10 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        if self.json is True:  # JSON Schema's boolean schemas: true matches any value
+            self.json = {}
+        elif self.json is False:
+            raise ValueError("structured_outputs.json is false: the schema matches no value")
         set_fields = [k for k in STRUCTURED_OUTPUT_KINDS if self._is_set(k)]
         if len(set_fields) != 1:
             raise ValueError(

@@ -123,6 +123,10 @@ class XGrammarBackend:
                 schema: Any = {"type": "object"} if kind == "json_object" else spec.json
                 if isinstance(schema, str):
                     schema = json.loads(schema)
+                if schema is True:  # JSON text "true": the boolean schema matching any value
+                    schema = {}
+                if schema is False:
+                    raise ValueError("the schema false matches no value")
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be an object")
                 compiled = c.compile_json_schema(

@@ -17,6 +17,10 @@ def test_exactly_one_constraint() -> None:
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="got regex, choice"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    # JSON Schema's boolean schemas: true matches any value, false none
+    assert StructuredOutputsParams(json=True).json == {}
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json is false: .*matches no value"):
+        StructuredOutputsParams(json=False)
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def _from_response_format(kind: str, json_schema: dict[str, Any] | None) -> dict
     if kind == "json_object":
         return {"json_object": True}
     # json_schema
-    if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
+    if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), (dict, bool)):
         raise ValueError(
             "response_format: type 'json_schema' needs json_schema.schema (a JSON schema object)"
         )
