@@ -76,6 +76,7 @@ CASES = [
     (C, {"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
     (CH, {"guided_regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),
     (C, {"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    (C, {"guided_json": True}, lambda t: json.loads(t) is not None or t == "null"),  # any value
     (CH, {"guided_grammar": 'root ::= "x" [a-c]{2}'}, lambda t: re.fullmatch("x[a-c]{2}", t)),
 ]
 
@@ -119,11 +120,16 @@ BAD = [
         "name": "x", "schema": {"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 4}}}}},
      "response_format"),
     (C, {"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"),
+    (C, {"guided_json": False}, "guided_json"),  # the boolean schema that matches no value
+    (CH, {"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json"),
 ]
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), BAD, ids=range(len(BAD)))
 def test_bad_constraint_is_400_naming_the_field(server, client, path, extra, param) -> None:  # type: ignore[no-untyped-def]
     for stream in (False, True):
-        assert_error(client.post(path, json={**_body(path, **extra), "stream": stream}), 400, param)
+        err = assert_error(
+            client.post(path, json={**_body(path, **extra), "stream": stream}), 400, param
+        )
+        assert err["message"].startswith(param), err  # the request's field, in the text too
     healthy(server, client)

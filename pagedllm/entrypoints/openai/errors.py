@@ -103,9 +103,12 @@ def value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError
     m = re.match(r"\s*([A-Za-z_]+)", msg)
     param = m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
     if param is not None and m is not None and param in rename:
-        param = rename[param]
-        if not msg[m.end(1) :].startswith("."):  # "structured_outputs.json ..." names a kind
-            msg = msg[: m.start(1)] + param + msg[m.end(1) :]
+        new, rest = rename[param], msg[m.end(1) :]
+        if new != param:
+            # "structured_outputs.json is invalid" -> "guided_json is invalid": the kind is the
+            # engine's name for what the request's own field holds.
+            rest = re.sub(r"^\.\w+", "", rest)
+        param, msg = new, msg[: m.start(1)] + new + rest
     return APIError(400, msg, param=param)
 
 

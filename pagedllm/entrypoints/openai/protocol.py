@@ -139,7 +139,7 @@ class SamplingExtensions(OpenAIBaseModel):
     # its legacy guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -268,7 +268,8 @@ class ModelList(OpenAIBaseModel):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """Either ``prompt`` (text) or ``messages`` (rendered with the chat template)."""
+    """Either ``prompt`` (text) or ``messages`` (rendered with the chat template); both is a
+    400."""
 
     model: str | None = None
     prompt: str | None = None
