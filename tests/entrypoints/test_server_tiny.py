@@ -83,6 +83,8 @@ def test_tokenize_detokenize(client, server):
     assert r.status_code == 200 and r.json()["count"] > 1
     assert_error(client.post("/detokenize", json={"tokens": [len(tok) + 10]}), 400, "tokens")
     assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    both = {"prompt": "a", "messages": [{"role": "user", "content": "x"}]}
+    assert_error(client.post("/tokenize", json=both), 400, "messages")  # was: messages won
     assert_error(client.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404, "model")
 
 

@@ -151,6 +151,8 @@ async def version() -> dict[str, str]:
 async def tokenize(req: TokenizeRequest, raw: Request) -> dict[str, Any]:
     serving = _serving(raw)
     serving.check_model(req.model)
+    if req.messages is not None and req.prompt is not None:
+        raise APIError(400, "give prompt or messages, not both", param="messages")
     if req.messages is not None:
         check_messages(req.messages, "tokenize")
         tools = resolve_tools(req).tools or None
