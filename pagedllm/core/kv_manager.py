@@ -81,9 +81,19 @@ def check_pool_fits(
             ``max_tokens``: a beam search is never cut short by the pool).
 
     Raises:
-        ContextLengthExceededError: (param "max_tokens") when one sample does not fit;
-            (param ``samples_field``) when the samples' prompts and first tokens do not.
+        ContextLengthExceededError: (param "prompt") when the prompt and, unless ``max_tokens``
+            is 0 (a pooling request), one output token do not fit; (param "max_tokens") when
+            one sample does not fit; (param ``samples_field``) when the samples' prompts and
+            first tokens do not.
     """
+    min_output_tokens = min(min_output_tokens, max_tokens)  # max_tokens 0 generates nothing
+    if cdiv(prompt_len + min(1, max_tokens), block_size) > num_blocks:
+        first = " and a first output token" if max_tokens else ""
+        raise ContextLengthExceededError(
+            f"prompt: a prompt of {prompt_len} tokens{first} needs more KV blocks than the "
+            f"whole pool ({num_blocks} blocks of {block_size} tokens)",
+            "prompt",
+        )
     total = prompt_len + max_tokens
     if cdiv(total, block_size) > num_blocks:
         raise ContextLengthExceededError(

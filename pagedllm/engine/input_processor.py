@@ -193,11 +193,7 @@ class InputProcessor:
             raise ContextLengthExceededError(
                 f"prompt is {n_prompt} tokens; max_model_len is {self.max_model_len}", "prompt"
             )
-        try:
-            self.kv.check_request_fits(n_prompt, 0, 1, False)
-        except ContextLengthExceededError as e:
-            msg = str(e).replace("max_tokens: ", "prompt: ")
-            raise ContextLengthExceededError(msg, "prompt") from None
+        self.kv.check_request_fits(n_prompt, 0, 1, False)  # names "prompt"
         return 0
 
     def process(

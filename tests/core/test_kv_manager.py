@@ -73,6 +73,18 @@ def test_paged_pool_limit_message():
         "max_tokens: a sample of up to 40 tokens needs more KV blocks than the whole pool "
         "(8 blocks of 4 tokens)"
     )
+    # A prompt that does not fit with its first output token is the prompt's fault; a pooling
+    # request (max_tokens 0) generates nothing and may fill the pool exactly.
+    with pytest.raises(ContextLengthExceededError) as e:
+        bm.check_request_fits(32, 1, 1, False)
+    assert (e.value.param, str(e.value)) == (
+        "prompt",
+        "prompt: a prompt of 32 tokens and a first output token needs more KV blocks than the "
+        "whole pool (8 blocks of 4 tokens)",
+    )
+    bm.check_request_fits(32, 0, 1, False)
+    with pytest.raises(ContextLengthExceededError, match=r"^prompt: a prompt of 33 tokens needs"):
+        bm.check_request_fits(33, 0, 1, False)
     # Samples share the prompt's 2 full blocks; each needs room for one output token:
     # 3 + 2 * (3 - 2) = 5 blocks for 3 samples (more output may not fit at once: admitted).
     bm.check_request_fits(8, 4, 3, False)

@@ -215,3 +215,19 @@ def test_pooling_params_come_from_the_package_root():
     import pagedllm
 
     assert pagedllm.PoolingParams is PoolingParams and "PoolingParams" in pagedllm.__all__
+
+
+def test_embed_may_fill_the_pool_exactly(hf_and_folder):
+    """A pooling request generates no token: a prompt of exactly the pool's tokens is embedded;
+    one more token is refused naming the prompt (it said ``n``, samples and output tokens)."""
+    model, folder = hf_and_folder
+    llm = make_llm(folder, num_gpu_blocks_override=8)  # 8 blocks x 4 tokens
+    try:
+        ids = [5 + i % 90 for i in range(32)]
+        out = llm.generate(ids, SamplingParams(pooling=PoolingParams("mean", False)), use_tqdm=False)
+        check(out[0].embedding, reference(model, ids, "mean", False), False)
+        with pytest.raises(ValueError, match=r"^prompt: a prompt of 33 tokens needs more KV") as e:
+            llm.generate(ids + [7], SamplingParams(pooling=PoolingParams()), use_tqdm=False)
+        assert e.value.param == "prompt"  # type: ignore[attr-defined]
+    finally:
+        llm.engine.shutdown()
