@@ -97,8 +97,8 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or
                 ``{"prompt": "..."}`` (either dict may add ``"cache_salt"``: prompts with
-                different salts never share prefix-cache blocks, as vLLM's prompt dicts), or a
-                list of those.
+                different salts never share prefix-cache blocks, as vLLM's prompt dicts; with
+                both keys, ``prompt_token_ids`` is what runs, as in vLLM), or a list of those.
             sampling_params: one for all prompts or one per prompt (default greedy-free
                 ``SamplingParams()``).
             use_tqdm: show a progress bar.
@@ -361,9 +361,11 @@ def _prompt_ids(engine: LLMEngine, p: PromptType) -> list[int]:
     if isinstance(p, str):
         return engine.tokenize(p) if p else []
     if isinstance(p, dict):
-        if "prompt_token_ids" in p:
+        if "prompt_token_ids" in p:  # wins over "prompt", as in vLLM's prompt dicts
             return token_id_list(p["prompt_token_ids"])
         if "prompt" in p:
+            if not isinstance(p["prompt"], str):
+                raise ValueError(f"prompt must be a string, got {type(p['prompt']).__name__}")
             return engine.tokenize(p["prompt"]) if p["prompt"] else []
         raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-    return list(p)
+    return token_id_list(p)  # names ``prompt`` when it is no sequence (None, a number)

@@ -218,6 +218,8 @@ def test_logprobs_are_raw_model_logprobs(tiny_llm_factory, hf_tiny_model, tiny_t
         ("hello", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
         ("hello", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
         ("hello", SamplingParams(logprobs=50), "logprobs"),
+        (None, SamplingParams(), "prompt"),  # was a TypeError
+        ({"prompt": 5}, SamplingParams(), "prompt"),
     ],
 )
 def test_bad_input_rejected_before_engine(tiny_llm_factory, prompt, params, field):
