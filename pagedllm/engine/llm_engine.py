@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from pagedllm import malloc_tuning
+from pagedllm.attention.kv_quant import is_quantized
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_manager import (
     ContextLengthExceededError,
@@ -207,6 +208,15 @@ class LLMEngine:
                 "bfloat16 where pagedllm's own GEMM runs it (CPUs with AVX512-BF16), give the "
                 "same tokens",
                 str(dtype).replace("torch.", ""),
+            )
+        if config.speculative is not None and is_quantized(config.torch_kv_cache_dtype):
+            # A verification writes the drafts' K/V rows; one may raise its block's scale and
+            # requantize the rows before it, which the rollback of a rejected draft keeps.
+            logger.warning(
+                "speculative decoding with kv_cache_dtype %s: the drafts' K/V rows can change "
+                "how a block's earlier rows are rounded (docs/kv_cache_dtype.md), so output can "
+                "differ from speculation off; a float32 / bfloat16 KV cache gives the same tokens",
+                config.kv_cache_dtype,
             )
         if tp > 1:
             logger.info(
