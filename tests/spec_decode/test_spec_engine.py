@@ -203,6 +203,25 @@ def test_engine_wide_k_has_the_request_bound_and_float16_is_flagged(tiny_loaded,
     assert "speculative decoding with dtype float16 on CPU" in caplog.text
 
 
+def test_a_quantized_kv_cache_is_flagged(tiny_loaded, caplog):
+    """A draft's K / V row can requantize its block's earlier rows in an fp8 / int8 cache, and
+    the rollback keeps that, so output can leave speculation off's (a new user saw it with GGUF
+    weights and an int8 cache): the engine warns; not for a float32 cache."""
+    import logging
+
+    from pagedllm.entrypoints.llm import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    flag = "speculative decoding with kv_cache_dtype"
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+        LLM(loaded=tiny_loaded, max_model_len=64, kv_cache_memory=1 << 20, speculative_config=spec)
+        assert flag not in caplog.text
+        for kv in ("int8", "fp8_e4m3"):
+            LLM(loaded=tiny_loaded, max_model_len=64, kv_cache_memory=1 << 20,
+                kv_cache_dtype=kv, speculative_config=spec)
+            assert f"{flag} {kv}:" in caplog.text
+
+
 def test_bfloat16_is_flagged_where_aten_runs_its_matmuls(tiny_loaded, caplog, monkeypatch):
     """ATen's (and oneDNN's) bfloat16 matmuls give bits that depend on the row count, so greedy
     speculation can differ from speculation off there (a new user saw it under tp 3, where the
