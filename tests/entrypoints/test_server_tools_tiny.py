@@ -96,6 +96,24 @@ def test_bad_tool_fields_are_400_naming_the_field(client, server, extra, param):
     healthy(server, client)
 
 
+def test_forced_parameters_are_checked_where_the_user_wrote_them(client, server):
+    """The pointer names the tool and a path inside its parameters (it pointed into the
+    internal array-of-calls schema: /items/anyOf/1/properties/arguments/...)."""
+    bad = {"type": "object", "properties": {"city": {"type": "string", "pattern": "a^b"}}}
+    tools = [WEATHER, {"type": "function", "function": {"name": "f", "parameters": bad}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        body = {"messages": MSG, "max_tokens": 2, "tools": tools, "tool_choice": choice}
+        err = assert_error(client.post(CH, json=body), 400, "tools")
+        assert err["message"].startswith(
+            "tools[1].function.parameters: 'pattern' at /properties/city is not supported"
+        ), err
+    # not enforced under auto (the tiny server's context holds one tool's template)
+    body = {"messages": MSG, "max_tokens": 2, "tools": tools[1:], "tool_choice": "auto"}
+    r = client.post(CH, json=body)
+    assert r.status_code == 200, r.text
+    healthy(server, client)
+
+
 BAD_MESSAGES = [
     [{"role": "tool", "content": "42"}],  # no tool_call_id
     [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}],

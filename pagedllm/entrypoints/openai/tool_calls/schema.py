@@ -13,7 +13,7 @@ from typing import Any
 import jsonschema
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.structured.schema_check import rebase_local_refs
+from pagedllm.structured.schema_check import check_schema, rebase_local_refs
 
 #: OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -135,7 +135,8 @@ def resolve_tools(req: Any) -> ToolConfig:
     Raises:
         APIError: 400 naming the field: both a field and its legacy twin, an invalid function
             name or parameters schema, duplicate names, ``required`` or a named choice without
-            tools, a named choice that is not a declared function.
+            tools, a named choice that is not a declared function, parameters the grammar of a
+            forced choice cannot enforce (``check_schema``, its pointers relative to them).
     """
     fns, fparam = _function_dicts(req)
     checked = [
@@ -155,6 +156,13 @@ def resolve_tools(req: Any) -> ToolConfig:
         raise APIError(
             400, f"{cparam}: no function named {choice!r} in {fparam} ({names})", param=cparam
         )
+    for i, f in enumerate(checked):
+        if choice in ("required", f["name"]):  # the grammar enforces these parameters
+            where = f"{fparam}[{i}].function" if fparam == "tools" else f"{fparam}[{i}]"
+            try:
+                check_schema(f["parameters"])
+            except ValueError as e:  # its pointers are the parameters', not the wrapper's
+                raise APIError(400, f"{where}.parameters: {e}", param=fparam) from None
     parallel = getattr(req, "parallel_tool_calls", None) is not False
     return ToolConfig([{"type": "function", "function": f} for f in checked], choice, parallel)
 
