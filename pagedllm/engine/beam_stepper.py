@@ -104,18 +104,41 @@ def beam_step(
     if group.metrics.first_token_time is None:
         group.metrics.first_token_time = time.monotonic()
     if beam.done or not kept:
-        group.beam_results = beam.finalize(
-            [(s.output_token_ids, s.cumulative_logprob) for s in new_live],
-            group.sampling_params.n,
-        )
-        if entry_of is not None:  # live beams that entered the finished set at the end
-            by_tokens = {tuple(s.output_token_ids): s for s in new_live}
-            for h in group.beam_results:
-                if h.logprobs is None and (s := by_tokens.get(tuple(h.token_ids))) is not None:
-                    h.logprobs = list(s.output_logprobs)
+        group.beam_results = _finalize(group, new_live, entry_of is not None)
         for seq in new_live:
             seq.status = SequenceStatus.FINISHED_STOPPED
     return result
+
+
+def finish_beam_by_length(group: SequenceGroup) -> None:
+    """End a beam search the scheduler cut short (no blocks to grow, even alone in the pool):
+    its live beams enter the finished set as if they had reached ``max_tokens``, and
+    ``group.beam_results`` gets the best ``n``, so the request finishes and its blocks are
+    freed (before, the group stayed running forever, holding them). A search cut before its
+    first token returns ``n`` empty hypotheses."""
+    if group.beam is None or group.beam_results is not None:
+        return
+    results = _finalize(group, group.seqs, group.sampling_params.logprobs is not None)
+    group.beam_results = results or [
+        BeamHypothesis([], 0.0, 0.0, False, []) for _ in range(group.sampling_params.n)
+    ]
+
+
+def _finalize(
+    group: SequenceGroup, live: list[Sequence], with_logprobs: bool
+) -> list[BeamHypothesis]:
+    """The best ``n`` hypotheses of ``group``'s search, ``live`` beams entering the finished
+    set; those live beams give their logprob entries to the hypotheses they became."""
+    assert group.beam is not None
+    results = group.beam.finalize(
+        [(s.output_token_ids, s.cumulative_logprob) for s in live], group.sampling_params.n
+    )
+    if with_logprobs:
+        by_tokens = {tuple(s.output_token_ids): s for s in live}
+        for h in results:
+            if h.logprobs is None and (s := by_tokens.get(tuple(h.token_ids))) is not None:
+                h.logprobs = list(s.output_logprobs)
+    return results
 
 
 def _hypothesis_logprobs(

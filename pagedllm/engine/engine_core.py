@@ -25,7 +25,7 @@ import torch
 from pagedllm.core.kv_manager import KVManager
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine import pooling
-from pagedllm.engine.beam_stepper import beam_step
+from pagedllm.engine.beam_stepper import beam_step, finish_beam_by_length
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fork_samples
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
@@ -149,6 +149,7 @@ class EngineCore:
         for request_id in sched.length_capped:
             # Finished by length by the scheduler (no room to grow even alone in the pool).
             group = self.requests[request_id]
+            finish_beam_by_length(group)
             self.output_processor.release_text(group)
             touched[request_id] = group
         if sched.is_empty:

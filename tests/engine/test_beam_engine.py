@@ -134,3 +134,22 @@ def test_beam_logprobs_equal_transformers_transition_scores(
                 by_rank = {lp.rank: lp.logprob for lp in entry.values()}
                 assert by_rank[1] >= by_rank[2] and entry[t].logprob <= by_rank[1]
                 assert by_rank[entry[t].rank] == entry[t].logprob
+
+
+def test_a_beam_search_capped_by_the_pool_finishes_and_frees_its_blocks(tiny_llm_factory):
+    """Two beams fill a 17-block pool (61 prompt tokens + 3, block size 4): when the scheduler
+    caps the search by length for lack of blocks, it finishes with its live beams as the
+    hypotheses ("length") and gives every block back. It used to stay running forever, holding
+    16 of the 17 blocks, so later requests waited for good (a fresh user found it)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = tiny_llm_factory(block_size=4, num_gpu_blocks_override=17)
+    sp = SamplingParams(n=2, use_beam_search=True, max_tokens=3, temperature=0)
+    out = llm.generate([[5 + i % 50 for i in range(61)]], sp, use_tqdm=False)[0]
+    assert out.finished and len(out.outputs) == 2
+    assert all(c.finish_reason == "length" and 1 <= len(c.token_ids) <= 3 for c in out.outputs)
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # the pool serves the next request
+    assert llm.generate([[7] * 8], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
