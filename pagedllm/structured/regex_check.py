@@ -47,6 +47,8 @@ def check_anchors(pattern: str) -> None:
         if letters:
             _refuse_letter(letters.group(1))
         return  # xgrammar's dialect (ECMAScript) may still read it
+    if tree.state.flags & re.MULTILINE:
+        return  # anchors then match at line ends too; xgrammar refuses the (?m) flag itself
     _walk(list(tree), at_start=True, at_end=True)
 
 
@@ -93,3 +95,13 @@ def _walk(items: list[tuple[Any, Any]], at_start: bool, at_end: bool) -> None:
             _walk(list(av[2]), first and once, last and once)
         elif op is getattr(_sre, "ATOMIC_GROUP", None):
             _walk(list(av), first, last)
+
+
+def pattern_lengths(pattern: str) -> tuple[int, int | None] | None:
+    """The shortest and longest string ``pattern`` matches whole (None: no longest), or None
+    when Python cannot parse it (an ECMAScript-only pattern)."""
+    try:
+        lo, hi = _sre.parse(pattern).getwidth()
+    except re.error:
+        return None
+    return int(lo), (int(hi) if hi < _sre.MAXREPEAT else None)

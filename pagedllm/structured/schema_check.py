@@ -16,8 +16,9 @@ It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``on
 ``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``; the grammar ignored it,
 while the same regex as ``structured_outputs.regex`` is refused), a misplaced anchor in it
 (``regex_check``), and a ``pattern`` beside a ``format`` the grammar enforces
-(``GRAMMAR_FORMATS``) or either beside ``minLength`` / ``maxLength`` (the grammar keeps only one
-of them: the format, else the pattern), and a ``multipleOf`` anywhere but as an integer step on
+(``FORMAT_LENGTHS``) or either beside a ``minLength`` / ``maxLength`` that their lengths do not
+imply (the grammar keeps only one of them: the format, else the pattern; a ``maxLength`` of
+``UNENFORCED_MAX_LENGTH`` or more is accepted unenforced), and a ``multipleOf`` anywhere but as an integer step on
 integers (the grammar drops it for other numbers: ``{"type": "number", "multipleOf": 3}`` gave
 ``2.0``). A ``const`` /
 ``enum`` value is emitted whatever the schema's other keywords say (``{"type": "string",
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.structured.regex_check import check_anchors
+from pagedllm.structured.regex_check import check_anchors, pattern_lengths
 
 #: Keywords whose constraint the grammar would drop (an annotation such as ``contentEncoding``
 #: or ``format`` constrains nothing that must be refused).
@@ -190,9 +191,9 @@ def _check_string(out: dict[str, Any], where: str) -> None:
 
     Raises:
         ValueError: a lookaround or a misplaced anchor in ``pattern`` (``regex_check``);
-            ``pattern`` beside a ``format`` of ``GRAMMAR_FORMATS``, or either beside
-            ``minLength`` / ``maxLength`` (the grammar enforces only one of them: the format,
-            else the pattern).
+            ``pattern`` beside a ``format`` of ``FORMAT_LENGTHS``, or either beside a
+            ``minLength`` / ``maxLength`` its lengths do not imply (the grammar enforces only
+            one of them: the format, else the pattern; ``UNENFORCED_MAX_LENGTH``).
     """
     pattern = out.get("pattern")
     if isinstance(pattern, str):
@@ -205,25 +206,47 @@ def _check_string(out: dict[str, Any], where: str) -> None:
             check_anchors(pattern)
         except ValueError as e:
             raise ValueError(f"'pattern' at {where} is not supported: {e}") from None
-    shape = ["format"] if out.get("format") in GRAMMAR_FORMATS else []
+    shape = ["format"] if out.get("format") in FORMAT_LENGTHS else []
     shape += ["pattern"] if isinstance(pattern, str) else []
-    bounds = [k for k in ("minLength", "maxLength") if k in out]
-    if len(shape) == 2 or (shape and bounds):
-        other = shape[1] if len(shape) == 2 else bounds[0]
-        raise ValueError(
-            f"'{other}' at {where} is not supported beside '{shape[0]}': the grammar would "
-            f"enforce only the '{shape[0]}'"
+    if not shape:
+        return
+    if len(shape) == 2:
+        bound = "pattern"
+    else:  # a bound the format / pattern already implies holds; another would be dropped
+        lengths = (
+            FORMAT_LENGTHS[out["format"]] if shape[0] == "format" else pattern_lengths(str(pattern))
         )
+        lo, hi = lengths if lengths is not None else (0, None)  # unknown: nothing implied
+        low, high = out.get("minLength", 0), out.get("maxLength")
+        low_ok = not isinstance(low, int) or low <= lo  # not an int: xgrammar refuses it
+        high_ok = (
+            not isinstance(high, int)
+            or high >= UNENFORCED_MAX_LENGTH
+            or (hi is not None and high >= hi)
+        )
+        if low_ok and high_ok:
+            return
+        bound = "minLength" if not low_ok else "maxLength"
+    raise ValueError(
+        f"'{bound}' at {where} is not supported beside '{shape[0]}': the grammar would "
+        f"enforce only the '{shape[0]}'"
+    )
 
 
-#: The ``format`` values the grammar enforces (xgrammar 0.2.9); beside one of them it drops
-#: ``pattern`` and the length bounds. Other formats are annotations it ignores.
-GRAMMAR_FORMATS = frozenset(
-    {
-        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
-        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-    }
-)  # fmt: skip
+#: The ``format`` values the grammar enforces (xgrammar 0.2.9), with the shortest and longest
+#: value of each (None: unbounded); beside one of them the grammar drops ``pattern`` and the
+#: length bounds, so only bounds these lengths imply are accepted. Other formats are annotations
+#: it ignores.
+FORMAT_LENGTHS: dict[str, tuple[int, int | None]] = {
+    "email": (3, None), "date": (10, 10), "time": (8, None), "date-time": (19, None),
+    "duration": (3, None), "ipv4": (7, 15), "ipv6": (2, 45), "hostname": (1, None),
+    "uuid": (36, 36), "uri": (2, None), "uri-reference": (0, None), "uri-template": (0, None),
+    "json-pointer": (0, None), "relative-json-pointer": (1, None),
+}  # fmt: skip
+#: A ``maxLength`` from here on beside a format / pattern is accepted but not enforced: no
+#: reply writes a value that long before ``max_tokens`` cuts it (pydantic's ``HttpUrl`` writes
+#: ``"format": "uri", "maxLength": 2083``).
+UNENFORCED_MAX_LENGTH = 1000
 
 
 #: The keywords a ``const`` / ``enum`` value is checked against (the grammar emits the listed
@@ -241,6 +264,8 @@ def _integer_multiple(out: dict[str, Any]) -> bool:
     whose numbers are integers (``"integer"``, or ``["integer", "null"]``)."""
     step, types = out["multipleOf"], out.get("type")
     types = [types] if isinstance(types, str) else types
+    if isinstance(step, float) and step.is_integer():
+        out["multipleOf"] = step = int(step)  # 5.0: the grammar steps by integers only
     return (
         isinstance(step, int)
         and not isinstance(step, bool)
@@ -332,8 +357,14 @@ def _merge_all_of(node: dict[str, Any], where: str) -> dict[str, Any]:
     """``node`` with its ``allOf`` schemas' keywords moved into it, when no keyword appears
     twice with different values (the conjunction is then the merged schema itself)."""
     parts = node["allOf"]
-    if not isinstance(parts, list) or len(parts) <= 1:
-        return dict(node)  # one schema: xgrammar reads it as is
+    if not isinstance(parts, list) or not parts:
+        return dict(node)
+    if len(parts) == 1:  # merged when it can be (its keywords then meet the parent's type)
+        one = parts[0]
+        if not isinstance(one, dict) or "$ref" in one or "allOf" in one or any(
+            k in node and node[k] != v for k, v in one.items()
+        ):
+            return dict(node)  # xgrammar reads one schema as is (pydantic's $ref wrapper)
     merged = {k: v for k, v in node.items() if k != "allOf"}
     for part in parts:
         if not isinstance(part, dict) or "$ref" in part or "allOf" in part:

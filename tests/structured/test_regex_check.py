@@ -11,7 +11,7 @@ from pagedllm.structured.regex_check import check_anchors
 @pytest.mark.parametrize(
     "pattern",
     ["^ab$", "^a|^b", "(^a)b", "a(b$)", "(a|^b)c", "^(?:a|b)+$", "(^a)?b", r"[\^$]x", r"\\Z",
-     r"a\\z", "[a-z]+", "(?<n>a)b"],
+     r"a\\z", "[a-z]+", "(?<n>a)b", "(?m)^a$\n^b$"],  # (?m): left to the grammar
 )
 def test_anchors_at_the_ends_and_escaped_characters_pass(pattern: str) -> None:
     check_anchors(pattern)

@@ -47,8 +47,8 @@ def test_disjoint_all_of_is_merged_and_the_input_kept() -> None:
     merged = check_schema(schema)
     assert merged["properties"]["n"] == {"type": "integer", "minimum": 1000}
     assert schema == before
-    # a single schema stays as xgrammar reads it; equal repeated keywords merge too
-    assert check_schema({"allOf": [{"type": "string"}]}) == {"allOf": [{"type": "string"}]}
+    # a single plain schema merges too (a $ref wrapper stays); equal repeated keywords merge
+    assert check_schema({"allOf": [{"type": "string"}]}) == {"type": "string"}
     assert check_schema({"type": "integer", "allOf": [{"type": "integer"}, {"maximum": 3}]}) == {
         "type": "integer", "maximum": 3}
 
@@ -100,6 +100,8 @@ def test_keyword_names_as_property_names_or_values_pass() -> None:
         ({"type": "string", "pattern": "a^b"}, "'pattern' at / is not supported: '^' is"),
         # the grammar keeps only the format (else the pattern) and drops the rest
         ({"type": "string", "minLength": 3, "pattern": "^a$"}, "'minLength' at / is not supported beside 'pattern'"),
+        ({"type": "string", "maxLength": 9, "pattern": "^a+$"}, "'maxLength' at / is not supported beside 'pattern'"),
+        ({"type": "string", "format": "email", "maxLength": 50}, "'maxLength' at / is not supported beside 'format'"),
         ({"type": "string", "format": "date", "maxLength": 3}, "'maxLength' at / is not supported beside 'format'"),
         ({"type": "string", "format": "date", "pattern": "a"}, "'pattern' at / is not supported beside 'format'"),
         # multipleOf: enforced only as an integer step on integers
@@ -205,11 +207,32 @@ def test_integer_steps_on_integers_and_listed_values_pass() -> None:
     assert check_schema({"type": "number", "multipleOf": 0.5, "enum": [1.5, 1.2]})["enum"] == [1.5]
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},  # pydantic HttpUrl
+        {"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
+        {"type": "string", "pattern": "^[A-Z]{3}$", "minLength": 3, "maxLength": 3},
+        {"type": "string", "pattern": "^[a-z]+$", "minLength": 1},
+    ],
+)
+def test_length_bounds_the_format_or_pattern_implies_pass(schema: dict) -> None:
+    assert check_schema(schema) == schema
+
+
+def test_merges_a_single_all_of_and_takes_an_integral_float_step() -> None:
+    assert check_schema({"type": "integer", "allOf": [{"multipleOf": 3}]}) == {
+        "type": "integer", "multipleOf": 3}
+    assert check_schema({"type": "integer", "multipleOf": 5.0})["multipleOf"] == 5
+    wrapper = {"allOf": [{"$ref": "#/$defs/x"}], "description": "d", "$defs": {"x": {}}}
+    assert check_schema(wrapper) == wrapper  # pydantic's $ref wrapper stays as it is
+
+
 def test_formats_the_grammar_ignores_keep_their_length_bounds() -> None:
     schema = {"type": "string", "format": "password", "minLength": 8}
     assert check_schema(schema) == schema  # "password" is an annotation: the length holds
-    with pytest.raises(ValueError, match="'minLength' at / is not supported beside 'format'"):
-        check_schema({"type": "string", "format": "uuid", "minLength": 8})
+    with pytest.raises(ValueError, match="'maxLength' at / is not supported beside 'format'"):
+        check_schema({"type": "string", "format": "uuid", "maxLength": 8})
 
 
 def test_enum_values_that_break_the_schema_are_dropped() -> None:
