@@ -96,20 +96,20 @@ def value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError
     name where they differ)."""
     rename = rename or {}
     msg = str(e)
-    if isinstance(e, ContextLengthExceededError):
-        return APIError(
-            400, msg, param=rename.get(e.param, e.param), code="context_length_exceeded"
-        )
     m = re.match(r"\s*([A-Za-z_]+)", msg)
-    param = m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
-    if param is not None and m is not None and param in rename:
-        new, rest = rename[param], msg[m.end(1) :]
+    named = m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
+    param = e.param if isinstance(e, ContextLengthExceededError) else named
+    if param is not None and param in rename:
+        new = rename[param]
         if new != param:
-            # "structured_outputs.json is invalid" -> "guided_json is invalid": the kind is the
-            # engine's name for what the request's own field holds.
-            rest = re.sub(r"^\.\w+", "", rest)
-        param, msg = new, msg[: m.start(1)] + new + rest
-    return APIError(400, msg, param=param)
+            # "structured_outputs.json" (a kind) -> "guided_json"; every mention of a field
+            # name such as max_tokens, only the first of a word such as prompt ("a prompt of").
+            msg = re.sub(
+                rf"(?<![\w.]){re.escape(param)}(\.\w+)?\b", new, msg, count=0 if "_" in param else 1
+            )
+        param = new
+    code = "context_length_exceeded" if isinstance(e, ContextLengthExceededError) else None
+    return APIError(400, msg, param=param, code=code)
 
 
 def engine_failure(e: BaseException) -> APIError:

@@ -12,6 +12,7 @@ Accepted (at most one of them per request):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -74,7 +75,10 @@ def structured_outputs_from_request(
     except ValueError as e:
         if name == "structured_outputs":
             raise
-        raise ValueError(f"{name}: {e}") from None
+        msg = str(e)
+        if msg.startswith("structured_outputs."):  # "structured_outputs.json is false" ->
+            raise ValueError(re.sub(r"^structured_outputs\.\w+", name, msg)) from None
+        raise ValueError(f"{name}: {msg}") from None
 
 
 def _from_response_format(kind: str, json_schema: dict[str, Any] | None) -> dict[str, Any]:

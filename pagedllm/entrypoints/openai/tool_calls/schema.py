@@ -157,7 +157,8 @@ def resolve_tools(req: Any) -> ToolConfig:
             400, f"{cparam}: no function named {choice!r} in {fparam} ({names})", param=cparam
         )
     for i, f in enumerate(checked):
-        if choice in ("required", f["name"]):  # the grammar enforces these parameters
+        # The grammar enforces these parameters (a tool named "auto" is not chosen by "auto").
+        if choice == "required" or (choice not in ("auto", "none") and choice == f["name"]):
             where = f"{fparam}[{i}].function" if fparam == "tools" else f"{fparam}[{i}]"
             try:
                 check_schema(f["parameters"])
