@@ -56,14 +56,11 @@ def check_model_paths(paths: dict[str, str | None]) -> None:
         ValueError: naming ``--model`` for a path that is neither a file / folder nor the name
             of a bundled model.
     """
-    from pagedllm.model.loader.bundled import bundled_model_names, get_bundled_model
+    from pagedllm.model.loader.bundled import get_bundled_model, model_not_found_message
 
     for path in paths.values():
         if path is not None and not os.path.exists(path) and get_bundled_model(path) is None:
-            raise ValueError(
-                f"--model: model path not found: {path}; it is not a bundled model name either "
-                f"(bundled models: {', '.join(bundled_model_names())})"
-            )
+            raise ValueError(f"--model: {model_not_found_message(path)}")
 
 
 def estimate_model_bytes(path: str | None, engine_args: dict[str, Any], replicas: int = 1) -> int:

@@ -15,15 +15,14 @@ It also refuses what xgrammar accepts but cannot mean: an empty ``anyOf`` / ``on
 ``$ref`` outside the schema (nothing may be fetched; the constraint was dropped) and a
 ``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``; the grammar ignored it,
 while the same regex as ``structured_outputs.regex`` is refused), a misplaced anchor in it
-(``regex_check``), and a ``pattern`` beside a ``format`` the grammar enforces
-(``FORMAT_LENGTHS``) or either beside a ``minLength`` / ``maxLength`` that their lengths do not
-imply (the grammar keeps only one of them: the format, else the pattern; a ``maxLength`` of
-``UNENFORCED_MAX_LENGTH`` or more is accepted unenforced), and a ``multipleOf`` anywhere but as an integer step on
-integers (the grammar drops it for other numbers: ``{"type": "number", "multipleOf": 3}`` gave
-``2.0``). A ``const`` /
-``enum`` value is emitted whatever the schema's other keywords say (``{"type": "string",
-"const": 5}`` gave ``5``), so the values that break them are dropped, and a schema left with none
-matches no value.
+(``regex_check``), a ``pattern`` beside a ``format`` the grammar enforces (``FORMAT_LENGTHS``)
+or either beside a ``minLength`` / ``maxLength`` their lengths do not imply (the grammar keeps
+only one of them: the format, else the pattern; a ``maxLength`` of ``UNENFORCED_MAX_LENGTH`` or
+more is accepted unenforced), and a ``multipleOf`` other than an integer step on integers (the
+grammar drops it for other numbers: ``{"type": "number", "multipleOf": 3}`` gave ``2.0``). A
+``const`` / ``enum`` value is emitted whatever the schema's other keywords say (``{"type":
+"string", "const": 5}`` gave ``5``), so the values that break them are dropped, and a schema
+left with none matches no value.
 
 Objects are compiled in xgrammar's strict mode, where an absent ``additionalProperties`` means
 no property beyond ``properties``. Two schemas that JSON Schema satisfies with such properties
@@ -41,6 +40,8 @@ unions are) and as ``anyOf`` otherwise (README, "Structured outputs").
 from __future__ import annotations
 
 from typing import Any
+
+import jsonschema
 
 from pagedllm.structured.regex_check import check_anchors, pattern_lengths
 
@@ -118,9 +119,12 @@ def _check(node: Any, path: str) -> Any:
             f"(starting with '#') can be resolved, not {ref!r}"
         )
     _check_string(out, where)
+    step = out.get("multipleOf")
+    if isinstance(step, float) and step.is_integer():
+        out["multipleOf"] = int(step)  # 5.0: the grammar steps by integers only
     if "const" in out or "enum" in out:
         _keep_valid_values(out, where)
-    elif "multipleOf" in out and not _integer_multiple(out):
+    elif "multipleOf" in out and not _integer_multiple(out["multipleOf"], out.get("type")):
         raise ValueError(
             f"'multipleOf' at {where} is not supported except as an integer on 'type': "
             "'integer' (the grammar drops it for other numbers)"
@@ -259,13 +263,10 @@ _VALUE_KEYWORDS = (
 )  # fmt: skip
 
 
-def _integer_multiple(out: dict[str, Any]) -> bool:
-    """Whether the grammar enforces ``out``'s ``multipleOf``: an integer step on a schema
-    whose numbers are integers (``"integer"``, or ``["integer", "null"]``)."""
-    step, types = out["multipleOf"], out.get("type")
+def _integer_multiple(step: Any, types: Any) -> bool:
+    """Whether the grammar enforces a ``multipleOf`` of ``step`` on a schema of ``types``: an
+    integer step where the numbers are integers (``"integer"``, or ``["integer", "null"]``)."""
     types = [types] if isinstance(types, str) else types
-    if isinstance(step, float) and step.is_integer():
-        out["multipleOf"] = step = int(step)  # 5.0: the grammar steps by integers only
     return (
         isinstance(step, int)
         and not isinstance(step, bool)
@@ -284,8 +285,6 @@ def _keep_valid_values(out: dict[str, Any], where: str) -> None:
     Raises:
         Unsatisfiable: no listed value satisfies the other keywords.
     """
-    import jsonschema
-
     rest = {k: out[k] for k in _VALUE_KEYWORDS if k in out}
     if not rest:
         return

@@ -104,9 +104,8 @@ def value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError
         if new != param:
             # "structured_outputs.json" (a kind) -> "guided_json"; every mention of a field
             # name such as max_tokens, only the first of a word such as prompt ("a prompt of").
-            msg = re.sub(
-                rf"(?<![\w.]){re.escape(param)}(\.\w+)?\b", new, msg, count=0 if "_" in param else 1
-            )
+            mention = rf"(?<![\w.]){re.escape(param)}(\.\w+)?\b"
+            msg = re.sub(mention, new, msg, count=0 if "_" in param else 1)
         param = new
     code = "context_length_exceeded" if isinstance(e, ContextLengthExceededError) else None
     return APIError(400, msg, param=param, code=code)

@@ -12,7 +12,6 @@ Accepted (at most one of them per request):
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -73,12 +72,9 @@ def structured_outputs_from_request(
     try:
         return StructuredOutputsParams(**kw)
     except ValueError as e:
-        if name == "structured_outputs":
-            raise
-        msg = str(e)
-        if msg.startswith("structured_outputs."):  # "structured_outputs.json is false" ->
-            raise ValueError(re.sub(r"^structured_outputs\.\w+", name, msg)) from None
-        raise ValueError(f"{name}: {msg}") from None
+        if name == "structured_outputs" or str(e).startswith("structured_outputs."):
+            raise  # the 400's value_error renames "structured_outputs.json" to the field
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _from_response_format(kind: str, json_schema: dict[str, Any] | None) -> dict[str, Any]:

@@ -152,9 +152,13 @@ def bundled_model_path(name: str | None = None) -> Path:
     """
     entry = get_bundled_model(name if name is not None else DEFAULT_BUNDLED_MODEL)
     if entry is None:
-        listing = ", ".join(bundled_model_names())
-        raise FileNotFoundError(
-            f"model path not found: {name}; it is not a bundled model name either "
-            f"(bundled models: {listing})"
-        )
+        raise FileNotFoundError(model_not_found_message(str(name)))
     return entry.locate()
+
+
+def model_not_found_message(path: str) -> str:
+    """The error for a model that is neither a local path nor a bundled model's name."""
+    return (
+        f"model path not found: {path}; it is not a bundled model name either "
+        f"(bundled models: {', '.join(bundled_model_names())})"
+    )

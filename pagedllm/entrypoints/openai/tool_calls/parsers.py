@@ -39,10 +39,10 @@ ARGS_KEYS = ("arguments", "parameters")
 class ParsedCall:
     """One tool call as far as it is known: ``name`` (None until complete, until its arguments
     start unless the output ended before them, and while arguments sent as a JSON-encoded
-    string are unfinished: only the whole string tells whether they are JSON), ``arguments`` (JSON text, possibly unfinished),
-    ``complete`` once the call's text has ended; ``valid`` False for arguments that are not a
-    JSON object (nor a string holding one); ``end`` the index past the call's text once
-    complete."""
+    string are unfinished: only the whole string tells whether they are JSON), ``arguments``
+    (JSON text, possibly unfinished), ``complete`` once the call's text has ended; ``valid``
+    False for arguments that are not a JSON object (nor a string holding one); ``end`` the
+    index past the call's text once complete."""
 
     name: str | None
     arguments: str

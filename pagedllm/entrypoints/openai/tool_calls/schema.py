@@ -139,12 +139,11 @@ def resolve_tools(req: Any) -> ToolConfig:
             forced choice cannot enforce (``check_schema``, its pointers relative to them).
     """
     fns, fparam = _function_dicts(req)
-    checked = [
-        _check_function(
-            f, f"{fparam}[{i}].function" if fparam == "tools" else f"{fparam}[{i}]", fparam
-        )
-        for i, f in enumerate(fns)
+    wheres = [
+        f"{fparam}[{i}].function" if fparam == "tools" else f"{fparam}[{i}]"
+        for i in range(len(fns))
     ]
+    checked = [_check_function(f, where, fparam) for f, where in zip(fns, wheres, strict=True)]
     names = [f["name"] for f in checked]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -156,10 +155,9 @@ def resolve_tools(req: Any) -> ToolConfig:
         raise APIError(
             400, f"{cparam}: no function named {choice!r} in {fparam} ({names})", param=cparam
         )
-    for i, f in enumerate(checked):
+    for f, where in zip(checked, wheres, strict=True):
         # The grammar enforces these parameters (a tool named "auto" is not chosen by "auto").
         if choice == "required" or (choice not in ("auto", "none") and choice == f["name"]):
-            where = f"{fparam}[{i}].function" if fparam == "tools" else f"{fparam}[{i}]"
             try:
                 check_schema(f["parameters"])
             except ValueError as e:  # its pointers are the parameters', not the wrapper's
