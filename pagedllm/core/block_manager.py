@@ -161,10 +161,26 @@ class BlockManager:
         grow = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
         return grow + int(self._needs_cow(table, seq.num_computed_tokens))
 
+    def num_blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks that ``allocate_slots`` takes for every (sequence, new tokens) of ``plan``, in
+        order: growth plus copy-on-writes. A shared, partly filled last block held by ``r``
+        sequences costs at most ``r - 1`` copies: each writer before the last copies it and drops
+        a reference, and the last finds itself the only owner and writes in place (paper
+        section 4.4). Summing ``num_new_blocks_needed`` would count ``r`` and cap a parallel
+        sampling or beam search group one block early."""
+        grow = 0
+        writers: Counter[int] = Counter()  # shared last block -> holders writing it this step
+        for seq, n in plan:
+            table = self.block_tables.get(seq.seq_id, [])
+            grow += max(0, cdiv(seq.num_computed_tokens + n, self.block_size) - len(table))
+            if self._needs_cow(table, seq.num_computed_tokens):
+                writers[table[seq.num_computed_tokens // self.block_size]] += 1
+        refs = self.allocator.ref_counts
+        return grow + sum(min(h, refs[block] - 1) for block, h in writers.items())
+
     def can_append_slots(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
         """Whether running sequences can each grow by ``num_new_tokens`` (no watermark)."""
-        need = sum(self.num_new_blocks_needed(s, num_new_tokens) for s in seqs)
-        return need <= self.allocator.num_free
+        return self.num_blocks_needed([(s, num_new_tokens) for s in seqs]) <= self.allocator.num_free
 
     # ---- admission with prefix caching -----------------------------------------------------
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:

@@ -218,6 +218,10 @@ class ContiguousKVManager:
         table = self.block_tables.get(seq.seq_id, [])
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
 
+    def num_blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """``num_new_blocks_needed`` summed over ``plan`` (nothing is shared here)."""
+        return sum(self.num_new_blocks_needed(s, n) for s, n in plan)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Mark ``num_new_tokens`` more slots of the reservation as written this step.
 

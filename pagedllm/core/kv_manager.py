@@ -217,6 +217,11 @@ class KVManager(Protocol):
         """Blocks to take so ``seq`` can compute ``num_new_tokens`` more tokens."""
         ...
 
+    def num_blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks ``allocate_slots`` takes for every (sequence, new tokens) of ``plan`` in order,
+        a copy-on-write counted once per copy actually made."""
+        ...
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for ``num_new_tokens`` more tokens; returns (src, dst) copy-on-write pairs.
 

@@ -515,7 +515,7 @@ class Scheduler:
 
     def _need(self, plan: list[tuple[Sequence, int]]) -> int:
         """New blocks ``plan`` takes (copy-on-writes included)."""
-        return sum(self.block_manager.num_new_blocks_needed(s, n) for s, n in plan)
+        return self.block_manager.num_blocks_needed(plan)
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         return self._need(plan) <= self.block_manager.num_free_blocks

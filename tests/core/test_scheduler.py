@@ -212,3 +212,25 @@ def test_prefill_first_runs_an_admission_in_a_step_of_its_own():
 def test_prefill_first_needs_fcfs():
     with pytest.raises(ValueError, match="prefill_first"):
         SchedulerConfig(2, 64, 256, policy="priority", prefill_first=True)
+
+
+def test_samples_sharing_a_partial_block_fit_when_copies_minus_one_are_free():
+    """n = 3 samples of a 6-token prompt share its half-full second block. Their first decode
+    needs two copies (the last writer keeps the block): with exactly 2 blocks free, all three
+    run; counting a copy per writer finished the request by length instead."""
+    sch, bm = make(num_blocks=4)
+    g = group("a", 6, 0)
+    sch.add_seq_group(g)
+    finish_step(sch.schedule(), [g])  # prefill: blocks 0, 1
+    lead = g.seqs[0]
+    for i in (1, 2):
+        child = lead.fork(next(_ids), seed=i)
+        child.token_ids[-1] = 7 + i  # each sample drew its own first token
+        bm.fork(lead, child)
+        g.seqs.append(child)
+    assert bm.num_free_blocks == 2
+    out = sch.schedule()
+    assert not out.length_capped and not out.preempted
+    assert [w.block_table for _, w in out.scheduled] == [[0, 2], [0, 3], [0, 1]]
+    assert bm.num_free_blocks == 0 and bm.allocator.ref_counts == [3, 1, 1, 1]
+    bm.check_invariants()

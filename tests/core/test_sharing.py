@@ -121,3 +121,27 @@ def test_disabled_prefix_cache_never_hits():
     computed(bm, a, 9)
     bm.free(a)
     assert bm.cached_prefix_blocks(seq(1, range(1, 10))) == []
+
+
+def test_a_shared_last_block_costs_one_copy_less_than_its_writers():
+    """Three samples share a partly filled block: the first two writers copy it, the last
+    writes in place, so the plan needs 2 blocks, not 3 (counting 3 capped such groups one
+    block early)."""
+    bm = BlockManager(5, 4, watermark=0)
+    parent = seq(0, range(1, 7))  # blocks 0 (full) and 1 (2 of 4 slots)
+    computed(bm, parent, 6)
+    kids = [parent.fork(i, seed=i) for i in (1, 2)]
+    for k in kids:
+        bm.fork(parent, k)
+    trio = [parent, *kids]
+    for s in trio:
+        s.token_ids.append(9)
+    assert [bm.num_new_blocks_needed(s, 1) for s in trio] == [1, 1, 1]
+    assert bm.num_blocks_needed([(s, 1) for s in trio]) == 2
+    assert bm.num_blocks_needed([(s, 1) for s in trio[:2]]) == 2  # the third still holds it
+    assert bm.num_blocks_needed([(parent, 5)]) == 2  # a copy of block 1 and a new block
+    assert bm.can_append_slots(trio, 1) and bm.num_free_blocks == 3
+    assert [computed(bm, s, 1) for s in trio] == [[(1, 2)], [(1, 3)], []]
+    assert [bm.get_block_table(s) for s in trio] == [[0, 2], [0, 3], [0, 1]]
+    assert bm.allocator.ref_counts == [3, 1, 1, 1, 0]
+    bm.check_invariants()
