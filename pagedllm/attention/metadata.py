@@ -34,6 +34,10 @@ class AttentionMetadata:
             (for loops on the host without a device -> host copy per layer).
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
         block_size: tokens per KV block.
+        prompt_lens_list: [S] prompt length of each sequence, for the RoPE types whose
+            frequencies depend on the length (``layers.rope_scaling.frequency_length``); None
+            (as where a caller builds metadata without them): each sequence's length after the
+            step stands in.
         backend_cache: scratch space for a backend's per-step precomputation (filled by the
             first layer, reused by the others).
     """
@@ -47,6 +51,7 @@ class AttentionMetadata:
     query_start_loc_list: list[int]
     num_decodes: int
     block_size: int
+    prompt_lens_list: list[int] | None = None
     # Per-step values a backend derives once and reuses in every layer (index lists, masks).
     backend_cache: dict[str, Any] = field(default_factory=dict)
 

@@ -61,6 +61,9 @@ class ScheduledSequence:
         num_spec_tokens: the last ``num_spec_tokens`` of ``token_ids`` are speculative
             (proposed, not yet in the sequence): the logits of the last ``num_spec_tokens + 1``
             positions are wanted to verify them (``spec_decode.verify``).
+        num_prompt_tokens: the sequence's prompt length (RoPE types whose frequencies depend on
+            the length read it: ``layers.rope_scaling.frequency_length``); None: its length
+            after the step stands in.
     """
 
     seq_id: int
@@ -71,6 +74,7 @@ class ScheduledSequence:
     prompt_logprobs: bool = False
     pool: bool = False
     num_spec_tokens: int = 0
+    num_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -546,6 +550,7 @@ class Scheduler:
                         prompt_logprobs=want_prompt_logprobs and start < seq.num_prompt_tokens,
                         pool=pool,
                         num_spec_tokens=num_spec,
+                        num_prompt_tokens=seq.num_prompt_tokens,
                     ),
                 )
             )

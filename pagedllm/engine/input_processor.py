@@ -12,8 +12,9 @@ import contextlib
 import itertools
 import operator
 import random
+import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -46,6 +47,16 @@ def require_valid_unicode(text: str, field: str) -> None:
         ) from None
 
 
+def prefix_cache_extra(cache_salt: str | None, prompt_key: str | None) -> bytes | None:
+    """A sequence's prefix-cache key material beyond its tokens (``Sequence.cache_salt``): None
+    without a salt or prompt key, else both fields length-prefixed, so that no salt can pose
+    as another salt plus a key."""
+    if cache_salt is None and prompt_key is None:
+        return None
+    fields = [(cache_salt or "").encode(), (prompt_key or "").encode()]
+    return b"".join(struct.pack("<I", len(f)) + f for f in fields)
+
+
 class InputProcessor:
     """Tokenizes, validates and builds requests.
 
@@ -57,6 +68,8 @@ class InputProcessor:
         eos_token_ids: the model's end-of-sequence ids (beam search's stopping tokens).
         kv: the KV manager (``check_request_fits``: what its pool can ever hold).
         seq_ids: the engine's sequence-id counter (shared with the core's forks).
+        prompt_key: what a prompt's KV blocks depend on beyond its tokens, from its length
+            (``rope_scaling.prompt_frequency_key``); None: nothing.
     """
 
     def __init__(
@@ -68,6 +81,7 @@ class InputProcessor:
         eos_token_ids: list[int],
         kv: KVManager,
         seq_ids: Iterator[int],
+        prompt_key: Callable[[int], str | None] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -76,6 +90,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.kv = kv
         self._seq_ids = seq_ids
+        self._prompt_key = prompt_key
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
 
@@ -234,8 +249,8 @@ class InputProcessor:
             token_ids = token_id_list(prompt)
         max_tokens = self.validate(token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        salt = cache_salt.encode() if cache_salt else None
-        seq = Sequence(next(self._seq_ids), token_ids, seed, salt)
+        key = self._prompt_key(len(token_ids)) if self._prompt_key else None
+        seq = Sequence(next(self._seq_ids), token_ids, seed, prefix_cache_extra(cache_salt, key))
         seq.max_num_tokens = len(token_ids) + max_tokens
         # Prompt logprobs need the logits of every prompt position, and pooling the hidden state
         # of every position: no prefix-cache hits.

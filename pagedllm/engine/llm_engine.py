@@ -9,6 +9,7 @@ their ``RequestOutput``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
@@ -33,6 +34,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats, KVStatsObserver
 from pagedllm.executor.factory import create_executor
+from pagedllm.model.layers.rope_scaling import prompt_frequency_key
 from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.model.packed_linear import own_gemm_runs
 from pagedllm.model.sharding import TensorParallelShard
@@ -270,6 +272,7 @@ class LLMEngine:
             eos_token_ids,
             self.block_manager,
             seq_ids,
+            functools.partial(prompt_frequency_key, mc.rope_scaling, mc.max_position_embeddings),
         )
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, eos_token_ids)

@@ -201,6 +201,7 @@ class DraftModelProposer:
                 works.append((rid, ScheduledSequence(
                     seq_id=w.seq_id, token_ids=token_ids, start_pos=start,
                     block_table=w.block_table, do_sample=True,
+                    num_prompt_tokens=w.num_prompt_tokens,
                 )))  # fmt: skip
             result = self.worker.runner.execute(SchedulerOutput(scheduled=works))
             self._sample(result.sample_seq_ids, result.logits, seqs, drafts, probs)

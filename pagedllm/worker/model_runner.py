@@ -198,6 +198,10 @@ class ModelRunner:
             query_start_loc_list=starts,
             num_decodes=num_decodes,
             block_size=bs,
+            prompt_lens_list=[
+                s if w.num_prompt_tokens is None else w.num_prompt_tokens
+                for w, s in zip(works, seq_lens, strict=True)
+            ],
         )
 
         # Rows whose logits are wanted: the last token of each sampling sequence (and the

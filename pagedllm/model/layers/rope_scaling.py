@@ -11,6 +11,12 @@ Two types depend on the length of the sequence a token belongs to, as transforme
 than the trained context) and "longrope" (Phi-3, Ding et al. 2024 "LongRoPE": per-frequency
 rescale factors, the short set up to ``original_max_position_embeddings``, the long set beyond,
 and the attention factor ``sqrt(1 + ln(s) / ln(original))`` on cos and sin).
+
+Transformers' cached generation computes the prompt in one forward pass, where every prompt token
+sees the prompt's length, and each output token in a pass of its own, where it sees its position
++ 1. :func:`frequency_length` gives every token that same length under any schedule (chunked
+prefill, recompute after preemption, speculative verification), and
+:func:`prompt_frequency_key` tells prefix caching which prompts computed their blocks alike.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def _yarn(
     rotary_dim: int, theta: float, scaling: dict[str, Any], trained_len: int
 ) -> tuple[torch.Tensor, float]:
     d = rotary_dim
-    original = int(scaling.get("original_max_position_embeddings") or trained_len)
+    original = longrope_switch_len(scaling, trained_len)
     factor = scaling.get("factor")
     factor = float(factor) if factor is not None else trained_len / original
     attn = scaling.get("attention_factor")
@@ -121,6 +127,37 @@ def static_inv_freq(
     raise ValueError(f"rope_scaling type {kind!r} is not supported ({known})")
 
 
+def frequency_length(positions: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the sequence length whose frequencies the token at each of ``positions`` ([T]
+    int64) uses, ``max(prompt_len, position + 1)``: the prompt's length for a prompt token, its
+    own position + 1 for an output token (``prompt_lens``: [T] int64, the prompt length of each
+    token's sequence). Independent of how the tokens are split into steps."""
+    return torch.maximum(positions + 1, prompt_lens)
+
+
+def longrope_switch_len(scaling: dict[str, Any], trained_len: int) -> int:
+    """LongRoPE: sequences longer than this many tokens use the long factors."""
+    return int(scaling.get("original_max_position_embeddings") or trained_len)
+
+
+def prompt_frequency_key(
+    scaling: dict[str, Any] | None, trained_len: int, num_prompt_tokens: int
+) -> str | None:
+    """What a prompt's KV blocks depend on beyond its tokens, for prefix caching: None where
+    they do not (static types, and prompts within the length-dependent types' unscaled range),
+    else a key that equals another prompt's exactly when both rotate their prompt tokens with
+    the same frequencies ("longrope-long" beyond the switch; "dynamic-L" for an L-token prompt
+    beyond the trained context). Output tokens use their own position (:func:`frequency_length`),
+    so a cached block holding them matches every prompt with the same key."""
+    kind = rope_type(scaling)
+    if scaling is None or kind not in LENGTH_DEPENDENT_TYPES:
+        return None
+    if kind == "longrope":
+        long = num_prompt_tokens > longrope_switch_len(scaling, trained_len)
+        return "longrope-long" if long else None
+    return f"dynamic-{num_prompt_tokens}" if num_prompt_tokens > trained_len else None
+
+
 def longrope_inv_freqs(
     rotary_dim: int, theta: float, scaling: dict[str, Any], trained_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
@@ -132,7 +169,7 @@ def longrope_inv_freqs(
     Raises:
         ValueError: naming ``rope_scaling`` when a factor list is missing or has the wrong length.
     """
-    original = int(scaling.get("original_max_position_embeddings") or trained_len)
+    original = longrope_switch_len(scaling, trained_len)
     factor = scaling.get("factor")
     factor = float(factor) if factor is not None else trained_len / original
     attn = scaling.get("attention_factor")

@@ -16,6 +16,7 @@ from pagedllm.model.layers.rope_scaling import (
     LENGTH_DEPENDENT_TYPES,
     base_inv_freq,
     dynamic_ntk_inv_freq,
+    frequency_length,
     longrope_inv_freqs,
     rope_type,
     static_inv_freq,
@@ -43,17 +44,24 @@ def rope_inv_freq(
     return static_inv_freq(rotary_dim, theta, scaling, trained_len)[0]
 
 
-def tokens_sequence_lengths(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
-    """[T] int64: for each new token of the step, its sequence's length after the step.
+def tokens_frequency_lengths(meta: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
+    """[T] int64: for each new token of the step (at ``positions``, [T] int64), the sequence
+    length whose frequencies it uses: ``rope_scaling.frequency_length`` of its sequence's prompt
+    length (``meta.prompt_lens_list``); without prompt lengths, its sequence's length after the
+    step.
 
     Raises:
-        ValueError: ``num_tokens`` differs from the tokens ``meta`` describes.
+        ValueError: ``positions`` differs in length from the tokens ``meta`` describes.
     """
     counts = torch.tensor(meta.query_lens_list, device=meta.seq_lens.device)
-    lens = torch.repeat_interleave(meta.seq_lens, counts)
-    if lens.shape[0] != num_tokens:
-        raise ValueError(f"positions has {num_tokens} entries, the metadata {lens.shape[0]}")
-    return lens
+    if meta.prompt_lens_list is None:
+        lens = torch.repeat_interleave(meta.seq_lens, counts)
+    else:
+        prompt = torch.tensor(meta.prompt_lens_list, device=meta.seq_lens.device)
+        lens = torch.repeat_interleave(prompt, counts)
+    if lens.shape[0] != positions.shape[0]:
+        raise ValueError(f"positions has {positions.shape[0]} entries, the metadata {lens.shape[0]}")
+    return lens if meta.prompt_lens_list is None else frequency_length(positions, lens)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,8 +77,9 @@ class RotaryEmbedding(nn.Module):
     long-factor one ([2P, R/2]) and picks the row per token from its sequence's length, so the C++
     kernel still just gathers table rows. "dynamic" (NTK) keeps the unscaled table for sequences
     within the trained context and computes the angles of the step's tokens in longer ones from
-    their sequence's length. Both follow transformers: a token uses the frequencies of its
-    sequence's length when it is computed (cached keys are not rotated again).
+    their sequence's length. Both follow transformers' cached generation: a prompt token uses
+    the frequencies of the prompt's length, an output token those of its position + 1 (cached
+    keys are not rotated again), whatever the schedule (``tokens_frequency_lengths``).
 
     Args:
         rotary_dim: dimensions of each head that rotate (the head size, or less for partial
@@ -127,11 +136,12 @@ class RotaryEmbedding(nn.Module):
         if meta is None or self.kind not in LENGTH_DEPENDENT_TYPES:
             return self.cos, self.sin, positions
         if self.kind == "longrope":
-            is_long = tokens_sequence_lengths(meta, positions.shape[0]) > self.switch_len
+            is_long = tokens_frequency_lengths(meta, positions) > self.switch_len
             return self.cos, self.sin, positions + is_long * self.num_positions
-        if max(meta.seq_lens_list, default=0) <= self.trained_len:
+        longest = max(meta.seq_lens_list + (meta.prompt_lens_list or []), default=0)
+        if longest <= self.trained_len:
             return self.cos, self.sin, positions  # dynamic NTK within the trained context
-        lens = tokens_sequence_lengths(meta, positions.shape[0])
+        lens = tokens_frequency_lengths(meta, positions)
         inv = dynamic_ntk_inv_freq(
             self.rotary_dim, self.theta, self.ntk_factor, self.trained_len, lens
         )
