@@ -230,6 +230,16 @@ class LLMEngine:
             )
 
         window = uniform_sliding_window([mc.layer_window(i) for i in range(mc.num_hidden_layers)])
+        pool_tokens = num_blocks * config.block_size
+        if pool_tokens < self.max_model_len and window is None:  # a window frees blocks
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than max_model_len (%d): a request gets at "
+                "most what the pool holds (prompt + output; longer ones are a 400), and a "
+                "request without max_tokens the room the pool leaves; raise kv_cache_memory or "
+                "lower max_model_len",
+                pool_tokens,
+                self.max_model_len,
+            )
         self.block_manager: KVManager = create_kv_manager(
             config, num_blocks, num_swap_blocks, self.max_model_len, window
         )

@@ -9,7 +9,8 @@ streaming behave exactly as with one model. The front is a thin ASGI layer:
 - ``POST``: the body is read, its ``model`` looked up (absent: the first model), and the request
   replayed to that model's app; an unknown name is 404 ``model_not_found`` with ``param: model``
   (OpenAI's envelope).
-- ``GET /v1/models``: every configured model, loaded or not. ``GET /health``: 200 (the models load
+- ``GET /v1/models``: every configured model, loaded or not; ``GET /v1/models/{name}``: one of
+  them (404 ``model_not_found`` for another name). ``GET /health``: 200 (the models load
   on demand). Other ``GET`` paths (``/metrics``, ``/version``, ``/v1/responses/{id}``...): the
   app named by the ``model`` query parameter, else the first model's.
 - Budget: at most ``max_loaded`` models at once and/or at most ``memory_budget`` bytes, each
@@ -41,6 +42,8 @@ from pagedllm.engine.async_engine import call_soon_threadsafe
 from pagedllm.entrypoints.openai.errors import APIError, overloaded
 from pagedllm.entrypoints.openai.middleware import DRAIN_OPEN_PATHS, ServerLifecycle, send_draining
 from pagedllm.entrypoints.openai.shutdown import drain_in_flight
+
+MODEL_PATH_PREFIX = "/v1/models/"  # GET /v1/models/{name}
 
 __all__ = ["MultiModelApp"]
 
@@ -317,6 +320,10 @@ class MultiModelApp:
                 self._check_key(scope)
                 await self._send_json(send, 200, self._model_list())
                 return
+            if scope["method"] == "GET" and scope["path"].startswith(MODEL_PATH_PREFIX):
+                self._check_key(scope)
+                await self._send_json(send, 200, self._model_card(scope["path"]))
+                return
             if scope["method"] == "GET" and scope["path"] == "/health":
                 await self._send_json(send, 200, None)
                 return
@@ -377,13 +384,24 @@ class MultiModelApp:
             raise APIError(401, "missing or wrong API key", code="invalid_api_key")
 
     def _model_list(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": n, "object": "model", "owned_by": "pagedllm", "loaded": s.app is not None}
-                for n, s in self.slots.items()
-            ],
-        }
+        return {"object": "list", "data": [self._card(n) for n in self.slots]}
+
+    def _card(self, name: str) -> dict[str, Any]:
+        loaded = self.slots[name].app is not None
+        return {"id": name, "object": "model", "owned_by": "pagedllm", "loaded": loaded}
+
+    def _model_card(self, path: str) -> dict[str, Any]:
+        """``GET /v1/models/{name}``: the model's card. Raises: APIError 404 for a name not
+        served."""
+        name = path.removeprefix(MODEL_PATH_PREFIX)
+        if name not in self.slots:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves {list(self.slots)}.",
+                param="model",
+                code="model_not_found",
+            )
+        return self._card(name)
 
     def _model_of_body(self, body: bytes) -> str:
         try:

@@ -35,7 +35,12 @@ ENGINE_ARGS = {
 
 @pytest.fixture(scope="module")
 def server(tiny_loaded):
-    app = build_app(dict(ENGINE_ARGS), loaded=tiny_loaded, served_model_name="tiny")
+    app = build_app(
+        dict(ENGINE_ARGS),
+        loaded=tiny_loaded,
+        served_model_name="tiny",
+        trust_request_chat_template=True,
+    )
     srv = ServerThread(app).start()
     yield srv
     srv.stop()
@@ -187,6 +192,36 @@ def test_chat_template_errors_are_400(client, server, extra, param):
     body = {"messages": MESSAGES, "max_tokens": 2, **extra}
     assert_error(client.post(CHAT, json=body), 400, param)
     healthy(server, client)
+
+
+def test_a_request_template_needs_a_trusting_server(client, server):
+    """A template is code the server runs ("x" * 20000000 rendered for seconds and held up
+    /health): refused unless the server was started with --trust-request-chat-template."""
+    serving = server.app.state.serving
+    serving.trust_request_chat_template = False
+    try:
+        for path in (CHAT, "/tokenize"):
+            r = client.post(path, json={"messages": MESSAGES, "max_tokens": 2,
+                                        "chat_template": TEMPLATE})
+            assert_error(r, 400, "chat_template")
+            assert "--trust-request-chat-template" in r.json()["error"]["message"]
+        # chat_template_kwargs alone stay allowed: they only feed the server's own template
+        ok(client, CHAT, {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"x": 1}})
+    finally:
+        serving.trust_request_chat_template = True
+    r = client.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, "chat_template": " "})
+    assert_error(r, 400, "chat_template")
+    healthy(server, client)
+
+
+def test_retrieve_model(client, server):
+    r = client.get("/v1/models/tiny")
+    assert r.status_code == 200, r.text
+    card = r.json()
+    assert card["id"] == "tiny" and card["object"] == "model"
+    assert_error(client.get("/v1/models/other"), 404, "model")
+    oai = official_client(server)
+    assert oai.models.retrieve("tiny").id == "tiny"
 
 
 # ---- /v1/responses -------------------------------------------------------------------------------
@@ -350,5 +385,27 @@ def test_responses_official_client_bundled_model(smollm):
         follow = oai.responses.create(input="And of Italy?", previous_response_id=r.id, **kw)
         assert follow.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
         assert follow.output_text.strip()
+    finally:
+        srv.stop()
+
+
+def test_default_max_tokens_fits_a_pool_smaller_than_the_context(tiny_loaded):
+    """A pool of 6 x 16 = 96 tokens under max_model_len 128: a 90-token prompt without
+    max_tokens gets the 6 tokens the pool leaves (was a 400 blaming max_tokens, which the
+    client never sent); an explicit max_tokens over the pool stays a 400."""
+    import httpx
+
+    from tests.entrypoints.server_utils import start_tiny_server
+
+    srv = start_tiny_server(tiny_loaded, num_gpu_blocks_override=6, block_size=16)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            prompt = [(7 * i) % 300 + 3 for i in range(90)]
+            body = {"prompt": prompt, "temperature": 0, "ignore_eos": True}
+            choice = ok(c, CMPL, body)["choices"][0]
+            assert choice["finish_reason"] == "length"
+            assert ok(c, CMPL, body)["usage"]["completion_tokens"] == 6
+            assert_error(c.post(CMPL, json={**body, "max_tokens": 16}), 400, "max_tokens")
+            healthy(srv, c)
     finally:
         srv.stop()

@@ -160,6 +160,7 @@ def _chat(messages, **kw):
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
         ],
+        [{"role": "user", "content": []}],
     ],
     ids=[
         "wizard",
@@ -169,6 +170,7 @@ def _chat(messages, **kw):
         "system-null",
         "assistant-null",
         "tool-calls",
+        "empty-parts",
     ],
 )
 def test_bad_role_or_null_content_is_400(client, server, messages):

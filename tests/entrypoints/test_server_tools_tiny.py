@@ -41,6 +41,7 @@ def server(tiny_loaded):
         {"max_model_len": 512, "kv_cache_memory": 1 << 22, "check_invariants": True},
         loaded=tiny_loaded,
         served_model_name="tiny",
+        trust_request_chat_template=True,
     )
     srv = ServerThread(app).start()
     yield srv

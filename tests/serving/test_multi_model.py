@@ -58,6 +58,10 @@ def test_models_listed_and_loaded_lazily(server, client):
     front = server.app
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == ["tiny-a", "tiny-b"]
+    card = client.get("/v1/models/tiny-b").json()
+    assert card == {"id": "tiny-b", "object": "model", "owned_by": "pagedllm", "loaded": False}
+    r = client.get("/v1/models/tiny-c")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert front.loaded == []  # nothing loaded before the first request
 
 

@@ -37,6 +37,7 @@ def app_options(args: Any) -> dict[str, Any]:
         "log_stats_interval": args.log_stats_interval,
         "enable_dashboard": _dashboard_enabled(args),
         "tool_call_parser": getattr(args, "tool_call_parser", None),
+        "trust_request_chat_template": getattr(args, "trust_request_chat_template", False),
         "data_parallel_size": getattr(args, "data_parallel_size", 1),
         "router_policy": getattr(args, "router_policy", "cache_aware"),
     }

@@ -142,6 +142,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     enable_dashboard: bool = False,
     tool_call_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine``; its lifespan starts and stops the engine thread.
 
@@ -154,6 +155,8 @@ def create_app(
         enable_dashboard: also serve the KV-cache dashboard (``/dashboard``, ``/debug/kv*``).
         tool_call_parser: the format of the model's tool calls under ``tool_choice="auto"``
             (``hermes``, ``qwen``, ``llama3``, ``mistral``; default: from the chat template).
+        trust_request_chat_template: accept a request's own ``chat_template`` (chat,
+            /tokenize); otherwise such a request is a 400 naming ``chat_template``.
 
     Raises:
         ValueError: naming ``tool_call_parser`` when it is not a known parser.
@@ -167,6 +170,7 @@ def create_app(
         )
     serving = OpenAIServing(async_engine, served_model_name)
     serving.tool_call_parser = tool_call_parser
+    serving.trust_request_chat_template = trust_request_chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -210,6 +214,7 @@ def build_app(
     log_stats_interval: float = 5.0,
     enable_dashboard: bool = False,
     tool_call_parser: str | None = None,
+    trust_request_chat_template: bool = False,
     data_parallel_size: int = 1,
     router_policy: str = "cache_aware",
 ) -> FastAPI:
@@ -220,7 +225,8 @@ def build_app(
         loaded: a ``LoadedModel`` to reuse instead of loading ``engine_args["model"]``.
         served_model_name: default: ``pagedllm.config.served_model_name(model)`` (a folder's
             base name, a GGUF file's stem, "SmolLM2-135M-Instruct" for the bundled model).
-        api_key / max_body_bytes / enable_dashboard / tool_call_parser: see ``create_app``.
+        api_key / max_body_bytes / enable_dashboard / tool_call_parser /
+            trust_request_chat_template: see ``create_app``.
         log_stats_interval: seconds between throughput log lines while busy (0 = never).
         data_parallel_size: above 1, that many engine replicas (Ray actors) behind the router
             (``pagedllm.serving.dp_engine.DataParallelEngine``; no dashboard then).
@@ -262,4 +268,5 @@ def build_app(
         max_body_bytes=max_body_bytes,
         enable_dashboard=enable_dashboard,
         tool_call_parser=tool_call_parser,
+        trust_request_chat_template=trust_request_chat_template,
     )

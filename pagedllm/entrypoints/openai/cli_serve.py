@@ -122,6 +122,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "template; hermes for the shipped tool template)",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in chat and /tokenize requests (a Jinja template runs on "
+        "the server; default: such a request is a 400)",
+    )
+    p.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,

@@ -1,9 +1,9 @@
 """The API routes: thin functions that parse, delegate to the serving modules and answer.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``POST
-/v1/embeddings``, ``POST /v1/responses`` (+ ``GET /v1/responses/{id}``), ``GET
-/v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``,
-``GET /version``.
+/v1/embeddings``, ``POST /v1/responses`` (+ ``GET /v1/responses/{id}``), ``GET /v1/models``
+(+ ``GET /v1/models/{id}``), ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST
+/detokenize``, ``GET /version``.
 """
 
 from __future__ import annotations
@@ -117,6 +117,16 @@ async def list_models(raw: Request) -> ModelList:
     )
 
 
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+async def retrieve_model(model_id: str, raw: Request) -> ModelCard:
+    """One served model's card (OpenAI's "retrieve model"); 404 ``model_not_found`` for a
+    name this server does not serve."""
+    serving = _serving(raw)
+    serving.check_model(model_id)
+    engine = serving.async_engine
+    return ModelCard(id=model_id, root=str(engine.model or model_id), max_model_len=engine.max_model_len)
+
+
 @router.get(
     "/health",
     response_class=Response,
@@ -156,9 +166,10 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> dict[str, Any]:
     if req.messages is not None:
         check_messages(req.messages, "tokenize")
         tools = resolve_tools(req).tools or None
-        ids = render_request_messages(serving.tokenizer, req, tools)
+        serving.check_request_template(req.chat_template)
+        ids = await serving.off_loop(render_request_messages, serving.tokenizer, req, tools)
     elif req.prompt is not None:
-        ids = serving.tokenize(req.prompt, req.add_special_tokens)
+        ids = await serving.off_loop(serving.tokenize, req.prompt, req.add_special_tokens)
     else:
         raise APIError(400, "prompt or messages is required", param="prompt")
     return {"count": len(ids), "max_model_len": serving.async_engine.max_model_len, "tokens": ids}

@@ -56,8 +56,12 @@ async def create_chat_completion(
     check_common(req, "chat")
     _check_unsupported(req)
     tool_config = resolve_tools(req)
-    ids = render_request_messages(
-        serving.tokenizer, req, tool_config.tools if tool_config.active else None
+    serving.check_request_template(req.chat_template)
+    ids = await serving.off_loop(
+        render_request_messages,
+        serving.tokenizer,
+        req,
+        tool_config.tools if tool_config.active else None,
     )
     max_tokens: int | None
     if req.max_completion_tokens is not None:

@@ -12,10 +12,12 @@ events ending with ``data: [DONE]``; an error after the stream started is sent a
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +30,8 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+_T = TypeVar("_T")
 
 #: Highest temperature accepted (OpenAI's limit).
 MAX_TEMPERATURE = 2.0
@@ -105,6 +109,33 @@ class OpenAIServing:
         self.metrics = ServerMetrics(async_engine, self.model_name)
         #: ``--tool-call-parser`` (None: chosen from the chat template).
         self.tool_call_parser: str | None = None
+        #: ``--trust-request-chat-template``: a request may bring its own ``chat_template``.
+        self.trust_request_chat_template = False
+        # Chat rendering and prompt tokenization run here, one at a time, so that a long
+        # render never stalls the event loop (/health, streams, other requests).
+        self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-prompt")
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on the prompt thread (chat rendering, tokenization), awaited; its
+        exception is raised here."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_thread, functools.partial(fn, *args))
+
+    def check_request_template(self, template: str | None) -> None:
+        """Raises: APIError 400 naming ``chat_template`` when a request brings its own template
+        and the server does not trust them (a Jinja template runs code on the server: string
+        repetition alone can make it render for minutes), or brings an empty one."""
+        if template is None:
+            return
+        if not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template: this server does not accept a chat template in the request "
+                "(start it with --trust-request-chat-template to allow one)",
+                param="chat_template",
+            )
+        if not template.strip():
+            raise APIError(400, "chat_template must not be empty", param="chat_template")
 
     def check_model(self, model: str | None) -> None:
         """Raises: APIError 404 ``model_not_found`` when ``model`` is given and not served."""

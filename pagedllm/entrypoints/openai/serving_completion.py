@@ -7,6 +7,7 @@ allowed with ``echo`` (the prompt alone, with its logprobs when asked). ``suffix
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from typing import Any
@@ -25,9 +26,24 @@ from pagedllm.entrypoints.openai.serving_common import (
 from pagedllm.entrypoints.openai.structured import structured_field
 from pagedllm.entrypoints.openai.validation import check_common
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 #: OpenAI's default ``max_tokens`` of a completion.
 DEFAULT_MAX_TOKENS = 16
+
+
+def _pool_room(serving: OpenAIServing, ids: list[int], params: SamplingParams) -> int:
+    """The most output tokens the engine would give ``ids`` with ``params`` and no
+    ``max_tokens`` (the KV pool may hold less than ``max_model_len``); a large number when the
+    engine cannot tell here (a data-parallel replica checks on arrival) or refuses the request
+    (its own error comes when it is added)."""
+    probe = params.clone()
+    probe.max_tokens = None
+    try:
+        room = serving.async_engine.validate_request(ids, probe)
+    except ValueError:
+        room = 0
+    return room or sys.maxsize
 
 
 def parse_prompts(serving: OpenAIServing, prompt: Any) -> list[tuple[str | None, list[int]]]:
@@ -71,7 +87,7 @@ async def create_completion(
     check_common(req, "completions")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    prompts = parse_prompts(serving, req.prompt)
+    prompts = await serving.off_loop(parse_prompts, serving, req.prompt)
     echo_only = False
     max_tokens = req.max_tokens
     if max_tokens == 0:
@@ -99,9 +115,9 @@ async def create_completion(
     for _, ids in prompts:
         sp = params.clone()
         if "max_tokens" not in req.model_fields_set:
-            # The default, cut to the room the prompt leaves (at least 1, so that a prompt that
-            # fills the context still gets the context-length error).
-            room = max_model_len - len(ids)
+            # The default, cut to the room the prompt leaves in the context and in the KV pool
+            # (at least 1, so that a prompt that fills either still gets its error).
+            room = min(max_model_len - len(ids), _pool_room(serving, ids, sp))
             sp.max_tokens = max(1, min(sp.max_tokens or DEFAULT_MAX_TOKENS, room))
         per_prompt.append(sp)
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -177,7 +177,8 @@ async def create_response(
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     try:
-        ids = render_messages(
+        ids = await serving.off_loop(
+            render_messages,
             serving.tokenizer,
             [ChatMessage.model_validate(m) for m in system + conversation],
             True,
