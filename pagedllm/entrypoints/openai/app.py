@@ -179,6 +179,7 @@ def create_app(
             yield
         finally:
             async_engine.shutdown()
+            serving.close()
 
     app = FastAPI(
         title="pagedllm OpenAI-compatible server", version=server_version(), lifespan=lifespan

@@ -121,6 +121,10 @@ class OpenAIServing:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._prompt_thread, functools.partial(fn, *args))
 
+    def close(self) -> None:
+        """Stop the prompt thread once its current job ends; queued jobs are cancelled."""
+        self._prompt_thread.shutdown(wait=False, cancel_futures=True)
+
     def check_request_template(self, template: str | None) -> None:
         """Raises: APIError 400 naming ``chat_template`` when a request brings its own template
         and the server does not trust them (a Jinja template runs code on the server: string
