@@ -218,12 +218,18 @@ class BlockManager:
         """
         shared = self.group_shared_blocks(seqs)
         need = 0
+        taken: set[int] = set()  # free cached blocks a sequence before took out of the free list
         for i, s in enumerate(seqs):
             hits = self.cached_prefix_blocks(s)
             have = len(hits) if i == 0 or len(hits) >= shared else shared
             need += cdiv(s.num_tokens, self.block_size) - have
-            # A hit on a free (evictable) block takes it out of the free list too.
-            need += sum(1 for b in hits[:have] if self.allocator.is_free(b)) if have == len(hits) else 0
+            if have == len(hits):
+                # A hit on a free (evictable) block takes it out of the free list too, once:
+                # the group's later sequences hitting it only add a reference. (Counting it
+                # per sequence made a readmitted n = 3 group need 15 of 10 blocks for good.)
+                fresh = {b for b in hits if self.allocator.is_free(b)} - taken
+                need += len(fresh)
+                taken |= fresh
         return self.allocator.num_free - need >= (self.watermark_blocks if watermark else 0)
 
     def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:

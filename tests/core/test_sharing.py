@@ -145,3 +145,33 @@ def test_a_shared_last_block_costs_one_copy_less_than_its_writers():
     assert [bm.get_block_table(s) for s in trio] == [[0, 2], [0, 3], [0, 1]]
     assert bm.allocator.ref_counts == [3, 1, 1, 1, 0]
     bm.check_invariants()
+
+
+def test_a_readmitted_group_counts_each_free_cached_block_once():
+    """Three samples of a 15-token prompt, preempted by recompute with 2 output tokens each,
+    come back to a pool where the prompt's 3 full blocks and sample c's 4th block are cached
+    and free. They need 9 blocks (the 3 prompt blocks once, 2 new each, c's own cached 4th
+    block): each free cached hit used to be counted once per sample (15), so the group never
+    came back although the whole pool was free."""
+    bm = BlockManager(9, 4, watermark=0)
+    prompt = list(range(1, 16))
+    samples = []
+    for i, outs in enumerate(([50, 51], [60, 61], [70, 71])):
+        s = seq(i, prompt)
+        for t in outs:
+            s.append_token(t, 0.0)
+        samples.append(s)
+    c = samples[2]
+    computed(bm, c, 16)  # blocks 0-3 full and cached
+    bm.free(c)
+    c.num_computed_tokens = 0
+    assert bm.num_free_blocks == 9 and bm.num_cached_free_blocks == 4
+    assert [len(bm.cached_prefix_blocks(s)) for s in samples] == [3, 3, 4]
+    assert bm.group_shared_blocks(samples) == 3
+    assert bm.can_allocate(samples, watermark=False)
+    for s in samples:  # what the scheduler does: own hits, then the rest computed
+        s.num_computed_tokens = bm.allocate_prefix(s)
+        computed(bm, s, s.num_tokens - s.num_computed_tokens)
+    assert [bm.get_block_table(s)[:4] for s in samples] == [[0, 1, 2, 4], [0, 1, 2, 6], [0, 1, 2, 3]]
+    assert bm.num_free_blocks == 0 and bm.allocator.ref_counts[:3] == [3, 3, 3]
+    bm.check_invariants()

@@ -104,3 +104,25 @@ def test_stress_200_random_requests_in_16_blocks(tiny_llm_factory):
     assert max(o.metrics.num_preemptions for o in outs) <= 60
     assert eng.block_manager.num_free_blocks == 16
     assert eng.block_manager.swap_allocator.num_free == eng.block_manager.num_swap_blocks
+
+
+def test_a_recomputed_n3_group_with_cached_blocks_comes_back(tiny_llm_factory):
+    """An n = 3 group preempted by recompute beside a greedy request, prefix caching on: once
+    the pool frees up it is readmitted and finishes (it used to wait forever with the whole
+    pool free, and every request behind it with it; a helper's stress run found it)."""
+    llm = tiny_llm_factory(block_size=4, num_gpu_blocks_override=10, max_model_len=128,
+                           preemption_mode="recompute", enable_prefix_caching=True)
+    prompts = [[247, 3, 321, 45, 236, 329, 103, 382, 97, 142],
+               [247, 336, 317, 5, 249, 330, 297, 107, 117, 382, 316, 170, 187, 62, 159]]
+    params = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, max_tokens=3, seed=22, ignore_eos=True)]
+    engine = llm.engine
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, sp)
+    done = {}
+    for _ in range(200):  # a bounded loop: the regression was an endless one
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished_requests():
+            break
+    assert [[len(c.token_ids) for c in done[r].outputs] for r in ("0", "1")] == [[13], [3, 3, 3]]
+    assert engine.stats.num_preemptions > 0

@@ -406,6 +406,10 @@ def test_default_max_tokens_fits_a_pool_smaller_than_the_context(tiny_loaded):
             assert choice["finish_reason"] == "length"
             assert ok(c, CMPL, body)["usage"]["completion_tokens"] == 6
             assert_error(c.post(CMPL, json={**body, "max_tokens": 16}), 400, "max_tokens")
+            # Two samples do not fit even one token each: blamed on n, not on the default.
+            assert_error(c.post(CMPL, json={**body, "n": 2}), 400, "n")
+            r = c.post("/v1/responses", json={"input": [{"role": "user", "content": []}]})
+            assert_error(r, 400, "input")
             healthy(srv, c)
     finally:
         srv.stop()

@@ -28,11 +28,18 @@ def message_text(m: ChatMessage, i: int) -> str:
     """The text of message ``i`` (the text parts of a content list joined with newlines).
 
     Raises:
-        APIError: 400 (``param="messages"``) for a content part that is not text.
+        APIError: 400 (``param="messages"``) for a content part that is not text, or an empty
+            list (OpenAI refuses it too).
     """
     content = m.content
     if not isinstance(content, list):
         return content or ""
+    if not content:
+        raise APIError(
+            400,
+            f"messages[{i}].content is an empty array: give a string or at least one part",
+            param="messages",
+        )
     texts = []
     for part in content:
         if part.type != "text":

@@ -35,14 +35,15 @@ DEFAULT_MAX_TOKENS = 16
 def _pool_room(serving: OpenAIServing, ids: list[int], params: SamplingParams) -> int:
     """The most output tokens the engine would give ``ids`` with ``params`` and no
     ``max_tokens`` (the KV pool may hold less than ``max_model_len``); a large number when the
-    engine cannot tell here (a data-parallel replica checks on arrival) or refuses the request
-    (its own error comes when it is added)."""
+    engine cannot tell here (a data-parallel replica checks on arrival), 1 when it refuses the
+    request (the request itself then fails with the engine's reason, e.g. ``n`` samples that do
+    not fit, not with a ``max_tokens`` the client never sent)."""
     probe = params.clone()
     probe.max_tokens = None
     try:
         room = serving.async_engine.validate_request(ids, probe)
     except ValueError:
-        room = 0
+        return 1
     return room or sys.maxsize
 
 

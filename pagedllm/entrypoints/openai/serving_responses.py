@@ -86,6 +86,8 @@ def _item_text(item: dict[str, Any], i: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if not content:
+            raise APIError(400, f"input[{i}].content is an empty array", param="input")
         texts = []
         for part in content:
             if not (

@@ -172,12 +172,6 @@ def check_messages(messages: list[ChatMessage], where: str) -> None:
                 "only valid on an assistant message with tool calls)",
                 param="messages",
             )
-        if isinstance(m.content, list) and not m.content:
-            raise APIError(
-                400,
-                f"messages[{i}].content is an empty array: give a string or at least one part",
-                param="messages",
-            )
         log_unknown_fields(m, f"{where}.messages")
 
 
