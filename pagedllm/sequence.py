@@ -145,6 +145,9 @@ class Sequence:
         child.output_text = self.output_text
         child.num_registered_blocks = self.num_registered_blocks
         child.max_num_tokens = self.max_num_tokens
+        # A sample of a request with prompt logprobs recomputes its prompt too when readmitted
+        # (taking its own cached copy would duplicate the lead's freshly computed blocks).
+        child.use_cached_prefix = self.use_cached_prefix
         return child
 
     def is_finished(self) -> bool:

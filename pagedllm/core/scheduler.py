@@ -241,7 +241,7 @@ class Scheduler:
         idx = len(self.running) if self._admissions_only() else 0
         while idx < len(self.running):
             group = self.running[idx]
-            plan = self._plan(group.unfinished_seqs(), budget)
+            plan = self._plan(group.unfinished_seqs(), budget, together=group.beam is not None)
             if not plan:
                 idx += 1
                 continue
@@ -250,7 +250,7 @@ class Scheduler:
                 # Memory is short: drop the speculative tokens before preempting anyone.
                 for seq, _ in plan:
                     seq.spec_token_ids = []
-                plan = self._plan(group.unfinished_seqs(), budget)
+                plan = self._plan(group.unfinished_seqs(), budget, together=group.beam is not None)
                 need = self._need(plan)
             # (The pool alone holds at least the free blocks: the count is needed only past them.)
             if (
@@ -299,6 +299,7 @@ class Scheduler:
                 if not self.is_ready(group):
                     continue  # e.g. its grammar still compiles: the ones behind it may go
                 if not self._can_admit(group, budget, num_seqs):
+                    self._cap_if_never_admitted(group, out)
                     break
                 self.waiting.remove(group)
                 num_seqs += self._width(group)
@@ -345,7 +346,7 @@ class Scheduler:
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, group, key=self.order_key)
-        plan = self._plan(seqs, budget)
+        plan = self._plan(seqs, budget, together=group.beam is not None)
         if plan and self._fits(plan):
             return self._commit(group, plan, out)
         return 0
@@ -390,6 +391,7 @@ class Scheduler:
                 budget -= self._swap_in(group, budget, out)
             else:
                 if not self._can_admit(group, budget, num_seqs):
+                    self._cap_if_never_admitted(group, out)
                     break
                 self.waiting.remove(group)
                 num_seqs += self._width(group)
@@ -424,6 +426,21 @@ class Scheduler:
         )
         counts = bm.ref_counts()
         return bm.num_free_blocks + sum(1 for b, n in refs.items() if counts[b] == n)
+
+    def _cap_if_never_admitted(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """A waiting group preempted by recompute that does not fit even with nothing running,
+        swapped or scheduled (its samples grew past the pool, or their recompute past
+        ``max_num_batched_tokens``) would wait forever, and every group behind it: it is
+        finished by length instead, as a running group that cannot grow alone is."""
+        if self.running or self.swapped or out.scheduled:
+            return
+        if not any(s.num_output_tokens for s in group.unfinished_seqs()):
+            return  # a new request: check_request_fits guaranteed its admission
+        if self._width(group) > self.config.max_num_seqs:
+            return
+        self.waiting.remove(group)
+        bisect.insort(self.running, group, key=self.order_key)
+        self._cap_length(group, out)
 
     def _cap_length(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Finish a running group that cannot get its next blocks even alone in the pool: its
@@ -501,13 +518,19 @@ class Scheduler:
         self.block_manager.rollback_slots(seq, num_rejected)
         self.block_manager.mark_computed(seq)
 
-    def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
-        """Tokens each sequence computes this step, within the budget ([] = none fit)."""
+    def _plan(
+        self, seqs: list[Sequence], budget: int, together: bool = False
+    ) -> list[tuple[Sequence, int]]:
+        """Tokens each sequence computes this step, within the budget ([] = none fit).
+        ``together``: every sequence with work gets some or none does (a beam search's beams
+        are ranked together every step)."""
         plan = []
         for seq in seqs:
             n = seq.num_uncomputed_tokens
             if self.config.enable_chunked_prefill:
                 n = min(n, budget)
+                if together and n == 0 < seq.num_uncomputed_tokens:
+                    return []
             if n > budget:
                 return []  # without chunking a group's work fits whole or waits
             if n == 1 == seq.num_uncomputed_tokens:

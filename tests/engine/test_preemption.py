@@ -116,13 +116,70 @@ def test_a_recomputed_n3_group_with_cached_blocks_comes_back(tiny_llm_factory):
                [247, 336, 317, 5, 249, 330, 297, 107, 117, 382, 316, 170, 187, 62, 159]]
     params = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
               SamplingParams(n=3, temperature=1.0, max_tokens=3, seed=22, ignore_eos=True)]
+    assert _bounded_lengths(llm, list(zip(prompts, params, strict=True))) == [[13], [3, 3, 3]]
+    assert llm.engine.stats.num_preemptions > 0
+
+
+def _bounded_lengths(llm, requests, max_steps=300):
+    """Run ``requests`` [(prompt, params)] with at most ``max_steps`` engine steps (a stall
+    fails instead of hanging); returns each request's output lengths."""
     engine = llm.engine
-    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+    for i, (prompt, sp) in enumerate(requests):
         engine.add_request(str(i), prompt, sp)
     done = {}
-    for _ in range(200):  # a bounded loop: the regression was an endless one
+    for _ in range(max_steps):
         done.update((o.request_id, o) for o in engine.step() if o.finished)
         if not engine.has_unfinished_requests():
             break
-    assert [[len(c.token_ids) for c in done[r].outputs] for r in ("0", "1")] == [[13], [3, 3, 3]]
-    assert engine.stats.num_preemptions > 0
+    assert not engine.has_unfinished_requests(), "stalled"
+    return [[len(c.token_ids) for c in done[str(i)].outputs] for i in range(len(requests))]
+
+
+def _greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_a_recomputed_sample_with_prompt_logprobs_shares_the_recomputed_prompt(tiny_llm_factory):
+    """n = 2 with prompt_logprobs: the fork recomputes its prompt with the lead (no cached
+    copies: 8 blocks, not 14 of 12) and the group comes back (it waited forever)."""
+    llm = tiny_llm_factory(block_size=4, num_gpu_blocks_override=12, max_model_len=64,
+                           preemption_mode="recompute", enable_prefix_caching=True)
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, prompt_logprobs=1,
+                             ignore_eos=True)
+    got = _bounded_lengths(llm, [(list(range(100, 116)), _greedy(4)), (list(range(10, 34)), sampled)])
+    assert got == [[4], [6, 6]] and llm.engine.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("case", ["pool", "token-budget"])
+def test_a_readmission_an_empty_engine_cannot_take_ends_by_length(tiny_llm_factory, case):
+    """A group preempted by recompute whose samples outgrew the pool (3 x 17 tokens need 9 of 8
+    blocks) or whose recompute exceeds max_num_batched_tokens (2 x 21 tokens in a budget of 32,
+    no chunked prefill) is finished by length once nothing else runs, instead of waiting
+    forever (found by a helper's fuzz)."""
+    if case == "pool":
+        llm = tiny_llm_factory(block_size=4, num_gpu_blocks_override=8, max_model_len=64,
+                               preemption_mode="recompute", enable_prefix_caching=False)
+        first, second = ([100], _greedy(8)), (list(range(10, 22)), SamplingParams(
+            n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    else:
+        llm = tiny_llm_factory(block_size=4, num_gpu_blocks_override=12, max_model_len=32,
+                               max_num_batched_tokens=32, preemption_mode="recompute",
+                               enable_prefix_caching=False)
+        first, second = ([100], _greedy(16)), (list(range(10, 18)), SamplingParams(
+            n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))
+    got = _bounded_lengths(llm, [first, second])
+    assert got[0] == [first[1].max_tokens]
+    assert len(got[1]) == second[1].n and all(0 < k < second[1].max_tokens for k in got[1])
+
+
+def test_chunked_prefill_schedules_all_beams_or_none(tiny_llm_factory):
+    """A token budget of 6 with an n = 4 request's 4 decodes first: a beam search's 3 beams
+    are scheduled together or wait (2 of them made the beam step raise KeyError)."""
+    llm = tiny_llm_factory(block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=6,
+                           max_model_len=64, num_gpu_blocks_override=64,
+                           enable_prefix_caching=False)
+    beams = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=10,
+                           ignore_eos=True)
+    sampled = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)
+    assert _bounded_lengths(llm, [([5, 6, 7, 8], sampled), ([9, 10, 11, 12], beams)]) == [
+        [10, 10, 10, 10], [10, 10]]
