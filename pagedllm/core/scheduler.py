@@ -14,7 +14,11 @@ Policy:
 - A group admitted on its prompt may later need more blocks than the whole pool holds (its
   samples grown apart). When the oldest running group cannot get its blocks even with every
   other group preempted, it cannot make progress at all: its unfinished sequences are finished
-  by length (``SchedulerOutput.length_capped``) instead of preempting it again and again.
+  by length (``SchedulerOutput.length_capped``) instead of preempting it again and again. The
+  same holds for a group preempted by recompute that an empty engine still cannot take back
+  (its samples outgrew the pool, or their recompute the token budget): it would otherwise
+  wait forever, and every group behind it.
+- A beam search's beams are scheduled together or not at all (they are ranked together).
 - A group counts its eventual sequences (``n`` / ``best_of`` samples or beams) against
   ``max_num_seqs`` when admitted; validation refuses a group wider than ``max_num_seqs``, so a
   swapped-out group always comes back once the running ones drain.
