@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from pagedllm.config import EngineConfig
-    from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+    from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.model.loader import load_model
     from pagedllm.sampling.sampler import SamplingBatch

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from pagedllm.core.kv_manager import KVManager
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine import pooling
 from pagedllm.engine.beam_stepper import beam_step, finish_beam_by_length
 from pagedllm.engine.output_processor import OutputProcessor

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
 from pagedllm.core.kv_waste import KVWaste
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from pagedllm.engine.kv_snapshot import EngineCounters

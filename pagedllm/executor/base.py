@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed import ParallelContext
 from pagedllm.model.config import LlamaArchConfig
 from pagedllm.worker.model_runner import ModelRunnerOutput

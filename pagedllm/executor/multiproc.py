@@ -29,7 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed import ParallelContext, create_store, host_ip, init_parallel_groups
 from pagedllm.executor.base import DriverStepMixin, WorkerDiedError, WorkerInit
 from pagedllm.executor.worker_main import worker_main

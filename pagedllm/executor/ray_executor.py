@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed import ParallelContext, create_store, host_ip, init_parallel_groups
 from pagedllm.executor.base import DriverStepMixin, WorkerDiedError, WorkerInit
 from pagedllm.worker.model_runner import ModelRunnerOutput

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sampling.by_request import by_request
 from pagedllm.sampling.sampler import Sampler, SamplingBatch
 from pagedllm.sampling_params import SamplingType

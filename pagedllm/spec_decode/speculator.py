@@ -52,7 +52,8 @@ from pagedllm.spec_decode.policy import DraftAllocator
 from pagedllm.spec_decode.proposer import Proposer, make_proposer
 
 if TYPE_CHECKING:
-    from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.core.scheduler_output import SchedulerOutput
     from pagedllm.engine.output_processor import OutputProcessor
     from pagedllm.engine.stats import EngineStats
     from pagedllm.sequence import Sequence, SequenceGroup

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.distributed import PipelineGroup
 from pagedllm.model.decoder import DecoderForCausalLM
 from pagedllm.worker.pipeline_stage import (

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.attention import get_attention_backend
 from pagedllm.attention.cpu import CpuPagedAttention
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.device import activate_device, device_for_rank, resolve_device, uses_cpu_ops
 from pagedllm.distributed import PipelineGroup, TensorParallelGroup, stage_layer_range
 from pagedllm.model.config import LlamaArchConfig

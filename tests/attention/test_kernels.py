@@ -241,7 +241,7 @@ def test_cpu_backend_registry(cpu_ops):
 def _model_logits(tiny_loaded, backend_name):
     """Prefill two prompts (prompt logits), then a mixed step: a decode of one prompt and a
     chunk of a third prompt on top of a cached first chunk. Returns all logits."""
-    from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+    from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
     from pagedllm.model.llama import LlamaForCausalLM
     from pagedllm.worker.cache_engine import CacheEngine
     from pagedllm.worker.model_runner import ModelRunner

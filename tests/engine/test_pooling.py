@@ -142,7 +142,7 @@ def test_embed_with_chunked_prefill_and_generation_in_batch(hf_and_folder):
 def test_embed_preempted_mid_prefill(hf_and_folder, mode):
     """A pooling request preempted between two prefill chunks (recompute: its pool restarts
     from position 0; swap: it continues) still equals the reference."""
-    from pagedllm.core.scheduler import SchedulerOutput
+    from pagedllm.core.scheduler_output import SchedulerOutput
 
     model, folder = hf_and_folder
     llm = make_llm(

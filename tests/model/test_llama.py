@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedllm.attention import get_attention_backend
-from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.model.llama import LlamaForCausalLM, rope_inv_freq
 from pagedllm.worker.cache_engine import CacheEngine, num_blocks_for_memory
 from pagedllm.worker.model_runner import ModelRunner
