@@ -213,10 +213,6 @@ class KVManager(Protocol):
         ...
 
     # ---- growth ------------------------------------------------------------------------------
-    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to take so ``seq`` can compute ``num_new_tokens`` more tokens."""
-        ...
-
     def num_blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
         """Blocks ``allocate_slots`` takes for every (sequence, new tokens) of ``plan`` in order,
         a copy-on-write counted once per copy actually made."""

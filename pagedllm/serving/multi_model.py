@@ -335,12 +335,7 @@ class MultiModelApp:
                 name = self._model_of_query(scope) or self.default
             slot = self.slots.get(name)
             if slot is None:
-                raise APIError(
-                    404,
-                    f"The model `{name}` does not exist; this server serves {list(self.slots)}.",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise self._unknown_model(name)
             slot.in_flight += 1
             try:
                 app = await self._get_app(slot)
@@ -395,13 +390,17 @@ class MultiModelApp:
         served."""
         name = path.removeprefix(MODEL_PATH_PREFIX)
         if name not in self.slots:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist; this server serves {list(self.slots)}.",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._unknown_model(name)
         return self._card(name)
+
+    def _unknown_model(self, name: str) -> APIError:
+        """The 404 ``model_not_found`` for a name this server does not serve."""
+        return APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves {list(self.slots)}.",
+            param="model",
+            code="model_not_found",
+        )
 
     def _model_of_body(self, body: bytes) -> str:
         try:

@@ -53,15 +53,13 @@ def tokens_frequency_lengths(meta: AttentionMetadata, positions: torch.Tensor) -
     Raises:
         ValueError: ``positions`` differs in length from the tokens ``meta`` describes.
     """
-    counts = torch.tensor(meta.query_lens_list, device=meta.seq_lens.device)
-    if meta.prompt_lens_list is None:
-        lens = torch.repeat_interleave(meta.seq_lens, counts)
-    else:
-        prompt = torch.tensor(meta.prompt_lens_list, device=meta.seq_lens.device)
-        lens = torch.repeat_interleave(prompt, counts)
+    dev = meta.seq_lens.device
+    prompts = meta.prompt_lens_list
+    per_seq = meta.seq_lens if prompts is None else torch.tensor(prompts, device=dev)
+    lens = torch.repeat_interleave(per_seq, torch.tensor(meta.query_lens_list, device=dev))
     if lens.shape[0] != positions.shape[0]:
         raise ValueError(f"positions has {positions.shape[0]} entries, the metadata {lens.shape[0]}")
-    return lens if meta.prompt_lens_list is None else frequency_length(positions, lens)
+    return lens if prompts is None else frequency_length(positions, lens)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
