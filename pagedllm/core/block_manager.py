@@ -232,6 +232,14 @@ class BlockManager:
                 taken |= fresh
         return self.allocator.num_free - need >= (self.watermark_blocks if watermark else 0)
 
+    def can_share_prefix(self, lead: Sequence, num_blocks: int) -> bool:
+        """Whether ``lead`` still holds each of its first ``num_blocks`` blocks that a sequence
+        going on from them reads (with a sliding window, the lead may have freed some of those
+        while computing past them)."""
+        table = self.block_tables.get(lead.seq_id, [])[:num_blocks]
+        live = table[self._first_live_block(num_blocks * self.block_size) :]
+        return len(table) == num_blocks and FREED_BLOCK not in live
+
     def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:
         """Point ``other`` (no blocks yet) at ``lead``'s first ``num_blocks`` blocks; returns the
         tokens they hold (``other``'s new ``num_computed_tokens``)."""

@@ -184,6 +184,10 @@ class ContiguousKVManager:
         """0: nothing is shared."""
         return 0
 
+    def can_share_prefix(self, lead: Sequence, num_blocks: int) -> bool:
+        """False: nothing is shared."""
+        return False
+
     def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:
         """Never called (``group_shared_blocks`` is 0).
 

@@ -208,6 +208,10 @@ class KVManager(Protocol):
         """Admit a waiting sequence; returns the tokens already cached for it."""
         ...
 
+    def can_share_prefix(self, lead: Sequence, num_blocks: int) -> bool:
+        """Whether ``lead`` still holds the first ``num_blocks`` blocks another would read."""
+        ...
+
     def share_prefix(self, lead: Sequence, other: Sequence, num_blocks: int) -> int:
         """Point ``other`` at ``lead``'s first ``num_blocks`` blocks; returns their tokens."""
         ...

@@ -18,7 +18,11 @@ Policy:
   same holds for a group preempted by recompute that an empty engine still cannot take back
   (its samples outgrew the pool, or their recompute the token budget): it would otherwise
   wait forever, and every group behind it.
-- A beam search's beams are scheduled together or not at all (they are ranked together).
+- A beam search's beams are scheduled together or not at all, and sample in the same step (they
+  are ranked together): while one still recomputes its tokens, the others stop short of theirs.
+- A group preempted by recompute comes back with its samples sharing the prompt blocks the
+  first sample recomputes (paper figure 8); with chunked prefill the others wait, unscheduled,
+  until those blocks are written.
 - A group counts its eventual sequences (``n`` / ``best_of`` samples or beams) against
   ``max_num_seqs`` when admitted; validation refuses a group wider than ``max_num_seqs``, so a
   swapped-out group always comes back once the running ones drain.
@@ -40,57 +44,15 @@ import bisect
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
+from pagedllm.core.scheduler_config import SchedulerConfig
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class SchedulerConfig:
-    """Scheduler limits.
-
-    Attributes:
-        max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens computed in one step.
-        max_model_len: longest sequence (tokens).
-        enable_chunked_prefill: allow a prompt to take several steps.
-        preemption_mode: "recompute" (free the blocks, recompute later), "swap" (move the blocks
-            to host swap space), or "auto": recompute for single-sequence groups (cheap: one
-            prefill) and swap for groups of several sequences (parallel samples, beams), whose
-            shared blocks a recompute would duplicate. Swap falls back to recompute when the
-            swap space is full.
-        policy: "fcfs" (arrival order) or "priority" (``(priority, arrival)`` order with
-            priority preemption; see the module docstring).
-        prefill_first: (fcfs only) when the first ready waiting group can be admitted, the
-            step runs only the admissions, not the running groups' decodes: the new request's
-            first token does not wait for the batch's decode rows (vLLM V0's order).
-
-    Raises:
-        ValueError: naming ``policy``, ``preemption_mode`` or ``prefill_first`` (with the
-            priority policy, whose admissions preempt running groups instead).
-    """
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = False
-    preemption_mode: str = "auto"
-    policy: str = "fcfs"
-    prefill_first: bool = False
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
-        if self.prefill_first and self.policy != "fcfs":
-            raise ValueError("prefill_first works with the fcfs scheduling policy only")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(
-                f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
-            )
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 class Scheduler:
@@ -115,6 +77,9 @@ class Scheduler:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self._scheduled_seqs: dict[int, Sequence] = {}
+        # seq_id -> (lead, shared blocks): samples of a group readmitted under chunked prefill
+        # that wait, unscheduled, until the lead has written the prompt blocks they share.
+        self._awaiting_share: dict[int, tuple[Sequence, int]] = {}
         # Whether a waiting group may be admitted now (the engine sets it: structured outputs
         # wait for their grammar); skipped groups keep their place in the queue.
         self.is_ready: Callable[[SequenceGroup], bool] = lambda group: True
@@ -150,7 +115,7 @@ class Scheduler:
                     for seq in group.seqs:
                         if not seq.is_finished():
                             seq.status = SequenceStatus.FINISHED_ABORTED
-                        self.block_manager.free(seq)
+                        self.free_seq(seq)
                     return group
         return None
 
@@ -161,11 +126,12 @@ class Scheduler:
             self.running = [g for g in self.running if not g.is_finished()]
             for group in done:
                 for seq in group.seqs:
-                    self.block_manager.free(seq)
+                    self.free_seq(seq)
         return done
 
     def free_seq(self, seq: Sequence) -> None:
         """Release one sequence's blocks (a finished sample or a pruned beam of a live group)."""
+        self._awaiting_share.pop(seq.seq_id, None)
         self.block_manager.free(seq)
 
     # ---- the step ------------------------------------------------------------------------
@@ -184,7 +150,7 @@ class Scheduler:
         idx = len(self.running) if self._admissions_only() else 0
         while idx < len(self.running):
             group = self.running[idx]
-            plan = self._plan(group.unfinished_seqs(), budget, together=group.beam is not None)
+            plan = self._group_plan(group, budget)
             if not plan:
                 idx += 1
                 continue
@@ -193,7 +159,7 @@ class Scheduler:
                 # Memory is short: drop the speculative tokens before preempting anyone.
                 for seq, _ in plan:
                     seq.spec_token_ids = []
-                plan = self._plan(group.unfinished_seqs(), budget, together=group.beam is not None)
+                plan = self._group_plan(group, budget)
                 need = self._need(plan)
             # (The pool alone holds at least the free blocks: the count is needed only past them.)
             if (
@@ -289,7 +255,7 @@ class Scheduler:
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, group, key=self.order_key)
-        plan = self._plan(seqs, budget, together=group.beam is not None)
+        plan = self._group_plan(group, budget)
         if plan and self._fits(plan):
             return self._commit(group, plan, out)
         return 0
@@ -433,16 +399,78 @@ class Scheduler:
         if group.metrics.first_scheduled_time is None:
             group.num_cached_tokens = sum(s.num_computed_tokens for s in seqs)
         bisect.insort(self.running, group, key=self.order_key)
-        used = self._commit(group, self._plan([lead], budget), out)
-        if followers and lead.num_computed_tokens + used >= shared * bm.block_size:
-            # The lead writes the shared prompt blocks in this very step; the followers'
-            # attention reads them after the write (K/V are stored before attention per layer).
-            for seq in followers:
+        lead_plan = self._plan([lead], budget)
+        # Beams sample together: unless every sequence finishes its recompute in this step,
+        # none reaches its sampling token yet.
+        waiting_to_share = {s.seq_id for s in followers}
+        rest_tokens = sum(
+            s.num_tokens - shared * bm.block_size
+            if s.seq_id in waiting_to_share
+            else s.num_uncomputed_tokens
+            for s in others
+        )
+        lead_tokens = lead_plan[0][1] if lead_plan else 0
+        whole = lead_tokens == lead.num_uncomputed_tokens and lead_tokens + rest_tokens <= budget
+        hold = group.beam is not None and bool(others) and not whole
+        used = self._commit(group, self._hold_samples(lead_plan) if hold else lead_plan, out)
+        for seq in followers:
+            if lead.num_computed_tokens + used >= shared * bm.block_size:
+                # The lead writes the shared prompt blocks in this very step; the followers'
+                # attention reads them after the write (K/V are stored before attention per
+                # layer).
                 seq.num_computed_tokens = bm.share_prefix(lead, seq, shared)
-        else:
-            for seq in followers:
+            else:
+                # The lead's first chunk stops short of them (chunked prefill): wait for it
+                # rather than recompute the prompt into blocks of their own.
+                self._awaiting_share[seq.seq_id] = (lead, shared)
+        rest = [s for s in self._schedulable(group) if s is not lead]
+        plan = self._plan(rest, budget - used, together=group.beam is not None)
+        return used + self._commit(group, self._hold_samples(plan) if hold else plan, out)
+
+    def _group_plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """This step's plan for running ``group`` (``_plan`` over its ``_schedulable``
+        sequences). A beam search's beams are ranked together, so they sample in the same step
+        or none does: while some beam still recomputes (or waits to share), the others stop
+        one token short of their sampling token."""
+        together = group.beam is not None
+        plan = self._plan(self._schedulable(group), budget, together=together)
+        every_beam_samples = len(plan) == len(group.unfinished_seqs()) and all(
+            n >= seq.num_uncomputed_tokens for seq, n in plan
+        )
+        return self._hold_samples(plan) if together and not every_beam_samples else plan
+
+    @staticmethod
+    def _hold_samples(plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """``plan`` with each sequence that would reach its sampling token (all its tokens
+        computed) one token short of it; those left with nothing to compute drop out."""
+        held = [(seq, n - (n >= seq.num_uncomputed_tokens)) for seq, n in plan]
+        return [(seq, n) for seq, n in held if n > 0]
+
+    def _schedulable(self, group: SequenceGroup) -> list[Sequence]:
+        """The group's unfinished sequences that may compute this step: a sample waiting for
+        its lead's recomputed prompt blocks (``_admit``) joins once the lead has written them,
+        sharing them (or taking its own prefix, when the lead's sliding window has already let
+        some of them go)."""
+        seqs = group.unfinished_seqs()
+        if not self._awaiting_share:
+            return seqs
+        bm = self.block_manager
+        ready = []
+        for seq in seqs:
+            entry = self._awaiting_share.get(seq.seq_id)
+            if entry is None:
+                ready.append(seq)
+                continue
+            lead, shared = entry
+            if lead.num_computed_tokens < shared * bm.block_size and not lead.is_finished():
+                continue
+            del self._awaiting_share[seq.seq_id]
+            if bm.can_share_prefix(lead, shared):
+                seq.num_computed_tokens = bm.share_prefix(lead, seq, shared)
+            else:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
-        return used + self._commit(group, self._plan(others, budget - used), out)
+            ready.append(seq)
+        return ready
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """After the forward pass: advance ``num_computed_tokens`` of every scheduled sequence and
@@ -541,7 +569,7 @@ class Scheduler:
         else:
             # Recompute: free the blocks, requeue at the head; tokens and sampling state stay.
             for seq in seqs:
-                self.block_manager.free(seq)
+                self.free_seq(seq)
                 seq.reset_for_recompute()
             if self.config.policy == "priority":
                 bisect.insort(self.waiting, group, key=self.order_key)

@@ -234,3 +234,61 @@ def test_samples_sharing_a_partial_block_fit_when_copies_minus_one_are_free():
     assert [w.block_table for _, w in out.scheduled] == [[0, 2], [0, 3], [0, 1]]
     assert bm.num_free_blocks == 0 and bm.allocator.ref_counts == [3, 1, 1, 1]
     bm.check_invariants()
+
+
+def _readmitted_pair(prompt_len: int, outputs: int) -> SequenceGroup:
+    """An n = 2 group as a recompute preemption leaves it: two samples of one prompt, each
+    with ``outputs`` tokens of its own, nothing computed, waiting."""
+    lead = Sequence(next(_ids), list(range(1, prompt_len + 1)), seed=0)
+    other = lead.fork(next(_ids), seed=1)
+    for i in range(outputs):
+        lead.append_token(50 + i, 0.0)
+        other.append_token(60 + i, 0.0)
+    return SequenceGroup(
+        "g", [lead, other], SamplingParams(n=2, max_tokens=100), None, 0, RequestMetrics(0.0),
+        max_tokens=100,
+    )
+
+
+def test_chunked_readmission_followers_wait_to_share_the_prompt_blocks():
+    """Chunked prefill with a budget of 8: a readmitted n = 2 group (12-token prompt, 5 output
+    tokens each) computes the lead's 17 tokens in chunks; the other sample waits, unscheduled
+    and without blocks, until the lead has written the 3 prompt blocks, then shares them (ref
+    count 2) and computes only its own 5 tokens: 5 + 2 blocks, not 5 + 5 (it used to
+    recompute the prompt into blocks of its own, and the group was finished by length)."""
+    sch, bm = make(num_blocks=8, block_size=4, max_tokens=8, chunked=True)
+    g = _readmitted_pair(12, 5)
+    lead, other = g.seqs
+    sch.add_seq_group(g)
+    assert bm.group_shared_blocks(g.seqs) == 3 and bm.can_allocate(g.seqs, watermark=False)
+    steps = []
+    for _ in range(4):
+        out = sch.schedule()
+        steps.append([(w.seq_id, w.start_pos, len(w.token_ids), list(w.block_table))
+                      for _, w in out.scheduled])
+        for _, w in out.scheduled:
+            s = lead if w.seq_id == lead.seq_id else other
+            s.num_computed_tokens += len(w.token_ids)
+            bm.mark_computed(s)
+        bm.check_invariants()
+    assert steps == [
+        [(lead.seq_id, 0, 8, [0, 1])],  # the other sample: no table yet
+        [(lead.seq_id, 8, 8, [0, 1, 2, 3])],  # prompt blocks 0-2 written by this step's end
+        [(lead.seq_id, 16, 1, [0, 1, 2, 3, 4]), (other.seq_id, 12, 5, [0, 1, 2, 5, 6])],
+        [],
+    ]
+    assert bm.allocator.ref_counts[:7] == [2, 2, 2, 1, 1, 1, 1] and bm.num_free_blocks == 1
+
+
+def test_chunked_readmission_does_not_share_blocks_a_window_let_go():
+    """With a sliding window the lead frees the blocks behind it while it computes on; a
+    waiting sample whose window still reads them takes its own prefix instead."""
+    bm = BlockManager(16, 4, watermark=0, sliding_window=4)
+    lead = Sequence(next(_ids), list(range(1, 21)), seed=0)
+    bm.allocate_prefix(lead)
+    bm.allocate_slots(lead, 16)
+    lead.num_computed_tokens = 16
+    bm.mark_computed(lead)  # blocks 0-2 lie wholly behind position 16's window: freed
+    assert bm.get_block_table(lead)[:4] == [-1, -1, -1, 3]
+    assert not bm.can_share_prefix(lead, 3)  # position 12's window reads block 2
+    assert bm.can_share_prefix(lead, 4)

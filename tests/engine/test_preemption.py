@@ -123,6 +123,11 @@ def test_a_recomputed_n3_group_with_cached_blocks_comes_back(tiny_llm_factory):
 def _bounded_lengths(llm, requests, max_steps=300):
     """Run ``requests`` [(prompt, params)] with at most ``max_steps`` engine steps (a stall
     fails instead of hanging); returns each request's output lengths."""
+    return [[len(t) for t in r] for r in _bounded_outputs(llm, requests, max_steps)]
+
+
+def _bounded_outputs(llm, requests, max_steps=300):
+    """``_bounded_lengths``, returning each request's output token ids."""
     engine = llm.engine
     for i, (prompt, sp) in enumerate(requests):
         engine.add_request(str(i), prompt, sp)
@@ -132,7 +137,7 @@ def _bounded_lengths(llm, requests, max_steps=300):
         if not engine.has_unfinished_requests():
             break
     assert not engine.has_unfinished_requests(), "stalled"
-    return [[len(c.token_ids) for c in done[str(i)].outputs] for i in range(len(requests))]
+    return [[list(c.token_ids) for c in done[str(i)].outputs] for i in range(len(requests))]
 
 
 def _greedy(n):
@@ -183,3 +188,37 @@ def test_chunked_prefill_schedules_all_beams_or_none(tiny_llm_factory):
     sampled = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)
     assert _bounded_lengths(llm, [([5, 6, 7, 8], sampled), ([9, 10, 11, 12], beams)]) == [
         [10, 10, 10, 10], [10, 10]]
+
+
+def test_chunked_readmission_shares_the_recomputed_prompt(tiny_llm_factory):
+    """Chunked prefill (budget 8) and recompute: an n = 2 group preempted beside an older
+    request comes back with its samples sharing the recomputed prompt blocks, so both reach
+    max_tokens with the tokens of a run without preemption (the other sample recomputed the
+    prompt into blocks of its own, and both were finished by length at 6 and 5 of 8)."""
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    requests = [([100], _greedy(8)), (list(range(10, 22)), sampled)]
+    kw = dict(block_size=4, max_model_len=64, preemption_mode="recompute",
+              enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    small = tiny_llm_factory(num_gpu_blocks_override=8, **kw)
+    got = _bounded_outputs(small, requests)
+    assert [[len(t) for t in r] for r in got] == [[8], [8, 8]]
+    assert small.engine.stats.num_preemptions > 0
+    assert got == _bounded_outputs(tiny_llm_factory(num_gpu_blocks_override=64, **kw), requests)
+
+
+@pytest.mark.parametrize("budget", [8, 12])
+def test_chunked_readmission_of_a_beam_search_samples_all_beams_together(tiny_llm_factory, budget):
+    """Chunked prefill and recompute: a beam search preempted beside an older request comes
+    back with its beams recomputed over several steps; no beam samples before all have their
+    tokens computed (one beam sampling alone made the beam step raise KeyError), and the
+    beams equal a run without preemption."""
+    beams = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=8,
+                           ignore_eos=True)
+    requests = [([100], _greedy(10)), (list(range(10, 22)), beams)]
+    kw = dict(block_size=4, max_model_len=64, preemption_mode="recompute",
+              enable_prefix_caching=False, enable_chunked_prefill=True,
+              max_num_batched_tokens=budget)
+    small = tiny_llm_factory(num_gpu_blocks_override=9, **kw)
+    got = _bounded_outputs(small, requests)
+    assert small.engine.stats.num_preemptions > 0
+    assert got == _bounded_outputs(tiny_llm_factory(num_gpu_blocks_override=64, **kw), requests)
