@@ -139,6 +139,12 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "norm_topk_prob": False,
             "mlp_only_layers": [1],
         }
+    if arch == "gemma_v1":
+        return tf.GemmaForCausalLM, {
+            "config": tf.GemmaConfig,
+            "tie_word_embeddings": True,  # as every Gemma
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
     raise ValueError(arch)
 
 
@@ -267,11 +273,16 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     if arch in ("gpt2", "gpt_neox"):
         _write_layer_norm_gguf(hf_model, path, arch, qtype)
         return
-    gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    gguf_arch = {
+        "mistral": "llama",
+        "mixtral": "llama",
+        "qwen3_moe": "qwen3moe",
+        "gemma_v1": "gemma",
+    }.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
-    gemma = arch in ("gemma2", "gemma3")
-    if gemma:
+    gemma = gguf_arch in ("gemma", "gemma2", "gemma3")
+    if arch in ("gemma2", "gemma3"):
         names.update(
             post_attention_norm="post_attention_layernorm",
             ffn_norm="pre_feedforward_layernorm",

@@ -19,7 +19,7 @@ from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
-ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
