@@ -48,6 +48,11 @@ class ModelArchConfig:
         sandwich_norm: extra RMSNorms after attention and around the MLP (Gemma 2 / 3).
         embedding_scale: multiplier of the embedding output (Gemma: sqrt(hidden_size)), or None.
         query_pre_attn_scalar: attention scale is its -1/2 power (Gemma); None = head_dim.
+        attention_scale: the attention softmax scale itself (Granite's ``attention_multiplier``);
+            None = ``query_pre_attn_scalar`` (or head_dim) to the -1/2 power.
+        residual_multiplier: each attention / MLP output is multiplied by it before the
+            residual add (Granite); folded into o_proj and down_proj at load time. None = 1.
+        logits_scaling: the logits are divided by it (Granite); None = 1.
         final_logit_softcapping: logits = cap * tanh(logits / cap) when set (Gemma 2).
         layer_norm_eps: epsilon inside LayerNorm (OPT, GPT-2, GPT-NeoX).
         mlp_bias: the MLP projections have biases (OPT, GPT-2, GPT-NeoX).
@@ -94,6 +99,9 @@ class ModelArchConfig:
     sandwich_norm: bool = False
     embedding_scale: float | None = None
     query_pre_attn_scalar: float | None = None
+    attention_scale: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
     final_logit_softcapping: float | None = None
     layer_norm_eps: float = 1e-5
     mlp_bias: bool = False

@@ -106,6 +106,9 @@ class DecoderForCausalLM(nn.Module):
         gguf_permute_qk: llama.cpp permuted the q/k rows of this architecture (Llama only).
         splits_hf_weights: ``split_hf_weight`` rewrites some tensors (fused QKV, transposed
             Conv1D), so a tensor-parallel rank must read them whole before slicing.
+        folded_projections: projections (name suffixes, ``"mlp.down_proj"``) whose weights
+            ``load_weights`` changes after reading them (Granite folds a multiplier in), so
+            ``quantization="gguf"`` keeps them float instead of rebuilding them from the file.
 
     Raises:
         ValueError: naming ``tensor_parallel_size`` when the model cannot be split that way.
@@ -114,6 +117,7 @@ class DecoderForCausalLM(nn.Module):
     gguf_tensor_names: ClassVar[dict[str, str]] = {}
     gguf_permute_qk: ClassVar[bool] = False
     splits_hf_weights: ClassVar[bool] = False
+    folded_projections: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,

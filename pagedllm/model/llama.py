@@ -1,5 +1,6 @@
 """Llama (Touvron et al. 2023) and the decoders built the same way: pre-norm layers of grouped-
-query attention with RoPE and a SwiGLU MLP. Qwen2, Qwen3 and Mistral subclass it.
+query attention with RoPE and a SwiGLU MLP. Qwen2, Qwen3, Mistral, Gemma (v1) and Granite subclass
+it.
 
 Projections are fused at load time (Q, K and V in one matrix; gate and up in another) so that a
 layer does four matmuls instead of seven. On the CPU in fp32 the residual adds are fused into the
@@ -49,11 +50,11 @@ class LlamaDecoderLayer(nn.Module):
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
+        eps, offset = config.rms_norm_eps, config.norm_weight_offset  # offset: Gemma's 1 + w
         inter = shard.intermediate_size if shard else config.intermediate_size
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, offset)
         self.self_attn = PagedSelfAttention(config, index, dtype, shard, group)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, offset)
         self.mlp = (
             mlp
             if mlp is not None

@@ -67,6 +67,10 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),
                ("qwen3moe",),
                "Qwen3-MoE (sparse MoE, q/k norm)"),
+    ModelEntry("GemmaForCausalLM", "gemma", "GemmaForCausalLM", ("gemma",), ("gemma",),
+               "Gemma (v1: 2B, 7B)"),
+    ModelEntry("GraniteForCausalLM", "granite", "GraniteForCausalLM", ("granite",),
+               ("granite",), "Granite 3.x dense (embedding / residual / attention / logit scales)"),
 )  # fmt: skip
 
 

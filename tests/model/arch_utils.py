@@ -53,6 +53,17 @@ ROPE_VARIANTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Granite's four multipliers, each far enough from 1 (and from head_dim ** -0.5 = 0.25 for the
+# attention scale) that ignoring any one changes the tiny model's greedy tokens, or for
+# logits_scaling (argmax-invariant) its logprobs (tests/model/test_granite.py checks that on
+# transformers).
+GRANITE_MULTIPLIERS: dict[str, float] = {
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.0625,
+    "logits_scaling": 8.0,
+}
+
 
 def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
     """(transformers model class, extra config kwargs) for ``arch``."""
@@ -138,6 +149,21 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "moe_intermediate_size": 32,
             "norm_topk_prob": False,
             "mlp_only_layers": [1],
+        }
+    if arch == "gemma_v1":
+        return tf.GemmaForCausalLM, {
+            "config": tf.GemmaConfig,
+            "tie_word_embeddings": True,  # as every Gemma
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    if arch in ("granite", "granite_tied"):
+        tied = arch == "granite_tied"  # tied head, and biases on q/k/v/o (scaled o_proj bias)
+        return tf.GraniteForCausalLM, {
+            "config": tf.GraniteConfig,
+            **GRANITE_MULTIPLIERS,
+            "tie_word_embeddings": tied,
+            "attention_bias": tied,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         }
     raise ValueError(arch)
 
@@ -259,7 +285,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a GGUF file the way
     llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head, Gemma's
     norms stored as ``1 + w``, stacked experts, fused tensors; no tokenizer. Float32, or with
-    ``qtype`` (a ``gguf.GGMLQuantizationType``) every matrix whose rows fit its blocks quantized."""
+    ``qtype`` (a ``gguf.GGMLQuantizationType``) every matrix whose rows fit its blocks quantized.
+    Granite's multipliers go to llama.cpp's ``*_scale`` keys."""
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
@@ -267,11 +294,17 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     if arch in ("gpt2", "gpt_neox"):
         _write_layer_norm_gguf(hf_model, path, arch, qtype)
         return
-    gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    gguf_arch = {
+        "mistral": "llama",
+        "mixtral": "llama",
+        "qwen3_moe": "qwen3moe",
+        "gemma_v1": "gemma",
+        "granite_tied": "granite",
+    }.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
-    gemma = arch in ("gemma2", "gemma3")
-    if gemma:
+    gemma = gguf_arch in ("gemma", "gemma2", "gemma3")
+    if arch in ("gemma2", "gemma3"):
         names.update(
             post_attention_norm="post_attention_layernorm",
             ffn_norm="pre_feedforward_layernorm",
@@ -304,6 +337,11 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_vocab_size(c.vocab_size)
+    if gguf_arch == "granite":  # llama.cpp's names for the four multipliers
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     if arch in ("mixtral", "qwen3_moe"):  # llama.cpp's converter: no sliding window for either
         w.add_expert_count(c.num_local_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
@@ -327,7 +365,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
             _, _, layer, rest = name.split(".", 3)
             stem, kind = rest.rsplit(".", 1)
             g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
-        if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        permuted = gguf_arch in ("llama", "granite")  # llama.cpp's LlamaModel converters
+        if permuted and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else kv_heads
             rows = t.shape[0]
             t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)

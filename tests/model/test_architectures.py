@@ -19,7 +19,7 @@ from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
-ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
@@ -116,7 +116,9 @@ def test_cpu_fast_path_is_used(arch_case):
     assert model.backend.name == "cpu"
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
-    assert (attn.qkv_proj.bias is not None) == (arch in ("qwen2", *LAYER_NORM_ARCHS))
+    assert (attn.qkv_proj.bias is not None) == (
+        arch in ("qwen2", "granite_tied", *LAYER_NORM_ARCHS)
+    )
     for layer in model.layers:
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # MoE: every expert packed, SwiGLU fused (I % 8 == 0)
@@ -166,6 +168,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     same += ["partial_rotary_factor", "rope_scaling", "max_position_embeddings", "hidden_act"]
     same += ["parallel_residual", "layer_norm_eps", "position_offset", "tie_word_embeddings"]
     same += ["mlp_bias", "o_proj_bias", "hidden_size", "intermediate_size", "num_attention_heads"]
+    same += ["embedding_scale", "attention_scale", "residual_multiplier", "logits_scaling"]
     if arch == "mixtral":  # llama.cpp's converter records no window (released Mixtral: none)
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:

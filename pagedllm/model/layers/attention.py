@@ -62,7 +62,11 @@ class PagedSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = float(config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.scale = (
+            float(config.attention_scale)
+            if config.attention_scale is not None
+            else float(config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        )
         self.sliding_window = config.layer_window(layer)
         self.logits_soft_cap = config.attn_logit_softcapping
         hidden = config.hidden_size

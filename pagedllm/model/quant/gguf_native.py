@@ -361,8 +361,9 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
     """Replace every projection of ``model`` whose GGUF tensors (``path``) are all of a
     ``SUPPORTED_TYPES`` block type by a :class:`GGUFLinear` built from those blocks, and the LM
     head by one built from ``output.weight`` (else the tied ``token_embd.weight``). Projections
-    with float tensors, fused tensors that the model class splits, and MoE experts stay as they
-    are. Returns the number of matrices replaced.
+    with float tensors, fused tensors that the model class splits, the class's
+    ``folded_projections`` and MoE experts stay as they are. Returns the number of matrices
+    replaced.
 
     Raises:
         ValueError: the file is not a valid GGUF file, or a tensor's rows do not fit the model.
@@ -412,6 +413,8 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
             if out_features is None or isinstance(child, GGUFLinear):
                 continue
             full = ".".join(x for x in ("layers", prefix, child_name) if x)
+            if cls.folded_projections and full.endswith(cls.folded_projections):
+                continue  # its loaded weight is not the file's (Granite's residual multiplier)
             parts = parts_for(checkpoint_names(f"{full}.weight"))
             if parts is None or sum(p.rows for p in parts) != out_features:
                 continue
