@@ -62,6 +62,8 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("GPTNeoXForCausalLM", "gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox",),
                ("gptneox",),
                "GPT-NeoX, Pythia"),
+    ModelEntry("PhiForCausalLM", "phi", "PhiForCausalLM", ("phi",), ("phi2",),
+               "Phi-1, Phi-1.5, Phi-2"),
     ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
                "Mixtral (sparse MoE, sliding window)"),
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),

@@ -97,6 +97,11 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "config": tf.GPTNeoXConfig,
             "tiny": {**LAYER_NORM_TINY, "intermediate_size": 128, "initializer_range": 0.5},
         }
+    if arch == "phi":  # 16-wide heads, half of each turns; MLP 4 x hidden, as llama.cpp assumes
+        return tf.PhiForCausalLM, {
+            "config": tf.PhiConfig,
+            "tiny": {**LAYER_NORM_TINY, "intermediate_size": 256, "initializer_range": 0.5},
+        }
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM, {
             "config": tf.Gemma2Config,
@@ -267,6 +272,9 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     if arch in ("gpt2", "gpt_neox"):
         _write_layer_norm_gguf(hf_model, path, arch, qtype)
         return
+    if arch in ROTARY_LAYER_NORM_GGUF:
+        _write_rotary_layer_norm_gguf(hf_model, path, arch, qtype)
+        return
     gguf_arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
@@ -433,6 +441,56 @@ def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> 
         _add_tensor(w, g, t, qtype)
         if not neox and g == "token_embd.weight":
             _add_tensor(w, "output.weight", t, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# The rotary LayerNorm families llama.cpp stores with separate q / k / v: test arch -> GGUF arch.
+ROTARY_LAYER_NORM_GGUF = {"phi": "phi2"}
+
+
+def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> None:
+    """Phi as llama.cpp's converter writes it from the transformers layout: separate q / k / v
+    (not permuted: NeoX-style rotary), LayerNorm epsilon, the rotary width, the MLP width as
+    4 x hidden, no rope-base or key-length keys; the LM head's bias as ``output.bias``."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from pagedllm.model.registry import model_class
+
+    c = hf_model.config
+    cls = model_class(c.architectures[0])
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), ROTARY_LAYER_NORM_GGUF[arch])
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_eps(c.layer_norm_eps)
+    partial = c.rope_parameters["partial_rotary_factor"]
+    w.add_rope_dimension_count(int(partial * hidden) // heads)
+    to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
+        "lm_head.weight": "output.weight",
+        "lm_head.bias": "output.bias",
+    }
+    for name, t in hf_model.state_dict().items():
+        pname = cls.hf_weight_name(name)
+        assert pname is not None
+        if pname in glob:
+            g = glob[pname]
+        else:
+            _, _, layer, rest = pname.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        _add_tensor(w, g, t.float().clone(), qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -19,9 +19,9 @@ from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
-ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "phi"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
-LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
+LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
@@ -195,7 +195,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         _check(results, refs[:2])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox", "phi"])
 def test_quantized_gguf_loads_dequantized_weights(arch, tmp_path):
     """A Q8_0 GGUF (stacked experts and fused QKV / gate-up quantized too) loads every tensor
     within one Q8_0 step (1/127 of the largest weight; the fp16 block scale rounds too) of the

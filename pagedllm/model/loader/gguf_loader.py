@@ -48,6 +48,7 @@ _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output.bias": "lm_head.bias",  # Phi-2's LM head has a bias
     "output_norm.bias": "model.norm.bias",  # LayerNorm models (GPT-2, GPT-NeoX)
     "position_embd.weight": "model.embed_positions.weight",  # learned positions (GPT-2)
 }
