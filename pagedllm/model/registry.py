@@ -64,6 +64,8 @@ MODELS: tuple[ModelEntry, ...] = (
                "GPT-NeoX, Pythia"),
     ModelEntry("PhiForCausalLM", "phi", "PhiForCausalLM", ("phi",), ("phi2",),
                "Phi-1, Phi-1.5, Phi-2"),
+    ModelEntry("StableLmForCausalLM", "stablelm", "StableLmForCausalLM", ("stablelm",),
+               ("stablelm",), "StableLM-3B-4E1T, StableLM 2"),
     ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
                "Mixtral (sparse MoE, sliding window)"),
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),

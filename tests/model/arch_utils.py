@@ -102,6 +102,13 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "config": tf.PhiConfig,
             "tiny": {**LAYER_NORM_TINY, "intermediate_size": 256, "initializer_range": 0.5},
         }
+    if arch == "stablelm":  # GQA 4/2, a quarter of each head turns, q/k/v biases, parallel
+        return tf.StableLmForCausalLM, {
+            "config": tf.StableLmConfig,
+            "tiny": {**TINY, "initializer_range": 0.5},
+            "use_qkv_bias": True,
+            "use_parallel_residual": True,
+        }
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM, {
             "config": tf.Gemma2Config,
@@ -448,13 +455,14 @@ def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> 
 
 
 # The rotary LayerNorm families llama.cpp stores with separate q / k / v: test arch -> GGUF arch.
-ROTARY_LAYER_NORM_GGUF = {"phi": "phi2"}
+ROTARY_LAYER_NORM_GGUF = {"phi": "phi2", "stablelm": "stablelm"}
 
 
 def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> None:
-    """Phi as llama.cpp's converter writes it from the transformers layout: separate q / k / v
-    (not permuted: NeoX-style rotary), LayerNorm epsilon, the rotary width, the MLP width as
-    4 x hidden, no rope-base or key-length keys; the LM head's bias as ``output.bias``."""
+    """Phi / StableLM as llama.cpp's converters write them from the transformers layout:
+    separate q / k / v (not permuted: NeoX-style rotary), LayerNorm epsilon, the rotary width, no
+    rope-base or key-length keys; Phi's MLP width as 4 x hidden, its heads as KV heads and its LM
+    head's bias as ``output.bias``; StableLM's KV heads and ``use_parallel_residual``."""
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
@@ -466,11 +474,14 @@ def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: A
     w = gguf.GGUFWriter(str(path), ROTARY_LAYER_NORM_GGUF[arch])
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(4 * hidden)
+    phi = arch == "phi"
+    w.add_feed_forward_length(4 * hidden if phi else c.intermediate_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_head_count(heads)
-    w.add_head_count_kv(heads)
+    w.add_head_count_kv(heads if phi else c.num_key_value_heads)
     w.add_layer_norm_eps(c.layer_norm_eps)
+    if arch == "stablelm":
+        w.add_parallel_residual(c.use_parallel_residual)
     partial = c.rope_parameters["partial_rotary_factor"]
     w.add_rope_dimension_count(int(partial * hidden) // heads)
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}

@@ -19,10 +19,12 @@ from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
-ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "phi"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "phi", "stablelm"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
+# Projections with biases on q / k / v (the LayerNorm families have them everywhere).
+QKV_BIAS_ARCHS = ("qwen2", "stablelm", *LAYER_NORM_ARCHS)
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -116,7 +118,7 @@ def test_cpu_fast_path_is_used(arch_case):
     assert model.backend.name == "cpu"
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
-    assert (attn.qkv_proj.bias is not None) == (arch in ("qwen2", *LAYER_NORM_ARCHS))
+    assert (attn.qkv_proj.bias is not None) == (arch in QKV_BIAS_ARCHS)
     for layer in model.layers:
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # MoE: every expert packed, SwiGLU fused (I % 8 == 0)
@@ -132,6 +134,8 @@ def test_cpu_fast_path_is_used(arch_case):
             assert isinstance(layer.input_layernorm, LayerNorm)
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
+            norm_cls = LayerNorm if arch == "stablelm" else RMSNorm
+            assert isinstance(layer.input_layernorm, norm_cls)
         assert isinstance(mlp.down_proj, PackedLinear)
     assert model.lm_head_packed is not None
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]

@@ -1,6 +1,6 @@
-"""OPT, GPT-2, GPT-NeoX and Phi beyond the shared architecture tests: their layer variants (OPT's
-post-norm layers, GPT-NeoX without parallel residual, Phi with grouped-query attention and a tied
-head) against transformers, the context limit of
+"""OPT, GPT-2, GPT-NeoX, Phi and StableLM beyond the shared architecture tests: their layer
+variants (OPT's post-norm layers, GPT-NeoX and StableLM without parallel residual, Phi with
+grouped-query attention and a tied head) against transformers, the context limit of
 learned positions, and the configurations refused with a clear error."""
 
 from __future__ import annotations
@@ -65,6 +65,25 @@ def test_phi_grouped_query_tied_head_equals_transformers(tmp_path):
     )
 
 
+def test_stablelm_sequential_residual_equals_transformers(tmp_path):
+    """``use_parallel_residual`` false (StableLM-3B-4E1T, StableLM 2 1.6B): the MLP reads
+    ``post_attention_layernorm`` of the attention's output added in; no q/k/v biases; half of
+    each head rotated."""
+    _greedy_matches_transformers(
+        "stablelm",
+        tmp_path,
+        {
+            "use_parallel_residual": False,
+            "use_qkv_bias": False,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+    )
+
+
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gpt2")
@@ -104,6 +123,7 @@ def test_request_past_the_position_table_is_refused(gpt2_folder):
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True}, "inverse_layer_idx"),
         ({"model_type": "gpt2", "scale_attn_weights": False}, "scale_attn_weights"),
         ({"model_type": "phi", "qk_layernorm": True}, "qk_layernorm"),
+        ({"model_type": "stablelm", "qk_layernorm": True}, "qk_layernorm"),
     ],
 )
 def test_unsupported_variants_are_refused(cfg, field):

@@ -289,7 +289,8 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
     ``head_dim`` comes from ``<arch>.attention.key_length``, else ``<arch>.rope.dimension_count``,
     else ``hidden / heads``; ``vocab_size`` from the length of ``tokenizer.ggml.tokens``, else
     ``<arch>.vocab_size``, else the embedding rows. ``tie_word_embeddings`` is True when the file
-    has no ``output.weight``. ``bos_token_id`` is ``tokenizer.ggml.bos_token_id`` and
+    has no ``output.weight``; ``attention_bias`` when it has ``blk.0.attn_q.bias`` (unless the
+    class says otherwise). ``bos_token_id`` is ``tokenizer.ggml.bos_token_id`` and
     ``eos_token_ids`` holds ``tokenizer.ggml.eos_token_id`` (the tokenizer/chat-template ids are
     added by :func:`pagedllm.model.loader.load_model`).
 
@@ -377,6 +378,8 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         n_layers = fields["num_hidden_layers"]
         moe = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
         fields["moe_layers"] = None if len(moe) == n_layers else moe
+    if "blk.0.attn_q.bias" in tensors:  # no metadata key says so (StableLM's use_qkv_bias)
+        fields["attention_bias"] = True
     cls = entry.load()
     fields.update(cls.gguf_config_fields(lambda key: gguf_metadata(reader, f"{arch}.{key}")))
     return ModelArchConfig(**fields)
