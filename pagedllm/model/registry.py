@@ -66,6 +66,8 @@ MODELS: tuple[ModelEntry, ...] = (
                "Phi-1, Phi-1.5, Phi-2"),
     ModelEntry("StableLmForCausalLM", "stablelm", "StableLmForCausalLM", ("stablelm",),
                ("stablelm",), "StableLM-3B-4E1T, StableLM 2"),
+    ModelEntry("Starcoder2ForCausalLM", "starcoder2", "Starcoder2ForCausalLM", ("starcoder2",),
+               ("starcoder2",), "StarCoder2 (sliding window)"),
     ModelEntry("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), (),
                "Mixtral (sparse MoE, sliding window)"),
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),

@@ -109,6 +109,13 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "use_qkv_bias": True,
             "use_parallel_residual": True,
         }
+    if arch == "starcoder2":  # GQA 4/2, biases everywhere, windowed, tied head (as released)
+        return tf.Starcoder2ForCausalLM, {
+            "config": tf.Starcoder2Config,
+            "tiny": {**TINY, "initializer_range": 0.5},
+            "sliding_window": WINDOW,
+            "tie_word_embeddings": True,
+        }
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM, {
             "config": tf.Gemma2Config,
@@ -455,14 +462,15 @@ def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> 
 
 
 # The rotary LayerNorm families llama.cpp stores with separate q / k / v: test arch -> GGUF arch.
-ROTARY_LAYER_NORM_GGUF = {"phi": "phi2", "stablelm": "stablelm"}
+ROTARY_LAYER_NORM_GGUF = {"phi": "phi2", "stablelm": "stablelm", "starcoder2": "starcoder2"}
 
 
 def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> None:
-    """Phi / StableLM as llama.cpp's converters write them from the transformers layout:
-    separate q / k / v (not permuted: NeoX-style rotary), LayerNorm epsilon, the rotary width, no
-    rope-base or key-length keys; Phi's MLP width as 4 x hidden, its heads as KV heads and its LM
-    head's bias as ``output.bias``; StableLM's KV heads and ``use_parallel_residual``."""
+    """Phi / StableLM / StarCoder2 as llama.cpp's converters write them from the transformers
+    layout: separate q / k / v (not permuted: NeoX-style rotary), LayerNorm epsilon, no
+    key-length key; Phi's MLP width as 4 x hidden, its heads as KV heads and its LM head's bias as
+    ``output.bias``; StableLM's ``use_parallel_residual``; the rotary width (Phi, StableLM) or the
+    rope base (StarCoder2, no sliding window); no ``output`` for a tied head."""
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
@@ -479,11 +487,14 @@ def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: A
     w.add_block_count(c.num_hidden_layers)
     w.add_head_count(heads)
     w.add_head_count_kv(heads if phi else c.num_key_value_heads)
-    w.add_layer_norm_eps(c.layer_norm_eps)
+    w.add_layer_norm_eps(c.norm_epsilon if arch == "starcoder2" else c.layer_norm_eps)
     if arch == "stablelm":
         w.add_parallel_residual(c.use_parallel_residual)
-    partial = c.rope_parameters["partial_rotary_factor"]
-    w.add_rope_dimension_count(int(partial * hidden) // heads)
+    if arch == "starcoder2":
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    else:
+        partial = c.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(partial * hidden) // heads)
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
     glob = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -495,6 +506,8 @@ def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: A
     for name, t in hf_model.state_dict().items():
         pname = cls.hf_weight_name(name)
         assert pname is not None
+        if pname == "lm_head.weight" and c.tie_word_embeddings:
+            continue
         if pname in glob:
             g = glob[pname]
         else:

@@ -1,7 +1,7 @@
-"""OPT, GPT-2, GPT-NeoX, Phi and StableLM beyond the shared architecture tests: their layer
-variants (OPT's post-norm layers, GPT-NeoX and StableLM without parallel residual, Phi with
-grouped-query attention and a tied head) against transformers, the context limit of
-learned positions, and the configurations refused with a clear error."""
+"""OPT, GPT-2, GPT-NeoX, Phi, StableLM and StarCoder2 beyond the shared architecture tests: their
+layer variants (OPT's post-norm layers, GPT-NeoX and StableLM without parallel residual, Phi with
+grouped-query attention and a tied head, StarCoder2 without biases) against transformers, the
+context limit of learned positions, and the configurations refused with a clear error."""
 
 from __future__ import annotations
 
@@ -81,6 +81,13 @@ def test_stablelm_sequential_residual_equals_transformers(tmp_path):
                 "partial_rotary_factor": 0.5,
             },
         },
+    )
+
+
+def test_starcoder2_without_biases_untied_equals_transformers(tmp_path):
+    """``use_bias`` false (no projection biases; the LayerNorms keep theirs), an untied head."""
+    _greedy_matches_transformers(
+        "starcoder2", tmp_path, {"use_bias": False, "tie_word_embeddings": False}
     )
 
 
