@@ -58,6 +58,10 @@ class ModelArchConfig:
         mlp_bias: the MLP projections have biases (OPT, GPT-2, GPT-NeoX).
         parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)) in one residual step (GPT-NeoX).
         norm_before: pre-norm layers; False = the norm follows each residual add (OPT-350m).
+        shared_input_norm: with ``parallel_residual``, attention and MLP both read the one
+            LayerNorm of the layer input, x + attn(ln(x)) + mlp(ln(x)), and the layer has no
+            second norm (Phi-1/1.5/2; StableLM with ``use_parallel_residual``).
+        lm_head_bias: the LM head adds a bias over the vocabulary (Phi-1/1.5/2).
         position_offset: learned absolute position embeddings are in use, position p reading
             row p + offset (OPT: 2, GPT-2: 0); None = no learned positions (RoPE models). Such
             a model has no rows past ``max_position_embeddings``, which caps max_model_len.
@@ -107,6 +111,8 @@ class ModelArchConfig:
     mlp_bias: bool = False
     parallel_residual: bool = False
     norm_before: bool = True
+    shared_input_norm: bool = False
+    lm_head_bias: bool = False
     position_offset: int | None = None
     attn_logit_softcapping: float | None = None
     num_experts: int = 0
@@ -126,6 +132,8 @@ class ModelArchConfig:
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
+        if self.shared_input_norm and not self.parallel_residual:
+            raise ValueError("shared_input_norm needs parallel_residual (one norm, both branches)")
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of decoder layer ``layer`` (tokens), or None for full attention."""

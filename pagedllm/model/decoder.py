@@ -154,6 +154,12 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head_weight = nn.Parameter(
                 torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False
             )
+        #: The LM head's bias [vocab rows] (``config.lm_head_bias``: Phi), or None.
+        self.lm_head_bias: nn.Parameter | None = None
+        if config.lm_head_bias:
+            self.lm_head_bias = nn.Parameter(
+                torch.zeros(vocab_rows, dtype=dtype), requires_grad=False
+            )
         #: The decoder layers this process runs (all of them unless ``keep_stage_layers``).
         self.stage_layers = range(config.num_hidden_layers)
         self.lm_head_packed: nn.Module | None = None  # PackedLinear, or Int8Linear
@@ -377,8 +383,8 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Next-token logits [S, V] float32 of the rows ``logits_indices`` of ``run_layers``'
-        output (final norm, LM head; under tensor parallelism only on rank 0, the other ranks
-        return an empty [S, 0] tensor)."""
+        output (final norm, LM head with its bias if any; under tensor parallelism only on
+        rank 0, the other ranks return an empty [S, 0] tensor)."""
         return lm_head_logits(
             self.norm(h[logits_indices]),
             self.lm_head_weight,
@@ -386,6 +392,7 @@ class DecoderForCausalLM(nn.Module):
             self.group,
             self.config.vocab_size,
             self.config.final_logit_softcapping,
+            self.lm_head_bias,
         )
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

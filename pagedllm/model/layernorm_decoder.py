@@ -1,8 +1,8 @@
-"""What OPT, GPT-2 and GPT-NeoX share: LayerNorm with biases, a non-gated MLP with biases,
-biases on every projection, and either learned absolute positions (OPT, GPT-2) or partial rotary
-(GPT-NeoX). Their checkpoints name tensors differently from Llama; each model file lists regex
-renames to Llama's Hugging Face names (``hf_weight_renames``) so that ``model.weight_map`` and
-``model.sharding`` serve them unchanged.
+"""What the LayerNorm families share (OPT, GPT-2, GPT-NeoX, Phi-1/1.5/2): LayerNorm with biases,
+a non-gated MLP with biases (``make_mlp``), biases on the projections, and either learned
+absolute positions (OPT, GPT-2) or (partial) rotary (GPT-NeoX, Phi). Their checkpoints name
+tensors differently from Llama; each model file lists regex renames to Llama's Hugging Face names
+(``hf_weight_renames``) so that ``model.weight_map`` and ``model.sharding`` serve them unchanged.
 
 Layer variants (``ModelArchConfig``):
 
@@ -10,6 +10,8 @@ Layer variants (``ModelArchConfig``):
   + mlp(ln2(...));
 * parallel residual (GPT-NeoX, GPT-J style; Black et al. 2022 section 2.2):
   x + attn(ln1(x)) + mlp(ln2(x));
+* parallel residual over one shared norm (Phi-1/1.5/2, StableLM with ``use_parallel_residual``;
+  ``shared_input_norm``): x + attn(ln(x)) + mlp(ln(x)), the layer has no second norm;
 * post-norm (OPT-350m, ``do_layer_norm_before`` false; Vaswani et al. 2017):
   ln1(x + attn(x)), then ln2(h + mlp(h)), and no final norm.
 """
@@ -45,7 +47,8 @@ class LayerNormDecoderLayer(nn.Module):
     docstring).
 
     Args:
-        config: architecture (``parallel_residual``, ``norm_before``, biases, LayerNorm eps).
+        config: architecture (``parallel_residual``, ``shared_input_norm``, ``norm_before``,
+            biases, LayerNorm eps).
         index: layer index.
         dtype: parameter dtype.
         shard / group: tensor-parallel slice and group, or None.
@@ -69,17 +72,34 @@ class LayerNormDecoderLayer(nn.Module):
         self.norm_before = config.norm_before
         self.input_layernorm = LayerNorm(d, eps, dtype)
         self.self_attn = PagedSelfAttention(config, index, dtype, shard, group)
-        self.post_attention_layernorm = LayerNorm(d, eps, dtype)
-        self.mlp = PlainMLP(d, inter, config.hidden_act, dtype, group, bias=config.mlp_bias)
+        self.post_attention_layernorm: LayerNorm | None = None
+        if not config.shared_input_norm:
+            self.post_attention_layernorm = LayerNorm(d, eps, dtype)
+        self.mlp = self.make_mlp(config, inter, dtype, group)
+
+    @staticmethod
+    def make_mlp(
+        config: ModelArchConfig, inter: int, dtype: torch.dtype, group: TensorParallelGroup | None
+    ) -> nn.Module:
+        """The feed-forward block, called as ``mlp(x, residual=r)``: here the non-gated
+        :class:`PlainMLP` (biases per ``config.mlp_bias``); StableLM's layer returns a gated
+        one."""
+        return PlainMLP(
+            config.hidden_size, inter, config.hidden_act, dtype, group, bias=config.mlp_bias
+        )
 
     def forward(
         self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         rotate = ctx.rotations.get("global", _no_rotation)
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        if not self.norm_before:
+        if not self.norm_before and ln2 is not None:
             h = ln1(x.add_(self.self_attn(rotate, x, kv_cache, ctx.meta, ctx.backend)))
             return ln2(self.mlp(h, residual=h))
+        if ln2 is None:  # one norm read by both branches (Phi)
+            n = ln1(x)
+            a = self.self_attn(rotate, n, kv_cache, ctx.meta, ctx.backend)
+            return x.add_(self.mlp(n, residual=a))
         a = self.self_attn(rotate, ln1(x), kv_cache, ctx.meta, ctx.backend)
         if self.parallel_residual:
             # a (a fresh tensor) += mlp(ln2(x)) in the GEMM epilogue, then x += a.

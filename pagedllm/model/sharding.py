@@ -120,10 +120,11 @@ class TensorParallelShard:
 
         Linear weights are [out, in]: column-parallel layers (and their biases) are cut along
         dim 0, row-parallel ones along dim 1 (their biases stay whole); the embedding and LM head
-        along the vocabulary (dim 0); norms (q/k norms included, they act per head) stay whole.
+        (its bias too) along the vocabulary (dim 0); norms (q/k norms included, they act per
+        head) stay whole.
         """
         d = head_dim
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
             return (0, *self.vocab)
         stem, _, kind = name.rpartition(".")  # kind: "weight" or "bias"
         row_parallel = kind == "weight"  # a row-parallel bias is whole (added after the reduce)

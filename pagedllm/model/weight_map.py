@@ -3,7 +3,8 @@
 pagedllm's model modules are named like Hugging Face's, without the ``model.`` prefix, except
 that some parameters stack several checkpoint tensors along dim 0 (vLLM's "stacked params"):
 ``qkv_proj`` = ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` = ``gate_proj``, ``up_proj``
-(weights and biases alike); the untied LM head is the parameter ``lm_head_weight``. Under tensor
+(weights and biases alike); the untied LM head is the parameter ``lm_head_weight`` (its bias, when
+it has one, ``lm_head_bias``). Under tensor
 parallelism the state dict already holds this rank's slices (``model.sharding``), so a stacked
 parameter is the concatenation of the rank's slices. GGUF files are first renamed to Hugging Face
 names (``gguf_loader``), so this one mapping serves both formats.
@@ -28,17 +29,18 @@ STACKED_PARAMS: dict[str, tuple[str, ...]] = {
 # are split into the parts above at load time (the model's ``split_hf_weight`` hook calls
 # ``split_fused_tensor``), so that tensor-parallel slicing and loading all see one naming.
 # Parameters whose rows are the vocabulary (a short last tensor-parallel shard is zero-padded).
-VOCAB_PARAMS = ("embed_tokens.weight", "lm_head_weight")
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head_weight", "lm_head_bias")
 
 
 def checkpoint_names(param_name: str, prefix: str = "model.") -> list[str]:
     """The Hugging Face tensors that make up parameter ``param_name``, in stacking order.
 
     ``layers.0.self_attn.qkv_proj.bias`` -> ``[model.layers.0.self_attn.q_proj.bias, ...k_proj...,
-    ...v_proj...]``; ``lm_head_weight`` -> ``[lm_head.weight]``; anything else gets ``prefix``.
+    ...v_proj...]``; ``lm_head_weight`` -> ``[lm_head.weight]``, ``lm_head_bias`` ->
+    ``[lm_head.bias]``; anything else gets ``prefix``.
     """
-    if param_name == "lm_head_weight":
-        return ["lm_head.weight"]
+    if param_name in ("lm_head_weight", "lm_head_bias"):
+        return [f"lm_head.{param_name.removeprefix('lm_head_')}"]
     parts = param_name.split(".")
     for i, part in enumerate(parts):
         if part in STACKED_PARAMS:

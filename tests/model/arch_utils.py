@@ -108,6 +108,25 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "config": tf.GPTNeoXConfig,
             "tiny": {**LAYER_NORM_TINY, "intermediate_size": 128, "initializer_range": 0.5},
         }
+    if arch == "phi":  # 16-wide heads, half of each turns; MLP 4 x hidden, as llama.cpp assumes
+        return tf.PhiForCausalLM, {
+            "config": tf.PhiConfig,
+            "tiny": {**LAYER_NORM_TINY, "intermediate_size": 256, "initializer_range": 0.5},
+        }
+    if arch == "stablelm":  # GQA 4/2, a quarter of each head turns, q/k/v biases, parallel
+        return tf.StableLmForCausalLM, {
+            "config": tf.StableLmConfig,
+            "tiny": {**TINY, "initializer_range": 0.5},
+            "use_qkv_bias": True,
+            "use_parallel_residual": True,
+        }
+    if arch == "starcoder2":  # GQA 4/2, biases everywhere, windowed, tied head (as released)
+        return tf.Starcoder2ForCausalLM, {
+            "config": tf.Starcoder2Config,
+            "tiny": {**TINY, "initializer_range": 0.5},
+            "sliding_window": WINDOW,
+            "tie_word_embeddings": True,
+        }
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM, {
             "config": tf.Gemma2Config,
@@ -294,6 +313,9 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     if arch in ("gpt2", "gpt_neox"):
         _write_layer_norm_gguf(hf_model, path, arch, qtype)
         return
+    if arch in ROTARY_LAYER_NORM_GGUF:
+        _write_rotary_layer_norm_gguf(hf_model, path, arch, qtype)
+        return
     gguf_arch = {
         "mistral": "llama",
         "mixtral": "llama",
@@ -472,6 +494,66 @@ def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> 
         _add_tensor(w, g, t, qtype)
         if not neox and g == "token_embd.weight":
             _add_tensor(w, "output.weight", t, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# The rotary LayerNorm families llama.cpp stores with separate q / k / v: test arch -> GGUF arch.
+ROTARY_LAYER_NORM_GGUF = {"phi": "phi2", "stablelm": "stablelm", "starcoder2": "starcoder2"}
+
+
+def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> None:
+    """Phi / StableLM / StarCoder2 as llama.cpp's converters write them from the transformers
+    layout: separate q / k / v (not permuted: NeoX-style rotary), LayerNorm epsilon, no
+    key-length key; Phi's MLP width as 4 x hidden, its heads as KV heads and its LM head's bias as
+    ``output.bias``; StableLM's ``use_parallel_residual``; the rotary width (Phi, StableLM) or the
+    rope base (StarCoder2, no sliding window); no ``output`` for a tied head."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from pagedllm.model.registry import model_class
+
+    c = hf_model.config
+    cls = model_class(c.architectures[0])
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), ROTARY_LAYER_NORM_GGUF[arch])
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(hidden)
+    phi = arch == "phi"
+    w.add_feed_forward_length(4 * hidden if phi else c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads if phi else c.num_key_value_heads)
+    w.add_layer_norm_eps(c.norm_epsilon if arch == "starcoder2" else c.layer_norm_eps)
+    if arch == "stablelm":
+        w.add_parallel_residual(c.use_parallel_residual)
+    if arch == "starcoder2":
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    else:
+        partial = c.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(partial * hidden) // heads)
+    to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
+        "lm_head.weight": "output.weight",
+        "lm_head.bias": "output.bias",
+    }
+    for name, t in hf_model.state_dict().items():
+        pname = cls.hf_weight_name(name)
+        assert pname is not None
+        if pname == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if pname in glob:
+            g = glob[pname]
+        else:
+            _, _, layer, rest = pname.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        _add_tensor(w, g, t.float().clone(), qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

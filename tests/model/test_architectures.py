@@ -20,9 +20,12 @@ from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, gr
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
+ARCHS += ["phi", "stablelm", "starcoder2"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
-LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
+LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 MOE_ARCHS = ("mixtral", "qwen3_moe")
+# Projections with biases on q / k / v (the LayerNorm families have them everywhere).
+QKV_BIAS_ARCHS = ("qwen2", "stablelm", "granite_tied", *LAYER_NORM_ARCHS)
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -116,9 +119,7 @@ def test_cpu_fast_path_is_used(arch_case):
     assert model.backend.name == "cpu"
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
-    assert (attn.qkv_proj.bias is not None) == (
-        arch in ("qwen2", "granite_tied", *LAYER_NORM_ARCHS)
-    )
+    assert (attn.qkv_proj.bias is not None) == (arch in QKV_BIAS_ARCHS)
     for layer in model.layers:
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # MoE: every expert packed, SwiGLU fused (I % 8 == 0)
@@ -134,6 +135,8 @@ def test_cpu_fast_path_is_used(arch_case):
             assert isinstance(layer.input_layernorm, LayerNorm)
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
+            norm_cls = LayerNorm if arch == "stablelm" else RMSNorm
+            assert isinstance(layer.input_layernorm, norm_cls)
         assert isinstance(mlp.down_proj, PackedLinear)
     assert model.lm_head_packed is not None
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
@@ -169,7 +172,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     same += ["parallel_residual", "layer_norm_eps", "position_offset", "tie_word_embeddings"]
     same += ["mlp_bias", "o_proj_bias", "hidden_size", "intermediate_size", "num_attention_heads"]
     same += ["embedding_scale", "attention_scale", "residual_multiplier", "logits_scaling"]
-    if arch == "mixtral":  # llama.cpp's converter records no window (released Mixtral: none)
+    if arch in ("mixtral", "starcoder2"):  # llama.cpp's converters record no window
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:
         assert getattr(cfg_g, f) == getattr(cfg_h, f), f
@@ -187,9 +190,10 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         assert cfg_g.architecture == cfg_h.architecture
         for f in same:
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
-    # Not run: Mistral / Mixtral (no window recorded, tokens differ past it) and Gemma (llama.cpp
-    # records no query scale; the tiny models' query_pre_attn_scalar 24 is not head_dim 16).
-    if arch not in ("mistral", "mixtral", "gemma2", "gemma3"):
+    # Not run: Mistral / Mixtral / StarCoder2 (no window recorded, tokens differ past it) and
+    # Gemma (llama.cpp records no query scale; the tiny models' query_pre_attn_scalar 24 is not
+    # head_dim 16).
+    if arch not in ("mistral", "mixtral", "starcoder2", "gemma2", "gemma3"):
         # The engine on the GGUF's config and weights gives transformers' greedy tokens.
         hf_loaded = load_model(str(folder))
         cfg_g.eos_token_ids, cfg_g.bos_token_id = cfg_h.eos_token_ids, cfg_h.bos_token_id
@@ -198,7 +202,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         _check(results, refs[:2])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox", "phi"])
 def test_quantized_gguf_loads_dequantized_weights(arch, tmp_path):
     """A Q8_0 GGUF (stacked experts and fused QKV / gate-up quantized too) loads every tensor
     within one Q8_0 step (1/127 of the largest weight; the fp16 block scale rounds too) of the

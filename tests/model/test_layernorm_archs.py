@@ -1,6 +1,7 @@
-"""OPT, GPT-2 and GPT-NeoX beyond the shared architecture tests: their layer variants (OPT's
-post-norm layers, GPT-NeoX without parallel residual) against transformers, the context limit of
-learned positions, and the configurations refused with a clear error."""
+"""OPT, GPT-2, GPT-NeoX, Phi, StableLM and StarCoder2 beyond the shared architecture tests: their
+layer variants (OPT's post-norm layers, GPT-NeoX and StableLM without parallel residual, Phi with
+grouped-query attention and a tied head, StarCoder2 without biases) against transformers, the
+context limit of learned positions, and the configurations refused with a clear error."""
 
 from __future__ import annotations
 
@@ -46,6 +47,50 @@ def test_gpt_neox_sequential_residual_equals_transformers(tmp_path):
     )
 
 
+def test_phi_grouped_query_tied_head_equals_transformers(tmp_path):
+    """Phi with 2 KV heads for 4 query heads, three quarters of each head rotated, and the head
+    tied to the embedding (its bias still its own)."""
+    _greedy_matches_transformers(
+        "phi",
+        tmp_path,
+        {
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.75,
+            },
+        },
+    )
+
+
+def test_stablelm_sequential_residual_equals_transformers(tmp_path):
+    """``use_parallel_residual`` false (StableLM-3B-4E1T, StableLM 2 1.6B): the MLP reads
+    ``post_attention_layernorm`` of the attention's output added in; no q/k/v biases; half of
+    each head rotated."""
+    _greedy_matches_transformers(
+        "stablelm",
+        tmp_path,
+        {
+            "use_parallel_residual": False,
+            "use_qkv_bias": False,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+    )
+
+
+def test_starcoder2_without_biases_untied_equals_transformers(tmp_path):
+    """``use_bias`` false (no projection biases; the LayerNorms keep theirs), an untied head."""
+    _greedy_matches_transformers(
+        "starcoder2", tmp_path, {"use_bias": False, "tie_word_embeddings": False}
+    )
+
+
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gpt2")
@@ -84,6 +129,8 @@ def test_request_past_the_position_table_is_refused(gpt2_folder):
         ({"model_type": "opt", "layer_norm_elementwise_affine": False}, "elementwise_affine"),
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True}, "inverse_layer_idx"),
         ({"model_type": "gpt2", "scale_attn_weights": False}, "scale_attn_weights"),
+        ({"model_type": "phi", "qk_layernorm": True}, "qk_layernorm"),
+        ({"model_type": "stablelm", "qk_layernorm": True}, "qk_layernorm"),
     ],
 )
 def test_unsupported_variants_are_refused(cfg, field):

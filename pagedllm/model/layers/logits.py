@@ -1,5 +1,6 @@
 """The LM head: hidden states of the sampled positions -> vocabulary logits (float32), with an
-optional final soft cap (Gemma 2: ``cap * tanh(logits / cap)``)."""
+optional bias (Phi-1/1.5/2) and an optional final soft cap (Gemma 2:
+``cap * tanh(logits / cap)``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def lm_head_logits(
     group: TensorParallelGroup | None,
     vocab_size: int,
     final_logit_softcapping: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits of the final hidden states.
 
@@ -36,6 +38,8 @@ def lm_head_logits(
         group: tensor-parallel group or None.
         vocab_size: V, to drop padding rows of the last shard.
         final_logit_softcapping: the soft cap, or None.
+        bias: [V] LM-head bias (this rank's [ceil(V / tp)] shard under a group), added in
+            float32 before the soft cap, or None.
 
     Returns:
         [S, V] float32; under tensor parallelism only on rank 0, the other ranks return an empty
@@ -46,9 +50,12 @@ def lm_head_logits(
             logits = packed.forward_float32(h)  # a bf16 model's logits not rounded to bf16
         else:
             logits = packed(h) if packed is not None else F.linear(h, weight)
-        return soft_cap(logits.float(), final_logit_softcapping)
+        logits = logits.float()  # a fresh tensor: the bias and the cap go in place
+        if bias is not None:
+            logits.add_(bias.float())
+        return soft_cap(logits, final_logit_softcapping)
     shard_packed = packed if isinstance(packed, PackedLinear) else None
-    full = vocab_parallel_logits(h, weight, group, vocab_size, shard_packed)
+    full = vocab_parallel_logits(h, weight, group, vocab_size, shard_packed, bias)
     if full is None:
         return h.new_empty(h.shape[0], 0)
     return soft_cap(full.float(), final_logit_softcapping)

@@ -147,6 +147,7 @@ def vocab_parallel_logits(
     group: TensorParallelGroup,
     vocab_size: int,
     packed: PackedLinear | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """LM head over a vocabulary shard, gathered to rank 0.
 
@@ -158,11 +159,15 @@ def vocab_parallel_logits(
         packed: ``weight`` prepacked, or None. Its float32 products are gathered as they are
             (a bfloat16 model's logits are not rounded to bfloat16, as without tensor
             parallelism).
+        bias: [ceil(V / world_size)] this rank's LM-head bias rows (Phi), or None; added in
+            float32 to the shard before the gather.
 
     Returns:
-        [S, V] logits on rank 0 (float32 with ``packed``, else ``h``'s dtype); None on the
-        other ranks.
+        [S, V] logits on rank 0 (float32 with ``packed`` or ``bias``, else ``h``'s dtype); None
+        on the other ranks.
     """
     shard = packed.forward_float32(h) if packed is not None else F.linear(h, weight)
+    if bias is not None:
+        shard = shard.float().add_(bias.float())
     full = group.gather_last_dim(shard)
     return None if full is None else full[:, :vocab_size]

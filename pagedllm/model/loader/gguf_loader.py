@@ -48,6 +48,7 @@ _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output.bias": "lm_head.bias",  # Phi-2's LM head has a bias
     "output_norm.bias": "model.norm.bias",  # LayerNorm models (GPT-2, GPT-NeoX)
     "position_embd.weight": "model.embed_positions.weight",  # learned positions (GPT-2)
 }
@@ -289,7 +290,8 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
     else ``hidden / heads``; ``vocab_size`` from the length of ``tokenizer.ggml.tokens``, else
     ``<arch>.vocab_size``, else the embedding rows. ``tie_word_embeddings`` is True when the file
     has no ``output.weight``; ``attention_bias`` / ``o_proj_bias`` when it has ``attn_q`` /
-    ``attn_output`` biases (an architecture's own fields may override both). ``bos_token_id`` is ``tokenizer.ggml.bos_token_id`` and
+    ``attn_output`` biases (no metadata key records them; an architecture's own fields may
+    override both). ``bos_token_id`` is ``tokenizer.ggml.bos_token_id`` and
     ``eos_token_ids`` holds ``tokenizer.ggml.eos_token_id`` (the tokenizer/chat-template ids are
     added by :func:`pagedllm.model.loader.load_model`).
 
