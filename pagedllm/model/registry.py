@@ -67,6 +67,9 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),
                ("qwen3moe",),
                "Qwen3-MoE (sparse MoE, q/k norm)"),
+    ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeForCausalLM", ("qwen2_moe",),
+               ("qwen2moe",),
+               "Qwen1.5-MoE, Qwen2-MoE (sparse MoE, shared expert)"),
 )  # fmt: skip
 
 

@@ -16,13 +16,17 @@ import torch
 
 from pagedllm.model.packed_linear import cpu_gemm_ops
 from pagedllm.sampling_params import SamplingParams
-from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
+from tests.model.arch_utils import (
+    MOE_ARCHS,
+    build_tiny_hf_model,
+    compare_to_reference,
+    greedy_reference,
+)
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
-ARCHS += ["gpt_neox", "mixtral", "qwen3_moe"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
-MOE_ARCHS = ("mixtral", "qwen3_moe")
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -116,7 +120,7 @@ def test_cpu_fast_path_is_used(arch_case):
     assert model.backend.name == "cpu"
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
-    assert (attn.qkv_proj.bias is not None) == (arch in ("qwen2", *LAYER_NORM_ARCHS))
+    assert (attn.qkv_proj.bias is not None) == (arch in ("qwen2", "qwen2_moe", *LAYER_NORM_ARCHS))
     for layer in model.layers:
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # MoE: every expert packed, SwiGLU fused (I % 8 == 0)
@@ -126,6 +130,11 @@ def test_cpu_fast_path_is_used(arch_case):
             gate_up_kind = PackedSwiGLU if own else PackedLinear
             assert all(type(m) is gate_up_kind for m in mlp.experts.packed_gate_up)
             assert all(isinstance(m, PackedLinear) for m in mlp.experts.packed_down)
+            shared = getattr(mlp, "shared_expert", None)  # Qwen2-MoE: packed as a dense MLP
+            assert (shared is not None) == (arch == "qwen2_moe")
+            if shared is not None:
+                assert type(shared.gate_up_proj) is gate_up_kind
+                assert isinstance(shared.down_proj, PackedLinear)
             continue
         if arch in LAYER_NORM_ARCHS:
             assert isinstance(mlp.up_proj, PackedLinear) and mlp.up_proj.bias is not None
@@ -195,7 +204,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         _check(results, refs[:2])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", [*MOE_ARCHS, "phi3", "gpt2", "gpt_neox"])
 def test_quantized_gguf_loads_dequantized_weights(arch, tmp_path):
     """A Q8_0 GGUF (stacked experts and fused QKV / gate-up quantized too) loads every tensor
     within one Q8_0 step (1/127 of the largest weight; the fp16 block scale rounds too) of the

@@ -12,6 +12,8 @@ GGUF facts this module relies on:
   ``norm_weight_offset`` so the state dict holds Hugging Face's ``w`` in every format.
 * tensor names map to Hugging Face names through ``GGUF_LAYER_NAMES`` plus the model class's
   ``gguf_tensor_names`` (``pagedllm.model.registry``).
+* llama.cpp stores Qwen2-MoE's shared-expert gate (``ffn_gate_inp_shexp``) as a [hidden] vector;
+  Hugging Face's ``shared_expert_gate.weight`` is the [1, hidden] linear it is reshaped to.
 """
 
 from __future__ import annotations
@@ -92,8 +94,8 @@ def gguf_tensor_to_hf(
     num_kv_heads: int | None = None,
 ) -> tuple[str, torch.Tensor]:
     """One dequantized GGUF tensor as (Hugging Face name, tensor in Hugging Face convention):
-    renamed for ``config.architecture``, q/k rows un-permuted where llama.cpp permuted them, and
-    the norm offset removed (Gemma).
+    renamed for ``config.architecture``, q/k rows un-permuted where llama.cpp permuted them, the
+    norm offset removed (Gemma) and the shared-expert gate vector made a [1, hidden] matrix.
 
     Args:
         gguf_name: the llama.cpp tensor name.
@@ -120,6 +122,8 @@ def gguf_tensor_to_hf(
             weight = unpermute_qk(weight, heads)
     if config.norm_weight_offset and hf_name.endswith("norm.weight"):
         weight = weight - config.norm_weight_offset
+    if hf_name.endswith(".shared_expert_gate.weight"):
+        weight = weight.reshape(1, -1)
     return hf_name, weight
 
 
