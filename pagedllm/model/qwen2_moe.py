@@ -23,15 +23,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+from gguf.constants import MODEL_TENSOR
 
+from pagedllm.model.loader.gguf_loader import gguf_layer_tensor
 from pagedllm.model.qwen3_moe import Qwen3MoeForCausalLM
-
-
-def gguf_layer_tensor(tensor: MODEL_TENSOR) -> str:
-    """llama.cpp's per-layer name of ``tensor`` without the ``blk.N.`` prefix
-    (``MODEL_TENSOR.FFN_GATE_SHEXP`` -> ``ffn_gate_shexp``)."""
-    return TENSOR_NAMES[tensor].rpartition(".")[2]
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):

@@ -70,6 +70,8 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeForCausalLM", ("qwen2_moe",),
                ("qwen2moe",),
                "Qwen1.5-MoE, Qwen2-MoE (sparse MoE, shared expert)"),
+    ModelEntry("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", ("olmo2",), ("olmo2",),
+               "OLMo 2 (post-norm layers, full-width q/k norm)"),
 )  # fmt: skip
 
 

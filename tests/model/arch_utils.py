@@ -150,6 +150,8 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "norm_topk_prob": False,
             "mlp_only_layers": [1],
         }
+    if arch == "olmo2":  # Llama shapes; post-norms and full-width q/k norms are the model's
+        return tf.Olmo2ForCausalLM, {"config": tf.Olmo2Config}
     raise ValueError(arch)
 
 
@@ -291,6 +293,11 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         )
     if arch == "phi3":  # llama.cpp keeps both fused tensors as they are
         names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+    if arch == "olmo2":  # no pre-norms: llama.cpp's post-attention and post-FFN norms
+        names.update(
+            post_attention_norm="post_attention_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+        )
     if arch == "qwen2_moe":  # the shared expert and its gate: llama.cpp's "_shexp" tensors
         names.update(
             ffn_gate_shexp="mlp.shared_expert.gate_proj",

@@ -24,7 +24,7 @@ from tests.model.arch_utils import (
 )
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
-ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe"]
+ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmo2"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox")
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}

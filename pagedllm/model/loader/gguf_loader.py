@@ -66,6 +66,16 @@ ROPE_TENSORS = (_ROPE_FREQS, _ROPE_FACTORS_LONG, _ROPE_FACTORS_SHORT)
 # --------------------------------------------------------------------------------------------
 
 
+def gguf_layer_tensor(tensor: Any) -> str:
+    """llama.cpp's per-layer name of ``tensor`` (a ``gguf.constants.MODEL_TENSOR``) without the
+    ``blk.N.`` prefix: ``MODEL_TENSOR.FFN_GATE_SHEXP`` -> ``ffn_gate_shexp``; for a model class's
+    ``gguf_tensor_names``."""
+    from gguf.constants import TENSOR_NAMES
+
+    name: str = TENSOR_NAMES[tensor]
+    return name.rpartition(".")[2]
+
+
 def gguf_to_hf_name(name: str, extra: dict[str, str] | None = None) -> str:
     """Map a llama.cpp tensor name to its Hugging Face name.
 
