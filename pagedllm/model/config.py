@@ -38,6 +38,8 @@ class ModelArchConfig:
         attention_bias: q, k and v projections have a bias (Qwen2; Llama's ``attention_bias``).
         o_proj_bias: the output projection has a bias (Llama's ``attention_bias``).
         qk_norm: RMSNorm over each query / key head before RoPE (Qwen3, Gemma 3).
+        qk_norm_full_width: the q/k RMSNorms span the whole projection (width heads * head_dim
+            for q, kv_heads * head_dim for k; OLMo 2) instead of one head.
         sliding_window: tokens a windowed layer sees (its own included), or None.
         layer_types: per layer "full_attention" or "sliding_attention"; None = every layer is
             windowed when ``sliding_window`` is set (Mistral), else full.
@@ -74,6 +76,8 @@ class ModelArchConfig:
         norm_topk_prob: renormalise the top-k routing weights to sum to 1.
         moe_layers: indices of the MoE layers (the others have a dense MLP of
             ``intermediate_size``); None = every layer when ``num_experts``.
+        shared_expert_intermediate_size: width of the SwiGLU shared expert every token of a MoE
+            layer also runs, scaled by a sigmoid gate (Qwen2-MoE); None = no shared expert.
     """
 
     vocab_size: int
@@ -95,6 +99,7 @@ class ModelArchConfig:
     attention_bias: bool = False
     o_proj_bias: bool = False
     qk_norm: bool = False
+    qk_norm_full_width: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None
@@ -120,6 +125,7 @@ class ModelArchConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     moe_layers: list[int] | None = None
+    shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:

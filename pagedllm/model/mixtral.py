@@ -20,6 +20,7 @@ from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.layers.moe import (
     MIXTRAL_NAMES,
     MoeCheckpointNames,
+    SharedExpertMoeBlock,
     SparseMoeBlock,
     StackedExperts,
 )
@@ -48,23 +49,41 @@ class MixtralForCausalLM(LlamaForCausalLM):
         shard: TensorParallelShard | None,
         group: TensorParallelGroup | None,
     ) -> nn.Module:
-        mlp = None
-        if config.layer_is_moe(index):
-            inter = config.moe_intermediate_size or config.intermediate_size
-            if shard is not None:
-                inter = shard.expert_intermediate[1] - shard.expert_intermediate[0]
-            mlp = SparseMoeBlock(
+        mlp = (
+            self.make_moe_block(config, dtype, shard, group) if config.layer_is_moe(index) else None
+        )
+        return LlamaDecoderLayer(config, index, dtype, shard, group, mlp=mlp)
+
+    def make_moe_block(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None,
+        group: TensorParallelGroup | None,
+    ) -> SparseMoeBlock:
+        """One layer's MoE block (this rank's expert slices under tensor parallelism); a
+        :class:`SharedExpertMoeBlock` when ``config.shared_expert_intermediate_size`` is set."""
+        inter = config.moe_intermediate_size or config.intermediate_size
+        shared = config.shared_expert_intermediate_size
+        if shard is not None:
+            inter = shard.expert_intermediate[1] - shard.expert_intermediate[0]
+            lo, hi = shard.shared_expert_intermediate
+            shared = hi - lo if shared else None
+        routed = (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
+        if shared:
+            return SharedExpertMoeBlock(
                 config.hidden_size,
                 inter,
-                config.num_experts,
-                config.num_experts_per_tok,
-                config.norm_topk_prob,
+                shared,
+                *routed,
                 config.hidden_act,
                 dtype,
                 self.moe_names,
                 group,
             )
-        return LlamaDecoderLayer(config, index, dtype, shard, group, mlp=mlp)
+        return SparseMoeBlock(
+            config.hidden_size, inter, *routed, config.hidden_act, dtype, self.moe_names, group
+        )
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -77,6 +77,11 @@ MODELS: tuple[ModelEntry, ...] = (
                "Gemma (v1: 2B, 7B)"),
     ModelEntry("GraniteForCausalLM", "granite", "GraniteForCausalLM", ("granite",),
                ("granite",), "Granite 3.x dense (embedding / residual / attention / logit scales)"),
+    ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeForCausalLM", ("qwen2_moe",),
+               ("qwen2moe",),
+               "Qwen1.5-MoE, Qwen2-MoE (sparse MoE, shared expert)"),
+    ModelEntry("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", ("olmo2",), ("olmo2",),
+               "OLMo 2 (post-norm layers, full-width q/k norm)"),
 )  # fmt: skip
 
 

@@ -37,6 +37,10 @@ class TensorParallelShard:
             a short last shard is padded with zero rows.
         expert_intermediate: inner columns [lo, hi) of every MoE expert (each expert is split
             like the dense MLP: gate/up by rows, down by columns).
+        shared_expert_intermediate: inner columns [lo, hi) of the MoE layers' shared expert
+            (Qwen2-MoE; split like the dense MLP, its [1, d] sigmoid gate stays whole).
+        qk_norm_full_width: the q/k norm weights span all heads (OLMo 2), so they are cut with
+            the rank's heads; per-head norms (Qwen3, Gemma 3) stay whole.
     """
 
     rank: int
@@ -47,6 +51,8 @@ class TensorParallelShard:
     vocab: tuple[int, int]
     vocab_shard_size: int
     expert_intermediate: tuple[int, int] = (0, 0)
+    shared_expert_intermediate: tuple[int, int] = (0, 0)
+    qk_norm_full_width: bool = False
 
     @property
     def num_heads(self) -> int:
@@ -82,6 +88,12 @@ class TensorParallelShard:
                 f"tensor_parallel_size ({tp}) must divide the experts' intermediate size "
                 f"({moe_inter})"
             )
+        shared_inter = config.shared_expert_intermediate_size or 0
+        if shared_inter % tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must divide shared_expert_intermediate_size "
+                f"({shared_inter})"
+            )
         if h % tp:
             raise ValueError(
                 f"tensor_parallel_size ({tp}) must divide the number of query heads ({h})"
@@ -113,6 +125,11 @@ class TensorParallelShard:
             vocab=(v_lo, min(v_lo + vs, config.vocab_size)),
             vocab_shard_size=vs,
             expert_intermediate=(rank * moe_inter // tp, (rank + 1) * moe_inter // tp),
+            shared_expert_intermediate=(
+                rank * shared_inter // tp,
+                (rank + 1) * shared_inter // tp,
+            ),
+            qk_norm_full_width=config.qk_norm_full_width,
         )
 
     def weight_slice(self, name: str, head_dim: int) -> tuple[int, int, int] | None:
@@ -120,8 +137,8 @@ class TensorParallelShard:
 
         Linear weights are [out, in]: column-parallel layers (and their biases) are cut along
         dim 0, row-parallel ones along dim 1 (their biases stay whole); the embedding and LM head
-        (its bias too) along the vocabulary (dim 0); norms (q/k norms included, they act per
-        head) stay whole.
+        (its bias too) along the vocabulary (dim 0); norms stay whole (per-head q/k norms
+        included), except full-width q/k norms (OLMo 2), cut with the rank's heads.
         """
         d = head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
@@ -134,6 +151,16 @@ class TensorParallelShard:
             return (0, self.kv_heads[0] * d, self.kv_heads[1] * d)
         if stem.endswith("self_attn.o_proj") and row_parallel:
             return (1, self.q_heads[0] * d, self.q_heads[1] * d)
+        if self.qk_norm_full_width and stem.endswith("self_attn.q_norm"):
+            return (0, self.q_heads[0] * d, self.q_heads[1] * d)
+        if self.qk_norm_full_width and stem.endswith("self_attn.k_norm"):
+            return (0, self.kv_heads[0] * d, self.kv_heads[1] * d)
+        if ".shared_expert." in stem:  # Qwen2-MoE's shared expert: a dense MLP of its own width
+            if stem.endswith((".gate_proj", ".up_proj")):
+                return (0, *self.shared_expert_intermediate)
+            if stem.endswith(".down_proj") and row_parallel:
+                return (1, *self.shared_expert_intermediate)
+            return None
         if ".experts." in stem:  # MoE: Mixtral's w1 / w3 / w2, Qwen3-MoE's *_proj
             if stem.endswith((".w1", ".w3", ".gate_proj", ".up_proj")):
                 return (0, *self.expert_intermediate)

@@ -29,6 +29,7 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 WINDOW = 8
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 # The LayerNorm families (OPT, GPT-NeoX) have no GQA: 4 heads of 16, biases everywhere. Their
 # weights are drawn wider (std 0.5): at 0.1 the biases dominate and greedy decoding repeats
 # one token.
@@ -184,6 +185,18 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "attention_bias": tied,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         }
+    if arch == "qwen2_moe":  # as Qwen3-MoE, plus the gated shared expert of the MoE layers
+        return tf.Qwen2MoeForCausalLM, {
+            "config": tf.Qwen2MoeConfig,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        }
+    if arch == "olmo2":  # Llama shapes; post-norms and full-width q/k norms are the model's
+        return tf.Olmo2ForCausalLM, {"config": tf.Olmo2Config}
     raise ValueError(arch)
 
 
@@ -323,6 +336,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         "gemma_v1": "gemma",
         "granite_tied": "granite",
     }.get(arch, arch)
+    gguf_arch = {"qwen2_moe": "qwen2moe"}.get(arch, gguf_arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
     gemma = gguf_arch in ("gemma", "gemma2", "gemma3")
@@ -334,6 +348,18 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         )
     if arch == "phi3":  # llama.cpp keeps both fused tensors as they are
         names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+    if arch == "olmo2":  # no pre-norms: llama.cpp's post-attention and post-FFN norms
+        names.update(
+            post_attention_norm="post_attention_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+        )
+    if arch == "qwen2_moe":  # the shared expert and its gate: llama.cpp's "_shexp" tensors
+        names.update(
+            ffn_gate_shexp="mlp.shared_expert.gate_proj",
+            ffn_up_shexp="mlp.shared_expert.up_proj",
+            ffn_down_shexp="mlp.shared_expert.down_proj",
+            ffn_gate_inp_shexp="mlp.shared_expert_gate",
+        )
     to_gguf = {hf: g for g, hf in names.items()}
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(c.num_hidden_layers)
@@ -364,12 +390,15 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         w.add_residual_scale(c.residual_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    if arch in ("mixtral", "qwen3_moe"):  # llama.cpp's converter: no sliding window for either
-        w.add_expert_count(c.num_local_experts)
+    if arch in MOE_ARCHS:  # llama.cpp's converter: no sliding window for any of them
+        w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
     if arch == "qwen3_moe":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_weights_norm(c.norm_topk_prob)
+    if arch == "qwen2_moe":  # no expert_weights_norm key: llama.cpp never renormalises Qwen2-MoE
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     for name, t in _llama_cpp_moe_tensors(hf_model.state_dict()):
         t = t.float().clone()
@@ -394,6 +423,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
             t = t.reshape(n, 2, rows // n // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
         if gemma and name.endswith("norm.weight"):
             t = t + 1.0
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp: a [hidden] vector
+            t = t.reshape(-1)
         _add_tensor(w, g, t, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

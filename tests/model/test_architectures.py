@@ -16,16 +16,20 @@ import torch
 
 from pagedllm.model.packed_linear import cpu_gemm_ops
 from pagedllm.sampling_params import SamplingParams
-from tests.model.arch_utils import build_tiny_hf_model, compare_to_reference, greedy_reference
+from tests.model.arch_utils import (
+    MOE_ARCHS,
+    build_tiny_hf_model,
+    compare_to_reference,
+    greedy_reference,
+)
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
-ARCHS += ["phi", "stablelm", "starcoder2"]
+ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
-MOE_ARCHS = ("mixtral", "qwen3_moe")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
-QKV_BIAS_ARCHS = ("qwen2", "stablelm", "granite_tied", *LAYER_NORM_ARCHS)
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "stablelm", "granite_tied", *LAYER_NORM_ARCHS)
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -129,6 +133,11 @@ def test_cpu_fast_path_is_used(arch_case):
             gate_up_kind = PackedSwiGLU if own else PackedLinear
             assert all(type(m) is gate_up_kind for m in mlp.experts.packed_gate_up)
             assert all(isinstance(m, PackedLinear) for m in mlp.experts.packed_down)
+            shared = getattr(mlp, "shared_expert", None)  # Qwen2-MoE: packed as a dense MLP
+            assert (shared is not None) == (arch == "qwen2_moe")
+            if shared is not None:
+                assert type(shared.gate_up_proj) is gate_up_kind
+                assert isinstance(shared.down_proj, PackedLinear)
             continue
         if arch in LAYER_NORM_ARCHS:
             assert isinstance(mlp.up_proj, PackedLinear) and mlp.up_proj.bias is not None
@@ -202,7 +211,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         _check(results, refs[:2])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "phi3", "gpt2", "gpt_neox", "phi"])
+@pytest.mark.parametrize("arch", [*MOE_ARCHS, "phi3", "gpt2", "gpt_neox", "phi"])
 def test_quantized_gguf_loads_dequantized_weights(arch, tmp_path):
     """A Q8_0 GGUF (stacked experts and fused QKV / gate-up quantized too) loads every tensor
     within one Q8_0 step (1/127 of the largest weight; the fp16 block scale rounds too) of the

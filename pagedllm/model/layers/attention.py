@@ -1,7 +1,8 @@
 """Self-attention of a decoder layer over the paged KV cache (vLLM paper section 4).
 
-One fused QKV projection (optionally with bias: Qwen2), optional per-head RMSNorms of queries and
-keys before RoPE (Qwen3, Gemma 3), the rotary embedding, the attention backend (with the layer's
+One fused QKV projection (optionally with bias: Qwen2), optional RMSNorms of queries and keys
+before RoPE (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2, whose mean square spans
+every rank's heads under tensor parallelism), the rotary embedding, the attention backend (with the layer's
 sliding window when it has one: Mistral, Gemma local layers; the attention-logit soft cap of
 Gemma 2, on torch_native) and the output projection.
 """
@@ -17,7 +18,7 @@ from pagedllm.attention.torch_native import TorchNativeAttention
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.layers.linear import column_linear, row_linear
-from pagedllm.model.layers.norm import RMSNorm, norm_heads
+from pagedllm.model.layers.norm import RMSNorm, norm_heads, rms_norm_across_ranks
 from pagedllm.model.layers.rotary import Rotate
 from pagedllm.model.sharding import TensorParallelShard
 
@@ -76,10 +77,13 @@ class PagedSelfAttention(nn.Module):
         self.o_proj = row_linear(self.q_size, hidden, group, dtype, bias=config.o_proj_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        self.qk_norm_full_width = config.qk_norm_full_width
+        self.group = group
         if config.qk_norm:
             eps, off = config.rms_norm_eps, config.norm_weight_offset
-            self.q_norm = RMSNorm(self.head_dim, eps, dtype, off)
-            self.k_norm = RMSNorm(self.head_dim, eps, dtype, off)
+            full = config.qk_norm_full_width  # this rank's heads' slice of the weight
+            self.q_norm = RMSNorm(self.q_size if full else self.head_dim, eps, dtype, off)
+            self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, eps, dtype, off)
 
     def forward(
         self,
@@ -92,7 +96,17 @@ class PagedSelfAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         qs, kvs, d = self.q_size, self.kv_size, self.head_dim
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm_full_width and self.q_norm is not None and self.k_norm is not None:
+            q_in, k_in = qkv[:, :qs], qkv[:, qs : qs + kvs]
+            if self.group is None:
+                q_out, k_out = self.q_norm(q_in), self.k_norm(k_in)
+            else:
+                q_out, k_out = rms_norm_across_ranks(
+                    [self.q_norm, self.k_norm], [q_in, k_in], self.group
+                )
+            q = rotate(q_out.view(t, self.num_heads, d))
+            k = rotate(k_out.view(t, self.num_kv_heads, d))
+        elif self.q_norm is not None and self.k_norm is not None:
             q = rotate(norm_heads(self.q_norm, qkv[:, :qs].view(t, self.num_heads, d)))
             k = rotate(norm_heads(self.k_norm, qkv[:, qs : qs + kvs].view(t, -1, d)))
         else:

@@ -1,5 +1,5 @@
 """Sparse mixture-of-experts feed-forward block (Shazeer et al. 2017; Mixtral, Jiang et al. 2024,
-section 2.1; Qwen3-MoE) with the batch's tokens grouped by expert.
+section 2.1; Qwen3-MoE; Qwen2-MoE's shared expert) with the batch's tokens grouped by expert.
 
 Each token's router picks its top-k of E SwiGLU experts and the block outputs the sum of their
 outputs weighted by the router's softmax probabilities (Mixtral renormalises the k weights to sum
@@ -8,6 +8,8 @@ tokens of every running sequence plus prefill chunks), so instead of running k e
 the block sorts the step's (token, expert) assignments by expert id and runs every routed expert
 ONCE over all of its rows (one gate/up GEMM and one down GEMM per expert and step); experts that
 no token picked are not run. The weighted outputs are scatter-added back to their tokens.
+Qwen2-MoE adds a shared expert that every token runs, scaled by a sigmoid gate
+(:class:`SharedExpertMoeBlock`).
 
 Shapes: T = tokens in the step, d = hidden size, E = experts, k = experts per token,
 I = one expert's intermediate width.
@@ -24,6 +26,7 @@ from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.layers.activation import activation_fn, gated_activation
+from pagedllm.model.layers.mlp import GatedMLP
 from pagedllm.model.packed_linear import PackedLinear, PackedSwiGLU, cpu_gemm_ops
 
 if TYPE_CHECKING:
@@ -253,6 +256,20 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(hidden, inter, num_experts, act, dtype, names)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        moe = self.add_shared_expert(x, self.routed_experts(x))
+        if self.group is not None:
+            moe = self.group.all_reduce(moe)  # sum of the ranks' intermediate slices
+        return moe if residual is None else residual.add_(moe)
+
+    def add_shared_expert(self, x: torch.Tensor, moe: torch.Tensor) -> torch.Tensor:
+        """``moe`` (the routed experts' sum [T, d], this rank's partial one under tensor
+        parallelism) plus what every token's shared expert adds; here nothing
+        (:class:`SharedExpertMoeBlock` adds its gated shared expert)."""
+        return moe
+
+    def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each token's top-k experts, [T, d], each routed expert run once
+        over its grouped rows; under tensor parallelism this rank's partial sum (not reduced)."""
         weights, ids = self.gate(x)  # [T, k]
         k = ids.shape[1]
         flat = ids.reshape(-1)  # assignment a = t * k + j
@@ -269,10 +286,7 @@ class SparseMoeBlock(nn.Module):
                 start += n
         out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
         # Sum into zeros first (as the reference does), then add the residual: same rounding.
-        moe = torch.zeros_like(x).index_add_(0, rows, out)
-        if self.group is not None:
-            moe = self.group.all_reduce(moe)  # sum of the ranks' intermediate slices
-        return moe if residual is None else residual.add_(moe)
+        return torch.zeros_like(x).index_add_(0, rows, out)
 
     def forward_per_token(self, x: torch.Tensor) -> torch.Tensor:
         """The naive baseline: every token runs its k experts on its own row (T * k expert
@@ -283,4 +297,60 @@ class SparseMoeBlock(nn.Module):
         for t, (w_row, id_row) in enumerate(zip(weights.tolist(), ids.tolist(), strict=True)):
             for w, expert in zip(w_row, id_row, strict=True):
                 out[t] += self.experts(expert, x[t : t + 1])[0] * w
+        out = self.add_shared_expert(x, out)
         return out if self.group is None else self.group.all_reduce(out)
+
+
+class SharedExpertGate(nn.Module):
+    """The shared expert's scalar gate: sigmoid(x w^T), w [1, d] (Qwen2-MoE's
+    ``shared_expert_gate``); a plain parameter, as :class:`MoeRouter`, so that CPU packing
+    leaves it on ``F.linear``. Replicated under tensor parallelism.
+
+    Forward: x [T, d] -> [T, 1], x's dtype.
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """A :class:`SparseMoeBlock` plus a shared expert every token runs (Qwen2-MoE): a SwiGLU
+    ``GatedMLP`` of width ``shared_inter`` whose output, scaled per token by
+    :class:`SharedExpertGate`, is added to the routed experts' sum.
+
+    Args:
+        shared_inter: the shared expert's inner width (this rank's share under tensor
+            parallelism: it is split like a dense MLP and its partial output joins the routed
+            experts' partial sum before the block's one all-reduce).
+        other arguments: as :class:`SparseMoeBlock`.
+
+    Checkpoint names (``model.layers.N.`` + ``names.block`` = "mlp"):
+    ``shared_expert.{gate,up,down}_proj.weight`` and ``shared_expert_gate.weight``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        shared_inter: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool,
+        act: str,
+        dtype: torch.dtype,
+        names: MoeCheckpointNames,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__(hidden, inter, num_experts, top_k, normalize, act, dtype, names, group)
+        # No group: its down projection's partial sum is reduced with the routed experts'.
+        self.shared_expert = GatedMLP(hidden, shared_inter, act, dtype)
+        self.shared_expert_gate = SharedExpertGate(hidden, dtype)
+
+    def add_shared_expert(self, x: torch.Tensor, moe: torch.Tensor) -> torch.Tensor:
+        """``moe + sigmoid(gate(x)) * shared_expert(x)`` (in place into ``moe``)."""
+        shared = self.shared_expert(x)
+        return moe.add_(shared.mul_(self.shared_expert_gate(x)))

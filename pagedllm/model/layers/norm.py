@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich 2019), plain, Gemma's ``1 + w`` form, and per-head q/k norms."""
+"""RMSNorm (Zhang & Sennrich 2019), plain, Gemma's ``1 + w`` form, per-head q/k norms, and norms
+over a width split across tensor-parallel ranks (OLMo 2's full-width q/k norms)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from pagedllm.distributed import TensorParallelGroup
     from pagedllm.ops import CpuOps
 
 
@@ -60,3 +62,28 @@ def norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     the q/k norms of Qwen3 and Gemma 3. Returns a new contiguous [T, heads, D] tensor."""
     t, heads, d = x.shape
     return norm(x.reshape(t * heads, d)).view(t, heads, d)
+
+
+def rms_norm_across_ranks(
+    norms: list[RMSNorm], xs: list[torch.Tensor], group: TensorParallelGroup
+) -> list[torch.Tensor]:
+    """RMSNorm of rows whose width is split over the tensor-parallel ranks: each ``xs[i]``
+    [T, w_i] is this rank's slice of the full rows and ``norms[i]`` holds the matching slice of
+    the weight; the mean square is taken over the full width. One all-reduce of the [T, n] sums of
+    squares serves all ``n`` tensors.
+
+    The divisor is ``world_size * w_i``: every rank holds ``w_i`` columns and, where ranks hold
+    replicas (key heads when KV heads < ranks), every column is replicated equally often, so the
+    mean over the gathered columns is the mean over the full width.
+
+    Returns:
+        the normalised tensors, [T, w_i] each, in the inputs' dtype.
+    """
+    squares = torch.stack([x.float().pow(2).sum(-1) for x in xs], dim=1)  # [T, n]
+    squares = group.all_reduce(squares.contiguous())
+    out = []
+    for i, (norm, x) in enumerate(zip(norms, xs, strict=True)):
+        mean = squares[:, i : i + 1] / (group.world_size * x.shape[-1])
+        xf = x.float() * torch.rsqrt(mean + norm.eps)
+        out.append(norm.weight * xf.to(x.dtype))
+    return out

@@ -12,6 +12,8 @@ GGUF facts this module relies on:
   ``norm_weight_offset`` so the state dict holds Hugging Face's ``w`` in every format.
 * tensor names map to Hugging Face names through ``GGUF_LAYER_NAMES`` plus the model class's
   ``gguf_tensor_names`` (``pagedllm.model.registry``).
+* llama.cpp stores Qwen2-MoE's shared-expert gate (``ffn_gate_inp_shexp``) as a [hidden] vector;
+  Hugging Face's ``shared_expert_gate.weight`` is the [1, hidden] linear it is reshaped to.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ ROPE_TENSORS = (_ROPE_FREQS, _ROPE_FACTORS_LONG, _ROPE_FACTORS_SHORT)
 # --------------------------------------------------------------------------------------------
 
 
+def gguf_layer_tensor(tensor: Any) -> str:
+    """llama.cpp's per-layer name of ``tensor`` (a ``gguf.constants.MODEL_TENSOR``) without the
+    ``blk.N.`` prefix: ``MODEL_TENSOR.FFN_GATE_SHEXP`` -> ``ffn_gate_shexp``; for a model class's
+    ``gguf_tensor_names``."""
+    from gguf.constants import TENSOR_NAMES
+
+    name: str = TENSOR_NAMES[tensor]
+    return name.rpartition(".")[2]
+
+
 def gguf_to_hf_name(name: str, extra: dict[str, str] | None = None) -> str:
     """Map a llama.cpp tensor name to its Hugging Face name.
 
@@ -93,8 +105,8 @@ def gguf_tensor_to_hf(
     num_kv_heads: int | None = None,
 ) -> tuple[str, torch.Tensor]:
     """One dequantized GGUF tensor as (Hugging Face name, tensor in Hugging Face convention):
-    renamed for ``config.architecture``, q/k rows un-permuted where llama.cpp permuted them, and
-    the norm offset removed (Gemma).
+    renamed for ``config.architecture``, q/k rows un-permuted where llama.cpp permuted them, the
+    norm offset removed (Gemma) and the shared-expert gate vector made a [1, hidden] matrix.
 
     Args:
         gguf_name: the llama.cpp tensor name.
@@ -121,6 +133,8 @@ def gguf_tensor_to_hf(
             weight = unpermute_qk(weight, heads)
     if config.norm_weight_offset and hf_name.endswith("norm.weight"):
         weight = weight - config.norm_weight_offset
+    if hf_name.endswith(".shared_expert_gate.weight"):
+        weight = weight.reshape(1, -1)
     return hf_name, weight
 
 
