@@ -145,7 +145,9 @@ def test_cpu_fast_path_is_used(arch_case):
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
             norm_cls = LayerNorm if arch == "stablelm" else RMSNorm
-            assert isinstance(layer.input_layernorm, norm_cls)
+            # OLMo 2 has post-norms only.
+            norm = layer.post_attention_layernorm if arch == "olmo2" else layer.input_layernorm
+            assert isinstance(norm, norm_cls)
         assert isinstance(mlp.down_proj, PackedLinear)
     assert model.lm_head_packed is not None
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
