@@ -44,6 +44,8 @@ class ModelArchConfig:
         layer_types: per layer "full_attention" or "sliding_attention"; None = every layer is
             windowed when ``sliding_window`` is set (Mistral), else full.
         rope_local_theta: RoPE base of the sliding layers (Gemma 3), or None = ``rope_theta``.
+        nope_layers: indices of the layers whose queries and keys get no rotary embedding at all
+            (SmolLM3's NoPE layers); None = every layer rotates.
         partial_rotary_factor: fraction of each head's dimensions that RoPE rotates.
         norm_weight_offset: checkpoints store RMSNorm weights as ``w - offset`` (Gemma: 1.0,
             the norm multiplies by ``1 + w``); folded into the weight at load time.
@@ -103,6 +105,7 @@ class ModelArchConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None
+    nope_layers: list[int] | None = None
     partial_rotary_factor: float = 1.0
     norm_weight_offset: float = 0.0
     sandwich_norm: bool = False
@@ -148,6 +151,11 @@ class ModelArchConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` rotates its queries and keys (False on a NoPE
+        layer, ``nope_layers``)."""
+        return self.nope_layers is None or layer not in self.nope_layers
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a sparse mixture-of-experts MLP."""
