@@ -59,6 +59,8 @@ class ModelArchConfig:
         logits_scaling: the logits are divided by it (Granite); None = 1.
         final_logit_softcapping: logits = cap * tanh(logits / cap) when set (Gemma 2).
         layer_norm_eps: epsilon inside LayerNorm (OPT, GPT-2, GPT-NeoX).
+        layer_norm_bias: the LayerNorms have a bias; False = weight only (Cohere).
+        logit_scale: the logits are multiplied by it (Cohere); None = 1.
         mlp_bias: the MLP projections have biases (OPT, GPT-2, GPT-NeoX).
         parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)) in one residual step (GPT-NeoX).
         norm_before: pre-norm layers; False = the norm follows each residual add (OPT-350m).
@@ -116,6 +118,8 @@ class ModelArchConfig:
     logits_scaling: float | None = None
     final_logit_softcapping: float | None = None
     layer_norm_eps: float = 1e-5
+    layer_norm_bias: bool = True
+    logit_scale: float | None = None
     mlp_bias: bool = False
     parallel_residual: bool = False
     norm_before: bool = True

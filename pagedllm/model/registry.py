@@ -84,6 +84,8 @@ MODELS: tuple[ModelEntry, ...] = (
                "OLMo 2 (post-norm layers, full-width q/k norm)"),
     ModelEntry("SmolLM3ForCausalLM", "smollm3", "SmolLM3ForCausalLM", ("smollm3",),
                ("smollm3",), "SmolLM3 (NoPE layers: no RoPE on every fourth)"),
+    ModelEntry("CohereForCausalLM", "cohere", "CohereForCausalLM", ("cohere",), ("command-r",),
+               "Command-R, Aya 23 (parallel residual, interleaved RoPE, logit scale)"),
 )  # fmt: skip
 
 
