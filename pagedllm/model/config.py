@@ -44,6 +44,8 @@ class ModelArchConfig:
         layer_types: per layer "full_attention" or "sliding_attention"; None = every layer is
             windowed when ``sliding_window`` is set (Mistral), else full.
         rope_local_theta: RoPE base of the sliding layers (Gemma 3), or None = ``rope_theta``.
+        nope_layers: indices of the layers whose queries and keys get no rotary embedding at all
+            (SmolLM3's NoPE layers); None = every layer rotates.
         partial_rotary_factor: fraction of each head's dimensions that RoPE rotates.
         norm_weight_offset: checkpoints store RMSNorm weights as ``w - offset`` (Gemma: 1.0,
             the norm multiplies by ``1 + w``); folded into the weight at load time.
@@ -57,6 +59,8 @@ class ModelArchConfig:
         logits_scaling: the logits are divided by it (Granite); None = 1.
         final_logit_softcapping: logits = cap * tanh(logits / cap) when set (Gemma 2).
         layer_norm_eps: epsilon inside LayerNorm (OPT, GPT-2, GPT-NeoX).
+        layer_norm_bias: the LayerNorms have a bias; False = weight only (Cohere).
+        logit_scale: the logits are multiplied by it (Cohere); None = 1.
         mlp_bias: the MLP projections have biases (OPT, GPT-2, GPT-NeoX).
         parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)) in one residual step (GPT-NeoX).
         norm_before: pre-norm layers; False = the norm follows each residual add (OPT-350m).
@@ -103,6 +107,7 @@ class ModelArchConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None
+    nope_layers: list[int] | None = None
     partial_rotary_factor: float = 1.0
     norm_weight_offset: float = 0.0
     sandwich_norm: bool = False
@@ -113,6 +118,8 @@ class ModelArchConfig:
     logits_scaling: float | None = None
     final_logit_softcapping: float | None = None
     layer_norm_eps: float = 1e-5
+    layer_norm_bias: bool = True
+    logit_scale: float | None = None
     mlp_bias: bool = False
     parallel_residual: bool = False
     norm_before: bool = True
@@ -148,6 +155,11 @@ class ModelArchConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` rotates its queries and keys (False on a NoPE
+        layer, ``nope_layers``)."""
+        return self.nope_layers is None or layer not in self.nope_layers
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a sparse mixture-of-experts MLP."""

@@ -48,7 +48,7 @@ class LayerNormDecoderLayer(nn.Module):
 
     Args:
         config: architecture (``parallel_residual``, ``shared_input_norm``, ``norm_before``,
-            biases, LayerNorm eps).
+            biases, LayerNorm eps and bias).
         index: layer index.
         dtype: parameter dtype.
         shard / group: tensor-parallel slice and group, or None.
@@ -70,11 +70,12 @@ class LayerNormDecoderLayer(nn.Module):
         inter = shard.intermediate_size if shard else config.intermediate_size
         self.parallel_residual = config.parallel_residual
         self.norm_before = config.norm_before
-        self.input_layernorm = LayerNorm(d, eps, dtype)
+        bias = config.layer_norm_bias
+        self.input_layernorm = LayerNorm(d, eps, dtype, bias)
         self.self_attn = PagedSelfAttention(config, index, dtype, shard, group)
         self.post_attention_layernorm: LayerNorm | None = None
         if not config.shared_input_norm:
-            self.post_attention_layernorm = LayerNorm(d, eps, dtype)
+            self.post_attention_layernorm = LayerNorm(d, eps, dtype, bias)
         self.mlp = self.make_mlp(config, inter, dtype, group)
 
     @staticmethod
@@ -141,7 +142,9 @@ class LayerNormDecoderForCausalLM(DecoderForCausalLM):
         super().__init__(config, dtype, backend, max_positions, group)
         d = config.hidden_size
         self.norm = (
-            LayerNorm(d, config.layer_norm_eps, dtype) if config.norm_before else nn.Identity()
+            LayerNorm(d, config.layer_norm_eps, dtype, config.layer_norm_bias)
+            if config.norm_before
+            else nn.Identity()
         )
         self.embed_positions: LearnedPositionEmbedding | None = None
         if config.position_offset is not None:

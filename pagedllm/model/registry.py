@@ -82,6 +82,10 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen1.5-MoE, Qwen2-MoE (sparse MoE, shared expert)"),
     ModelEntry("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", ("olmo2",), ("olmo2",),
                "OLMo 2 (post-norm layers, full-width q/k norm)"),
+    ModelEntry("SmolLM3ForCausalLM", "smollm3", "SmolLM3ForCausalLM", ("smollm3",),
+               ("smollm3",), "SmolLM3 (NoPE layers: no RoPE on every fourth)"),
+    ModelEntry("CohereForCausalLM", "cohere", "CohereForCausalLM", ("cohere",), ("command-r",),
+               "Command-R, Aya 23 (parallel residual, interleaved RoPE, logit scale)"),
 )  # fmt: skip
 
 

@@ -275,9 +275,9 @@ class CpuOps:
 
         ``layer_args`` = (norms [2 per layer], eps, weights, kinds, rows, parts [4 per layer],
         biases [4 per layer, empty for none], windows [per layer], num_heads, num_kv_heads,
-        head_dim, rotary_dim, scale): linear i of layer l (qkv, o, gate_up, down) is the next
-        ``parts[4 l + i]`` (weight, kind, rows) entries, kinds 0 = q4, 1 = q8, 2 = own GEMM
-        panels, 3 = SwiGLU panels, 4 = int8 record, 5 = oneDNN packed weight. ``step_args`` = (cos, sin, rotary rows, slot_mapping, block_tables,
+        head_dim, rotary_dims [per layer, 0 = no RoPE], scale): linear i of layer l (qkv, o,
+        gate_up, down) is the next ``parts[4 l + i]`` (weight, kind, rows) entries, kinds 0 = q4,
+        1 = q8, 2 = own GEMM panels, 3 = SwiGLU panels, 4 = int8 record, 5 = oneDNN packed weight. ``step_args`` = (cos, sin, rotary rows, slot_mapping, block_tables,
         seq_lens, query_start_loc, num_decodes, num_seqs, partition_size), as
         :meth:`rotary_embedding`, :meth:`reshape_and_cache` and the attention ops take them.
         ``interrupt``: an int32 [2] flag (``model.step_interrupt.StepInterrupt.flag``): element 0

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tests.conftest import make_tiny_tokenizer
+from tests.model.arch_gguf_extra import EXTRA_ARCHS, EXTRA_GGUF_WRITERS, extra_arch_kwargs
 
 # Small but not degenerate: 2 layers, GQA 4/2 heads of 16, a window shorter than the prompts.
 TINY = dict(
@@ -197,6 +198,8 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
         }
     if arch == "olmo2":  # Llama shapes; post-norms and full-width q/k norms are the model's
         return tf.Olmo2ForCausalLM, {"config": tf.Olmo2Config}
+    if arch in EXTRA_ARCHS:  # tests/model/arch_gguf_extra.py
+        return extra_arch_kwargs(arch)
     raise ValueError(arch)
 
 
@@ -329,6 +332,9 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     if arch in ROTARY_LAYER_NORM_GGUF:
         _write_rotary_layer_norm_gguf(hf_model, path, arch, qtype)
         return
+    if arch in EXTRA_GGUF_WRITERS:
+        EXTRA_GGUF_WRITERS[arch](hf_model, path, qtype)
+        return
     gguf_arch = {
         "mistral": "llama",
         "mixtral": "llama",
@@ -416,7 +422,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
             _, _, layer, rest = name.split(".", 3)
             stem, kind = rest.rsplit(".", 1)
             g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
-        permuted = gguf_arch in ("llama", "granite")  # llama.cpp's LlamaModel converters
+        permuted = gguf_arch in ("llama", "granite", "smollm3")  # its LlamaModel converters
         if permuted and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else kv_heads
             rows = t.shape[0]

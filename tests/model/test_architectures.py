@@ -26,6 +26,7 @@ from tests.model.arch_utils import (
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2"]
+ARCHS += ["smollm3", "cohere"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
@@ -144,7 +145,7 @@ def test_cpu_fast_path_is_used(arch_case):
             assert isinstance(layer.input_layernorm, LayerNorm)
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
-            norm_cls = LayerNorm if arch == "stablelm" else RMSNorm
+            norm_cls = LayerNorm if arch in ("stablelm", "cohere") else RMSNorm
             # OLMo 2 has post-norms only.
             norm = layer.post_attention_layernorm if arch == "olmo2" else layer.input_layernorm
             assert isinstance(norm, norm_cls)
@@ -183,6 +184,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     same += ["parallel_residual", "layer_norm_eps", "position_offset", "tie_word_embeddings"]
     same += ["mlp_bias", "o_proj_bias", "hidden_size", "intermediate_size", "num_attention_heads"]
     same += ["embedding_scale", "attention_scale", "residual_multiplier", "logits_scaling"]
+    same += ["nope_layers", "layer_norm_bias", "logit_scale", "shared_input_norm"]
     if arch in ("mixtral", "starcoder2"):  # llama.cpp's converters record no window
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:

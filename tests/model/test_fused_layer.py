@@ -197,7 +197,7 @@ def test_op_rejects_an_unknown_linear_kind(ops) -> None:  # noqa: ANN001
         h,
         kvh,
         hd,
-        hd,
+        [hd],
         0.25,
     )
     step_args = (

@@ -87,7 +87,7 @@ at::Tensor run_linear(const at::Tensor& x, const Linear& l) {
 
 // The per-step arguments every layer shares.
 struct Step {
-  int64_t H, KVH, D, rotary_dim;
+  int64_t H, KVH, D;
   double eps, scale;
   const at::Tensor *cos, *sin, *rotary_rows, *slot_mapping, *block_tables, *seq_lens, *starts;
   int64_t num_decodes, num_seqs, partition_size;
@@ -95,19 +95,21 @@ struct Step {
 
 void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
                const at::Tensor& post_norm, const Linear* lin, at::Tensor& key_cache,
-               at::Tensor& value_cache, int64_t window) {
+               at::Tensor& value_cache, int64_t window, int64_t rotary_dim) {
   const int64_t T = hidden.size(0);
   const int64_t H = st.H, KVH = st.KVH, D = st.D;
 
-  // Attention block: x = rms_norm(hidden); qkv = x Wqkv^T; RoPE on q and k in place.
+  // Attention block: x = rms_norm(hidden); qkv = x Wqkv^T; RoPE on q and k in place (none on a
+  // layer whose rotary_dim is 0: SmolLM3's NoPE layers).
   at::Tensor x = hidden.new_empty(hidden.sizes());
   rms_norm(x, hidden, input_norm, st.eps);
   at::Tensor qkv = run_linear(x, lin[0]);  // [T, (H + 2 KVH) D]
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decoder_layers_: qkv has ", qkv.size(1),
               " columns, expected (num_heads + 2 num_kv_heads) head_dim");
   at::Tensor qk = qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
-  rotary_embedding(st.rotary_dim == D ? qk : qk.narrow(2, 0, st.rotary_dim), *st.rotary_rows,
-                   *st.cos, *st.sin);
+  if (rotary_dim > 0)
+    rotary_embedding(rotary_dim == D ? qk : qk.narrow(2, 0, rotary_dim), *st.rotary_rows, *st.cos,
+                     *st.sin);
   at::Tensor q = qk.narrow(1, 0, H);
   at::Tensor k = qk.narrow(1, H, KVH);
   at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
@@ -146,7 +148,8 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                      double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
                      at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
                      at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t rotary_dim, double scale, const at::Tensor& cos,
+                     int64_t head_dim, at::IntArrayRef rotary_dims, double scale,
+                     const at::Tensor& cos,
                      const at::Tensor& sin, const at::Tensor& rotary_rows,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -161,9 +164,12 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
     flag = interrupt->data_ptr<int32_t>();
   }
   TORCH_CHECK(value_caches.size() == L && norms.size() == 2 * L && windows.size() == L &&
-                  parts.size() == 4 * L && biases.size() == 4 * L,
-              "decoder_layers_: per layer one key and value cache, two norms, one window, four "
-              "part counts and four biases");
+                  rotary_dims.size() == L && parts.size() == 4 * L && biases.size() == 4 * L,
+              "decoder_layers_: per layer one key and value cache, two norms, one window, one "
+              "rotary size, four part counts and four biases");
+  for (int64_t r : rotary_dims)
+    TORCH_CHECK(r >= 0 && r <= head_dim && r % 2 == 0,
+                "decoder_layers_: a rotary size must be even and within [0, head_dim], got ", r);
   int64_t total = 0;
   for (int64_t p : parts) {
     TORCH_CHECK(p >= 1, "decoder_layers_: a linear has no part");
@@ -177,7 +183,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                 "decoder_layers_: unknown linear kind ", kinds[i]);
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat,
               "decoder_layers_: hidden must be a contiguous [T, d] float32 tensor");
-  const Step st{num_heads, num_kv_heads, head_dim, rotary_dim, eps, scale, &cos, &sin,
+  const Step st{num_heads, num_kv_heads, head_dim, eps, scale, &cos, &sin,
                 &rotary_rows, &slot_mapping, &block_tables, &seq_lens, &query_start_loc,
                 num_decodes, num_seqs, partition_size};
   int64_t first = 0;
@@ -195,7 +201,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                     "decoder_layers_: a SwiGLU part must be the whole bias-free gate/up linear");
     }
     run_layer(hidden, st, norms[2 * l], norms[2 * l + 1], lin, key_caches[l], value_caches[l],
-              windows[l]);
+              windows[l], rotary_dims[l]);
     if (flag) __atomic_store_n(flag + 1, static_cast<int32_t>(l + 1), __ATOMIC_RELEASE);
   }
 }

@@ -25,7 +25,7 @@ enum LinearKind : int64_t {
 // down): linear i of layer l is the next parts[4l + i] entries of (weights, kinds, rows), its
 // outputs side by side, plus biases[4l + i] ([N] float32, or empty for none). Attention arguments
 // as paged_attention_decode / _prefill and reshape_and_cache; RoPE as rotary_embedding on the
-// first rotary_dim dimensions of each q and k head.
+// first rotary_dims[l] dimensions of each q and k head of layer l (0: no RoPE on that layer).
 // interrupt (optional) is an int32 [2] tensor another thread may write while this runs:
 // element 0 nonzero stops the call before its next layer; element 1 receives the number of layers
 // run (the caller discards a step stopped early; its K/V writes are rewritten identically when
@@ -35,7 +35,8 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                      double eps, std::vector<at::Tensor> weights, at::IntArrayRef kinds,
                      at::IntArrayRef rows, at::IntArrayRef parts, std::vector<at::Tensor> biases,
                      at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t rotary_dim, double scale, const at::Tensor& cos,
+                     int64_t head_dim, at::IntArrayRef rotary_dims, double scale,
+                     const at::Tensor& cos,
                      const at::Tensor& sin, const at::Tensor& rotary_rows,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,

@@ -76,7 +76,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "decoder_layers_(Tensor(a!) hidden, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
       "Tensor[] norms, float eps, Tensor[] weights, int[] kinds, int[] rows, int[] parts, "
       "Tensor[] biases, int[] windows, int num_heads, int num_kv_heads, int head_dim, "
-      "int rotary_dim, float scale, Tensor cos, Tensor sin, Tensor rotary_rows, "
+      "int[] rotary_dims, float scale, Tensor cos, Tensor sin, Tensor rotary_rows, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "int num_decodes, int num_seqs, int partition_size, Tensor? interrupt=None) -> ()");
 }

@@ -2,9 +2,9 @@
 
 One fused QKV projection (optionally with bias: Qwen2), optional RMSNorms of queries and keys
 before RoPE (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2, whose mean square spans
-every rank's heads under tensor parallelism), the rotary embedding, the attention backend (with the layer's
-sliding window when it has one: Mistral, Gemma local layers; the attention-logit soft cap of
-Gemma 2, on torch_native) and the output projection.
+every rank's heads under tensor parallelism), the rotary embedding (none on a NoPE layer: SmolLM3),
+the attention backend (with the layer's sliding window when it has one: Mistral, Gemma local
+layers; the attention-logit soft cap of Gemma 2, on torch_native) and the output projection.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ def soft_cap_backend(backend: AttentionBackend) -> TorchNativeAttention | Refere
     if isinstance(backend, (TorchNativeAttention, ReferenceAttention)):
         return backend
     return _SOFT_CAP_FALLBACK
+
+
+def _no_rotation(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class PagedSelfAttention(nn.Module):
@@ -69,6 +73,8 @@ class PagedSelfAttention(nn.Module):
             else float(config.query_pre_attn_scalar or self.head_dim) ** -0.5
         )
         self.sliding_window = config.layer_window(layer)
+        #: False on a NoPE layer (``config.nope_layers``): q and k are not rotated.
+        self.use_rope = config.layer_uses_rope(layer)
         self.logits_soft_cap = config.attn_logit_softcapping
         hidden = config.hidden_size
         self.qkv_proj = column_linear(
@@ -94,6 +100,8 @@ class PagedSelfAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
+        if not self.use_rope:
+            rotate = _no_rotation
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         qs, kvs, d = self.q_size, self.kv_size, self.head_dim
         if self.qk_norm_full_width and self.q_norm is not None and self.k_norm is not None:

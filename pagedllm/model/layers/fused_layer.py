@@ -8,9 +8,9 @@ layers to ``CpuOps.decoder_layers_``, which runs the same kernels back to back, 
 bit-identical to the unfused path's.
 
 It applies when every layer has the Llama shape (pre-norm, RMSNorm, fused QKV without q/k norms,
-RoPE, no soft cap, SwiGLU MLP, no tensor parallelism) and every projection is a kernel the op
-knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM or on oneDNN, ``PackedSwiGLU``,
-``Int8Linear`` on the C++ int8 GEMM); otherwise, and for any step the C++ attention cannot run
+RoPE or none at all (a NoPE layer: SmolLM3), no soft cap, SwiGLU MLP, no tensor parallelism) and
+every projection is a kernel the op knows (``GGUFLinear``, ``PackedLinear`` on pagedllm's own GEMM
+or on oneDNN, ``PackedSwiGLU``, ``Int8Linear`` on the C++ int8 GEMM); otherwise, and for any step the C++ attention cannot run
 (other backend, KV dtype), the layers' Python forward runs. ``PAGEDLLM_DISABLE_FUSED_LAYER=1``
 turns it off.
 """
@@ -88,27 +88,31 @@ class FusedDecoderLayer:
     Attributes:
         norms: (input, post-attention) RMSNorm weights [d] float32.
         linears: qkv, o, gate_up, down as the op's parts.
-        shape: (eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale): equal across the
-            layers of one stack.
+        shape: (eps, num_heads, num_kv_heads, head_dim, scale): equal across the layers of one
+            stack.
         window: sliding window (0: none).
+        rotary_dim: dimensions of each q / k head that RoPE turns (0: a NoPE layer).
     """
 
     def __init__(
         self,
         norms: tuple[torch.Tensor, torch.Tensor],
         linears: list[_LinearParts],
-        shape: tuple[float, int, int, int, int, float],
+        shape: tuple[float, int, int, int, float],
         window: int,
+        rotary_dim: int,
     ) -> None:
         self.norms = norms
         self.linears = linears
         self.shape = shape
         self.window = window
+        self.rotary_dim = rotary_dim
 
     @classmethod
     def build(cls, layer: nn.Module, rotary_dim: int) -> FusedDecoderLayer | None:
         """The fused form of ``layer`` (a ``LlamaDecoderLayer`` after its weights are loaded,
-        packed or quantized), or None when some part of it is not one the op runs."""
+        packed or quantized; ``rotary_dim``: the model's RoPE width, which a NoPE layer replaces
+        by 0), or None when some part of it is not one the op runs."""
         from pagedllm.model.llama import LlamaDecoderLayer  # the forward the op reproduces
 
         if type(layer) is not LlamaDecoderLayer:
@@ -141,12 +145,12 @@ class FusedDecoderLayer:
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            rotary_dim,
             float(attn.scale),
         )
         parts = [lin for lin in linears if lin is not None]
         norms = (input_norm.weight.float(), post_norm.weight.float())  # the op's norms are fp32
-        return cls(norms, parts, shape, attn.sliding_window or 0)
+        rotary = rotary_dim if attn.use_rope else 0
+        return cls(norms, parts, shape, attn.sliding_window or 0, rotary)
 
 
 class FusedDecoderStack:
@@ -157,7 +161,7 @@ class FusedDecoderStack:
         layers: each layer's :class:`FusedDecoderLayer`, in order.
 
     Raises:
-        ValueError: the layers differ in eps, heads, head size, rotary size or scale.
+        ValueError: the layers differ in eps, heads, head size or scale.
 
     Call: ``(h [T, d] float32 contiguous, kv caches per layer, ctx, interrupt)`` -> True when
     ``h`` was run through every layer in place, False when this step cannot run fused (another
@@ -170,7 +174,7 @@ class FusedDecoderStack:
         shapes = {layer.shape for layer in layers}
         if len(shapes) != 1:
             raise ValueError(f"layers: the fused layers differ in shape {sorted(shapes)}")
-        eps, heads, kv_heads, head_dim, rotary_dim, scale = shapes.pop()
+        eps, heads, kv_heads, head_dim, scale = shapes.pop()
         lins = [lin for layer in layers for lin in layer.linears]
         self.ops = ops
         self.num_layers = len(layers)
@@ -186,7 +190,7 @@ class FusedDecoderStack:
             heads,
             kv_heads,
             head_dim,
-            rotary_dim,
+            [layer.rotary_dim for layer in layers],
             scale,
         )
 

@@ -1,5 +1,6 @@
-"""LayerNorm with a bias (Ba et al. 2016, "Layer Normalization"): the norm of OPT, GPT-2 and
-GPT-NeoX. It runs on ATen (``F.layer_norm``); the fused C++ kernels cover RMSNorm only."""
+"""LayerNorm (Ba et al. 2016, "Layer Normalization"): with a bias, the norm of OPT, GPT-2 and
+GPT-NeoX; without one (weight only, still mean-subtracting), Cohere's. It runs on ATen
+(``F.layer_norm``); the fused C++ kernels cover RMSNorm only."""
 
 from __future__ import annotations
 
@@ -15,21 +16,24 @@ class LayerNorm(nn.Module):
         size: normalized width d.
         eps: epsilon inside the square root.
         dtype: parameter dtype.
+        bias: whether it has the bias parameter; False = ``bias`` is None, nothing is added
+            (Cohere).
 
     Forward: x [..., d] -> same shape and dtype (computed in float32 for lower precisions, as
     Hugging Face's models upcast).
     """
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        y = F.layer_norm(
-            x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps
-        )
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
         return y.to(x.dtype)

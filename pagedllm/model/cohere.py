@@ -1,0 +1,132 @@
+"""Cohere Command-R (Cohere For AI 2024, "Command R" model card; Aya 23, Aya Expanse: Aryabumi
+et al. 2024, "Aya 23: Open Weight Releases to Further Multilingual Progress";
+``CohereForCausalLM``, ``model_type`` cohere, GGUF ``command-r``).
+
+What differs from Llama:
+
+* a parallel residual over one shared norm: h = x + attn(ln(x)) + mlp(ln(x)), the layer has no
+  second norm (``shared_input_norm``);
+* that norm, and the final one, is a LayerNorm without bias: it subtracts the mean and divides by
+  the standard deviation, then multiplies by the weight (``layer_norm_bias`` False);
+* the logits are multiplied by ``logit_scale`` (0.0625 in Command-R), after the tied LM head;
+* RoPE rotates interleaved pairs of each head's dimensions, (2i, 2i + 1) at frequency i (GPT-J
+  style), where Llama's rotate-half layout pairs (i, i + D/2). Instead of a second rotary layout,
+  the q and k projection rows of every head are permuted once at load time, the even dimensions
+  first, then the odd ones: rotate-half on the permuted rows is the interleaved rotation of the
+  original ones, and since q and k get the same permutation their dot products, hence the
+  attention, are unchanged (v and o are untouched). The rotary stays the C++ kernel.
+
+The SwiGLU MLP and the projections have no biases (``attention_bias`` adds them to q, k, v and
+o). Refused with an error naming the field: ``use_qk_norm`` (Command R+ 08-2024's per-head
+LayerNorms, whose weights differ per head). llama.cpp's converter keeps the checkpoint's q/k rows
+(its command-r graph rotates interleaved pairs itself) and writes ``logit_scale``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from pagedllm.model.layernorm_decoder import LayerNormDecoderForCausalLM
+from pagedllm.model.stablelm import StableLmDecoderLayer
+
+
+def interleaved_to_half_order(head_dim: int) -> torch.Tensor:
+    """[head_dim] int64: the dimensions of a head in the order that makes rotate-half RoPE equal
+    the interleaved one, the even dimensions then the odd ones (position i of the first half
+    holds dimension 2i, position i + head_dim / 2 holds 2i + 1)."""
+    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+
+def permute_head_rows(rows: torch.Tensor, head_dim: int) -> None:
+    """Reorder, in place, the rows of each head of ``rows`` ([heads * head_dim, ...]: a q or k
+    projection's weight or bias) by :func:`interleaved_to_half_order`."""
+    order = interleaved_to_half_order(head_dim).to(rows.device)
+    heads = rows.shape[0] // head_dim
+    view = rows.view(heads, head_dim, *rows.shape[1:])
+    view.copy_(view[:, order])
+
+
+def _gguf_float(value: Any) -> float | None:
+    """A GGUF float32 value as the shortest decimal that round-trips, or None when absent."""
+    return None if value is None else float(str(np.float32(value)))
+
+
+class CohereForCausalLM(LayerNormDecoderForCausalLM):
+    """Command-R, Command R+ (without q/k norms), Aya 23 / Expanse: parallel-residual layers over
+    one bias-free LayerNorm, a SwiGLU MLP, interleaved RoPE (by a load-time row permutation) and
+    scaled logits."""
+
+    layer_class = StableLmDecoderLayer  # LayerNorm layer with a bias-free SwiGLU MLP
+    gguf_tensor_names: ClassVar[dict[str, str]] = {}  # llama.cpp keeps q, k and v apart
+    # q/k rows are permuted at load time: --quantization gguf keeps them float.
+    folded_projections: ClassVar[tuple[str, ...]] = ("self_attn.qkv_proj",)
+
+    @classmethod
+    def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Reads ``logit_scale`` (transformers' default 0.0625), ``layer_norm_eps``,
+        ``attention_bias`` and the tied head (true by default, as transformers).
+
+        Raises:
+            ValueError: naming ``use_qk_norm`` when true.
+        """
+        if cfg.get("use_qk_norm"):
+            raise ValueError(
+                "Cohere with use_qk_norm=true (per-head q/k LayerNorms) is not supported"
+            )
+        bias = bool(cfg.get("attention_bias", False))
+        scale = cfg.get("logit_scale", 0.0625)
+        return {
+            **_cohere_fields(None if scale is None else float(scale)),
+            "attention_bias": bias,
+            "o_proj_bias": bias,
+            "layer_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        }
+
+    @classmethod
+    def gguf_config_fields(cls, meta: Callable[[str], Any]) -> dict[str, Any]:
+        """llama.cpp's command-r keys: ``logit_scale``, ``attention.layer_norm_epsilon`` (a file
+        with ``attn_q_norm`` / ``attn_k_norm`` tensors fails to load: the model has no q/k
+        norms)."""
+        eps = meta("attention.layer_norm_epsilon")
+        return {
+            **_cohere_fields(_gguf_float(meta("logit_scale"))),
+            "layer_norm_eps": 1e-5 if eps is None else float(str(np.float32(eps))),
+        }
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """``DecoderForCausalLM.load_weights``, then the q and k rows (weights and biases; this
+        rank's heads under tensor parallelism) of every head reordered for rotate-half RoPE
+        (module docstring), before any packing or quantization reads them."""
+        super().load_weights(state_dict)
+        with torch.no_grad():
+            for layer in self.layers:
+                attn = getattr(layer, "self_attn", None)
+                if attn is None:
+                    continue  # a layer another pipeline stage holds
+                qk_rows = attn.q_size + attn.kv_size
+                for param in attn.qkv_proj.parameters(recurse=False):
+                    permute_head_rows(param[:qk_rows], attn.head_dim)
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """``DecoderForCausalLM.compute_logits`` multiplied by ``logit_scale`` (in place, on the
+        float32 logits)."""
+        logits = super().compute_logits(h, logits_indices)
+        if self.config.logit_scale is not None:
+            logits.mul_(self.config.logit_scale)
+        return logits
+
+
+def _cohere_fields(logit_scale: float | None) -> dict[str, Any]:
+    """What every Cohere config shares, whatever its format."""
+    return {
+        "parallel_residual": True,
+        "shared_input_norm": True,
+        "layer_norm_bias": False,
+        "logit_scale": None if logit_scale in (None, 1.0) else logit_scale,
+    }

@@ -1,0 +1,97 @@
+"""Tiny-model settings and llama.cpp-style GGUF writers of the architectures added after
+``tests/model/arch_utils.py`` reached its size limit: SmolLM3 (NoPE layers) and Cohere
+Command-R (interleaved RoPE, bias-free LayerNorm, parallel residual, logit scale).
+
+``arch_utils._arch_kwargs`` and ``write_gguf_like_llama_cpp`` dispatch here for the names in
+``EXTRA_ARCHS`` / ``EXTRA_GGUF_WRITERS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# 4 layers so that transformers' default NoPE interval (4) leaves layer 3 without RoPE, as
+# llama.cpp's fixed interval does for the GGUF file; RoPE base 10000 (not SmolLM3's 2e6) so that
+# rotating the NoPE layer would change the tiny model's tokens.
+SMOLLM3_LAYERS = 4
+# Cohere's logit multiplier: far from 1 so that ignoring it changes the logprobs (the greedy
+# tokens are argmax-invariant to it).
+COHERE_LOGIT_SCALE = 0.25
+EXTRA_ARCHS = ("smollm3", "cohere")
+
+
+def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
+    """(transformers model class, config kwargs) for ``arch`` in ``EXTRA_ARCHS``, in the form
+    of ``arch_utils._arch_kwargs``."""
+    import transformers as tf
+
+    from tests.model.arch_utils import TINY
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if arch == "smollm3":  # tied head, as released
+        return tf.SmolLM3ForCausalLM, {
+            "config": tf.SmolLM3Config,
+            "tiny": {**TINY, "num_hidden_layers": SMOLLM3_LAYERS},
+            "tie_word_embeddings": True,
+            "rope_parameters": rope,
+        }
+    if arch == "cohere":  # tied head, as released; no q/k norms (Command-R v01)
+        return tf.CohereForCausalLM, {
+            "config": tf.CohereConfig,
+            "logit_scale": COHERE_LOGIT_SCALE,
+            "tie_word_embeddings": True,
+            "rope_parameters": rope,
+        }
+    raise ValueError(arch)
+
+
+def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
+    """A tiny Cohere model as llama.cpp's Command-R converter writes it (architecture
+    ``command-r``): the common keys with the LayerNorm epsilon, ``logit_scale``, q/k rows as in
+    the checkpoint (not permuted: llama.cpp's command-r graph rotates interleaved pairs, as
+    transformers), no ``output`` tensor (tied), no norm biases, no ``ffn_norm``."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from tests.model.arch_utils import _add_tensor
+
+    c = hf_model.config
+    arch_name = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.COMMAND_R]
+    w = gguf.GGUFWriter(str(path), arch_name)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_eps(c.layer_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_logit_scale(c.logit_scale)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        if name in glob:
+            g = glob[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        _add_tensor(w, g, t.float().clone(), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {"cohere": write_cohere_gguf}
