@@ -444,16 +444,19 @@ def load_gguf_weights(
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: not a valid GGUF file, unsupported architecture, unknown tensor name or
-            unsupported tensor type (the message names the tensor and type), or a shape that
-            does not match the metadata.
+        ValueError: not a valid GGUF file, unsupported architecture, tensors with no Hugging Face
+            name in this architecture (the message names up to five, their count and the
+            architecture: ``gguf_expand.check_gguf_tensor_names``), an unsupported tensor type
+            (the message names the tensor and type), or a shape that does not match the
+            metadata.
     """
-    from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts
+    from pagedllm.model.loader.gguf_expand import check_gguf_tensor_names, gguf_tensor_to_hf_parts
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     reader = open_gguf(path)
     config = gguf_arch_config(reader, path)
+    check_gguf_tensor_names([t.name for t in reader.tensors], config)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name in ROPE_TENSORS:
