@@ -1,13 +1,17 @@
 """Config variants of the Llama family that change which weights or windows a model has:
-Llama's ``mlp_bias``, against transformers on a tiny model."""
+Llama's ``mlp_bias`` and Qwen2 / Qwen3's ``use_sliding_window`` / ``max_window_layers``, each
+against transformers on a tiny model."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import (
+    WINDOW,
     build_tiny_hf_model,
     compare_to_reference,
     greedy_reference,
@@ -83,3 +87,62 @@ def test_llama_mlp_bias_gguf_and_tensor_parallel(mlp_bias_llama, tmp_path):
         assert greedy_tokens(llm, prompts) == ref
     finally:
         llm.engine.shutdown()
+
+
+def _strip(folder, *keys: str) -> None:
+    """Remove ``keys`` from ``folder``'s config.json (older checkpoints lack them)."""
+    f = folder / "config.json"
+    cfg = json.loads(f.read_text())
+    for k in keys:
+        cfg.pop(k, None)
+    f.write_text(json.dumps(cfg))
+
+
+def test_qwen2_sliding_window_follows_transformers(tmp_path):
+    """``use_sliding_window`` true windows the layers from ``max_window_layers`` (1 of 2) on;
+    false, or absent (transformers' default), windows none, whatever ``sliding_window`` says.
+    config.json's ``layer_types`` is removed so that pagedllm derives them; tokens equal
+    transformers' on prompts longer than the 8-token window."""
+    from pagedllm.entrypoints.llm import LLM
+
+    refs = {}
+    for use in (True, False):
+        folder = tmp_path / f"qwen2-{use}"
+        hf = build_tiny_hf_model(
+            "qwen2", folder, use_sliding_window=use, sliding_window=WINDOW, max_window_layers=1
+        )
+        windowed = ["full_attention", "sliding_attention"] if use else ["full_attention"] * 2
+        assert hf.config.layer_types == windowed
+        _strip(folder, "layer_types", *(() if use else ("use_sliding_window",)))
+        prompts = _prompts(hf.config.vocab_size)
+        refs[use] = [greedy_reference(hf, p, STEPS) for p in prompts]
+        llm = LLM(str(folder), **KW)
+        config = llm.engine.model_config
+        assert [config.layer_window(i) for i in range(2)] == ([None, WINDOW] if use else [None] * 2)
+        assert _counted(llm, prompts, refs[use]) >= 18
+    assert refs[True][1].tokens != refs[False][1].tokens  # the window changes the long prompt
+
+
+def test_qwen_window_fields():
+    """Qwen3 reads the window as Qwen2; listed ``layer_types`` win over ``max_window_layers``."""
+    from pagedllm.model.qwen3 import Qwen3ForCausalLM
+
+    base = {"num_hidden_layers": 3, "sliding_window": 8, "max_window_layers": 1}
+    f = Qwen3ForCausalLM.hf_config_fields({**base, "use_sliding_window": True})
+    assert f["sliding_window"] == 8
+    assert f["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+    f = Qwen3ForCausalLM.hf_config_fields(base)
+    assert f["sliding_window"] is None and f["layer_types"] is None
+    listed = ["sliding_attention", "full_attention", "full_attention"]
+    f = Qwen3ForCausalLM.hf_config_fields(
+        {**base, "use_sliding_window": True, "layer_types": listed}
+    )
+    assert f["layer_types"] == listed
+    # transformers' defaults for absent keys: a 4096-token window from layer 28 on.
+    f = Qwen3ForCausalLM.hf_config_fields({"num_hidden_layers": 30, "use_sliding_window": True})
+    assert f["sliding_window"] == 4096
+    assert f["layer_types"] == ["full_attention"] * 28 + ["sliding_attention"] * 2
+    f = Qwen3ForCausalLM.hf_config_fields(
+        {**base, "use_sliding_window": True, "sliding_window": None}
+    )
+    assert f["sliding_window"] is None
