@@ -109,6 +109,10 @@ class DecoderForCausalLM(nn.Module):
         folded_projections: projections (name suffixes, ``"mlp.down_proj"``) whose weights
             ``load_weights`` changes after reading them (Granite folds a multiplier in), so
             ``quantization="gguf"`` keeps them float instead of rebuilding them from the file.
+        unused_checkpoint_tensors: regular expressions (searched in the pagedllm checkpoint
+            names) of tensors a checkpoint may hold that the model legitimately ignores;
+            ``load_weights`` refuses any other tensor no parameter reads
+            (``weight_map.unused_tensors``). Keep it short and say why for each entry.
 
     Raises:
         ValueError: naming ``tensor_parallel_size`` when the model cannot be split that way.
@@ -118,6 +122,12 @@ class DecoderForCausalLM(nn.Module):
     gguf_permute_qk: ClassVar[bool] = False
     splits_hf_weights: ClassVar[bool] = False
     folded_projections: ClassVar[tuple[str, ...]] = ()
+    # Older transformers (before 4.31) saved each layer's RoPE inverse frequencies as a
+    # persistent buffer, and some trainers (ColossalAI) its cos / sin caches: pagedllm
+    # recomputes them from the config.
+    unused_checkpoint_tensors: ClassVar[tuple[str, ...]] = (
+        r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$",
+    )
 
     def __init__(
         self,
@@ -409,7 +419,8 @@ class DecoderForCausalLM(nn.Module):
         is padded with zero rows.
 
         Raises:
-            ValueError: naming a missing tensor or one with the wrong shape.
+            ValueError: naming a missing tensor or one with the wrong shape, or the tensors no
+                parameter reads (the checkpoint is a variant this class does not implement).
         """
         load_named_weights(self, state_dict, pad_vocab=self.shard is not None)
 

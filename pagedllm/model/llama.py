@@ -35,7 +35,8 @@ class LlamaDecoderLayer(nn.Module):
         dtype: parameter dtype.
         shard / group: tensor-parallel slice and group, or None.
         mlp: the feed-forward block, called as ``mlp(x)`` or ``mlp(x, residual=r)``
-            (``layers.moe.SparseMoeBlock``); None = a ``GatedMLP`` of ``intermediate_size``.
+            (``layers.moe.SparseMoeBlock``); None = a ``GatedMLP`` of ``intermediate_size``,
+            with biases on gate, up and down when ``config.mlp_bias``.
 
     Forward: h [T, d], the layer's (key_cache, value_cache), the step context -> [T, d].
     """
@@ -58,7 +59,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = (
             mlp
             if mlp is not None
-            else GatedMLP(config.hidden_size, inter, config.hidden_act, dtype, group)
+            else GatedMLP(
+                config.hidden_size, inter, config.hidden_act, dtype, group, bias=config.mlp_bias
+            )
         )
 
     def forward(
@@ -86,6 +89,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         """Extra ``ModelArchConfig`` fields read from a Hugging Face ``config.json`` dict
-        (the common ones are read by ``loader.hf_loader``)."""
+        (the common ones are read by ``loader.hf_loader``): ``attention_bias`` (q/k/v and o)
+        and ``mlp_bias`` (gate, up and down), both false by default as in transformers."""
         bias = bool(cfg.get("attention_bias", False))
-        return {"attention_bias": bias, "o_proj_bias": bias}
+        return {
+            "attention_bias": bias,
+            "o_proj_bias": bias,
+            "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        }

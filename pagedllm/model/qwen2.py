@@ -1,11 +1,39 @@
 """Qwen2 / Qwen2.5 (Qwen team 2024): a Llama whose q, k and v projections have a bias (o_proj has
-none). llama.cpp does not permute Qwen's q/k rows."""
+none). llama.cpp does not permute Qwen's q/k rows.
+
+Sliding window (``qwen_sliding_window``, shared with Qwen3): off unless ``use_sliding_window``
+is true (transformers' default is false, and released checkpoints set ``sliding_window`` either
+way); when on and ``config.json`` lists no ``layer_types``, the layers from
+``max_window_layers`` on are windowed, the ones before it attend to everything, as transformers
+derives ``layer_types``.
+"""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 from pagedllm.model.llama import LlamaForCausalLM
+
+# transformers' Qwen2Config / Qwen3Config defaults for keys a config.json may lack.
+_DEFAULT_SLIDING_WINDOW = 4096
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def qwen_sliding_window(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a Qwen2 / Qwen3 ``config.json`` dict, as
+    transformers reads them: no window unless ``use_sliding_window`` (default false); then
+    ``sliding_window`` (default 4096; null: none) on the listed ``layer_types``, or on layers
+    ``i >= max_window_layers`` (default 28), the ones below attending to everything."""
+    use = cfg.get("use_sliding_window", False)
+    window = cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW) if use else None
+    if not window:
+        return {"sliding_window": None, "layer_types": None}
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        first = int(cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
+        n = int(cfg["num_hidden_layers"])
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return {"sliding_window": int(window), "layer_types": list(layer_types)}
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -15,7 +43,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        return {"attention_bias": True, "o_proj_bias": False}
+        """QKV bias always, no o_proj bias; the sliding window per ``qwen_sliding_window``."""
+        return {"attention_bias": True, "o_proj_bias": False, **qwen_sliding_window(cfg)}
 
     @classmethod
     def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.qwen2 import qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -15,8 +16,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """q/k norms, ``attention_bias`` (q/k/v and o; default false) and the sliding window
+        as Qwen2's (``qwen2.qwen_sliding_window``: transformers' Qwen3Config has the same
+        rule)."""
         bias = bool(cfg.get("attention_bias", False))
-        return {"qk_norm": True, "attention_bias": bias, "o_proj_bias": bias}
+        fields = {"qk_norm": True, "attention_bias": bias, "o_proj_bias": bias}
+        return {**fields, **qwen_sliding_window(cfg)}
 
     @classmethod
     def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ names (``gguf_loader``), so this one mapping serves both formats.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,14 +92,8 @@ def split_fused_tensor(
 def load_named_weights(
     model: nn.Module, state_dict: dict[str, torch.Tensor], pad_vocab: bool = False
 ) -> None:
-    """Copy ``state_dict`` (Hugging Face names) into every parameter of ``model``.
-
-    A module with a ``load_weight(value) -> value`` method (``layers.norm.RMSNorm``: Gemma's
-    ``1 + w``) transforms its checkpoint tensor first; one with a
-    ``checkpoint_names(param_name) -> list[str]`` method names its parameters' checkpoint tensors
-    itself (``layers.moe``: per-expert tensors concatenated into stacked expert weights). Tied
-    parameters are loaded once (from ``model.embed_tokens.weight`` when the state dict has no
-    ``lm_head.weight``). Extra tensors in ``state_dict`` are ignored.
+    """Copy ``state_dict`` (Hugging Face names) into every parameter of ``model``, after
+    :func:`checkpoint_plan` has matched them (nothing is copied when it fails).
 
     Args:
         model: the pagedllm model (parameters named as described in the module docstring).
@@ -107,20 +102,11 @@ def load_named_weights(
             tensor-parallel shard).
 
     Raises:
-        ValueError: naming the missing checkpoint tensor, or the parameter and both shapes when a
-            tensor does not fit.
+        ValueError: as :func:`checkpoint_plan` (a missing tensor, or tensors no parameter
+            reads), or naming the parameter and both shapes when a tensor does not fit.
     """
-    modules = dict(model.named_modules())
     with torch.no_grad():
-        for pname, param in model.named_parameters():  # tied parameters come once
-            owner = modules.get(pname.rpartition(".")[0])
-            names_hook = getattr(owner, "checkpoint_names", None)
-            names = names_hook(pname) if callable(names_hook) else checkpoint_names(pname)
-            if names == ["lm_head.weight"] and names[0] not in state_dict:
-                names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
-            missing = [n for n in names if n not in state_dict]
-            if missing:
-                raise ValueError(f"weight {missing[0]!r} is missing from the checkpoint")
+        for pname, param, owner, names in checkpoint_plan(model, state_dict):
             parts = [state_dict[n] for n in names]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             loader = getattr(owner, "load_weight", None)
@@ -141,3 +127,109 @@ def load_named_weights(
                     f"weight {shown!r}: expected {tuple(target.shape)}, got {tuple(value.shape)}"
                 )
             target.copy_(value.to(param.dtype))
+
+
+#: (parameter name, parameter, its owning module, the checkpoint tensors it reads in order).
+PlanEntry = tuple[str, nn.Parameter, nn.Module | None, list[str]]
+
+
+def checkpoint_plan(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> list[PlanEntry]:
+    """Which tensors of ``state_dict`` each parameter of ``model`` reads; reads no tensor data
+    (except to compare a tied head stored twice), so ``model`` may live on the meta device.
+
+    A module with a ``checkpoint_names(param_name) -> list[str]`` method names its parameters'
+    checkpoint tensors itself (``layers.moe``: per-expert tensors concatenated into stacked
+    expert weights); a module with ``load_weight(value) -> value`` (``layers.norm.RMSNorm``:
+    Gemma's ``1 + w``) transforms its tensor when loaded. Tied parameters come once: a head tied
+    to the embedding reads ``model.embed_tokens.weight``, as does an untied head when the state
+    dict has no ``lm_head.weight``.
+
+    Every tensor of ``state_dict`` must feed a parameter (:func:`unused_tensors` lists the
+    exceptions), so that a checkpoint variant the model does not implement (MLP biases on a model
+    without them) fails instead of running without those weights.
+
+    Raises:
+        ValueError: naming the first missing checkpoint tensor; or (``unused_tensors_error``)
+            up to five of the tensors no parameter reads, their count and the architecture.
+    """
+    modules = dict(model.named_modules())
+    embedding = getattr(modules.get("embed_tokens"), "weight", None)
+    plan: list[PlanEntry] = []
+    for pname, param in model.named_parameters():  # tied parameters come once
+        owner = modules.get(pname.rpartition(".")[0])
+        names_hook = getattr(owner, "checkpoint_names", None)
+        names = names_hook(pname) if callable(names_hook) else checkpoint_names(pname)
+        if names == ["lm_head.weight"] and (names[0] not in state_dict or param is embedding):
+            names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
+        missing = [n for n in names if n not in state_dict]
+        if missing:
+            raise ValueError(f"weight {missing[0]!r} is missing from the checkpoint")
+        plan.append((pname, param, owner, names))
+    unused = unused_tensors(model, state_dict, {n for *_, names in plan for n in names})
+    if unused:
+        raise unused_tensors_error(unused, _architecture(model))
+    return plan
+
+
+# ``model.layers.N.``: a decoder layer's tensor (another pipeline stage's when N is not ours).
+_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def unused_tensors(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], used: set[str]
+) -> list[str]:
+    """The names of ``state_dict`` that no parameter of ``model`` reads (``used`` holds those
+    that do), sorted. Not counted as unused:
+
+    * a decoder layer's tensor when ``model.stage_layers`` (pipeline parallelism) excludes that
+      layer: another stage loads it;
+    * ``lm_head.weight`` when the head is tied and the tensor equals the embedding (a checkpoint
+      that stores the tied head twice);
+    * names matching one of ``model.unused_checkpoint_tensors`` (regular expressions, searched):
+      the model class's explicit allow-list of tensors it legitimately ignores.
+
+    Tensor-parallel slices need no exception: every rank has every parameter, each reading its
+    slice of every tensor (``model.sharding``).
+    """
+    stage = getattr(model, "stage_layers", None)
+    allowed = [re.compile(p) for p in getattr(model, "unused_checkpoint_tensors", ())]
+    out = []
+    for name in state_dict.keys() - used:
+        m = _LAYER_PREFIX.match(name)
+        if m is not None and stage is not None and int(m.group(1)) not in stage:
+            continue
+        if name == "lm_head.weight" and _is_tied_copy(
+            state_dict, "model.embed_tokens.weight" in used
+        ):
+            continue
+        if any(p.search(name) for p in allowed):
+            continue
+        out.append(name)
+    return sorted(out)
+
+
+def _is_tied_copy(state_dict: dict[str, torch.Tensor], embedding_used: bool) -> bool:
+    """``lm_head.weight`` repeats the embedding (the model ties its head to it)."""
+    head, embed = state_dict["lm_head.weight"], state_dict.get("model.embed_tokens.weight")
+    return (
+        embedding_used
+        and embed is not None
+        and head.shape == embed.shape
+        and bool(torch.equal(head, embed))
+    )
+
+
+def unused_tensors_error(names: list[str], architecture: str) -> ValueError:
+    """The error for checkpoint tensors ``names`` (non-empty) that ``architecture`` would
+    ignore: the first five names, the count and the architecture."""
+    shown = ", ".join(repr(n) for n in names[:5])
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ValueError(
+        f"{len(names)} checkpoint tensor(s) ({shown}{more}) were not used by {architecture}; "
+        "the checkpoint may be a variant pagedllm does not support"
+    )
+
+
+def _architecture(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "architecture", None) or type(model).__name__)

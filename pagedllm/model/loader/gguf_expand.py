@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 
 from pagedllm.model.config import ModelArchConfig
-from pagedllm.model.loader.gguf_loader import _LAYER_RE, gguf_tensor_to_hf
+from pagedllm.model.loader.gguf_loader import (
+    _LAYER_RE,
+    ROPE_TENSORS,
+    gguf_tensor_to_hf,
+    gguf_to_hf_name,
+)
+from pagedllm.model.weight_map import unused_tensors_error
 
 # llama.cpp stacked-expert tensor -> which projection of ``MoeCheckpointNames`` it holds.
 _EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
@@ -84,3 +90,28 @@ def needs_whole_tensor(gguf_name: str, config: ModelArchConfig) -> bool:
     if m is not None and (m.group(2) in _EXPERT_PARTS or m.group(2) == _ROUTER):
         return True
     return model_class(config.architecture).splits_hf_weights
+
+
+def check_gguf_tensor_names(names: list[str], config: ModelArchConfig) -> None:
+    """Refuse a GGUF file holding tensors that have no Hugging Face name in this architecture
+    (before anything is dequantized). The rope tensors llama.cpp stores (``ROPE_TENSORS``, folded
+    into ``config.rope_scaling``), stacked experts and routers are known; a tensor that maps to a
+    name the model then does not read is caught by ``weight_map.load_named_weights``.
+
+    Raises:
+        ValueError: naming up to five such tensors, their count and ``config.architecture``.
+    """
+    from pagedllm.model.registry import model_class
+
+    extra = model_class(config.architecture).gguf_tensor_names
+    unknown = []
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if name in ROPE_TENSORS or (m is not None and m.group(2) in (*_EXPERT_PARTS, _ROUTER)):
+            continue
+        try:
+            gguf_to_hf_name(name, extra)
+        except ValueError:
+            unknown.append(name)
+    if unknown:
+        raise unused_tensors_error(sorted(unknown), config.architecture)

@@ -303,11 +303,11 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
     ``head_dim`` comes from ``<arch>.attention.key_length``, else ``<arch>.rope.dimension_count``,
     else ``hidden / heads``; ``vocab_size`` from the length of ``tokenizer.ggml.tokens``, else
     ``<arch>.vocab_size``, else the embedding rows. ``tie_word_embeddings`` is True when the file
-    has no ``output.weight``; ``attention_bias`` / ``o_proj_bias`` when it has ``attn_q`` /
-    ``attn_output`` biases (no metadata key records them; an architecture's own fields may
-    override both). ``bos_token_id`` is ``tokenizer.ggml.bos_token_id`` and
-    ``eos_token_ids`` holds ``tokenizer.ggml.eos_token_id`` (the tokenizer/chat-template ids are
-    added by :func:`pagedllm.model.loader.load_model`).
+    has no ``output.weight``; ``attention_bias`` / ``o_proj_bias`` / ``mlp_bias`` when it has
+    ``attn_q`` / ``attn_output`` / ``ffn_up`` biases (no metadata key records them; an
+    architecture's own fields may override them). ``bos_token_id`` is
+    ``tokenizer.ggml.bos_token_id`` and ``eos_token_ids`` holds ``tokenizer.ggml.eos_token_id``
+    (the tokenizer/chat-template ids are added by :func:`pagedllm.model.loader.load_model`).
 
     Raises:
         ValueError: ``general.architecture`` is not supported (the message lists what is), a
@@ -387,9 +387,10 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[] if eos is None else [int(eos)],
         architecture=entry.architecture,
-        # llama.cpp keys no attention bias: a Llama-named file has the tensors or not.
+        # llama.cpp keys no attention or MLP bias: a Llama-named file has the tensors or not.
         attention_bias="blk.0.attn_q.bias" in tensors,
         o_proj_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
     )
     if num_experts:
         # llama.cpp has no per-layer MoE key: the layers with a router are the sparse ones.
@@ -444,16 +445,19 @@ def load_gguf_weights(
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: not a valid GGUF file, unsupported architecture, unknown tensor name or
-            unsupported tensor type (the message names the tensor and type), or a shape that
-            does not match the metadata.
+        ValueError: not a valid GGUF file, unsupported architecture, tensors with no Hugging Face
+            name in this architecture (the message names up to five, their count and the
+            architecture: ``gguf_expand.check_gguf_tensor_names``), an unsupported tensor type
+            (the message names the tensor and type), or a shape that does not match the
+            metadata.
     """
-    from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts
+    from pagedllm.model.loader.gguf_expand import check_gguf_tensor_names, gguf_tensor_to_hf_parts
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     reader = open_gguf(path)
     config = gguf_arch_config(reader, path)
+    check_gguf_tensor_names([t.name for t in reader.tensors], config)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name in ROPE_TENSORS:

@@ -43,7 +43,9 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
     ``model_type``); the fields every decoder has are read here, the architecture's own ones by
     its class (``hf_config_fields``). Reads both the transformers 4 keys (``rope_theta``,
     ``rope_scaling``) and the transformers 5 ``rope_parameters`` dict. A sliding window is kept
-    unless ``use_sliding_window`` is false; ``layer_types`` says which layers it applies to.
+    unless ``use_sliding_window`` is false (Mistral's reading; Qwen2 and Qwen3, whose
+    transformers default is false, read it themselves: ``qwen2.qwen_sliding_window``);
+    ``layer_types`` says which layers it applies to.
     ``eos_token_ids`` holds ``config.json``'s ``eos_token_id`` (int or list); the tokenizer /
     generation-config ids are added by ``load_model``.
 

@@ -20,6 +20,7 @@ from pagedllm.model.loader.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from pagedllm.model.weight_map import checkpoint_plan
 
 if TYPE_CHECKING:  # not at run time: see pagedllm.model.loader.tokenizer
     from transformers import PreTrainedTokenizerBase
@@ -116,16 +117,19 @@ def load_model(
         FileNotFoundError: the path does not exist (the message names it).
         ValueError: ``"<path> is not a valid GGUF file: ..."`` for a corrupt or truncated file;
             an unsupported architecture (names ``general.architecture`` or ``model_type``);
-            an unsupported tensor type (names the tensor and type); an unsupported dtype.
+            an unsupported tensor type (names the tensor and type); an unsupported dtype;
+            checkpoint tensors the model would not read (:func:`check_checkpoint_tensors`).
     """
     path, kind = resolve_model_path(model)
     if kind == "gguf":
         config, state = load_gguf_weights(path, dtype)
+        check_checkpoint_tensors(config, state)
         tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
         gguf_eos = config.eos_token_ids[0] if config.eos_token_ids else None
         config.eos_token_ids = eos_token_ids(tokenizer, gguf_eos_token_id=gguf_eos)
     else:
         config, state = load_hf_weights(path, dtype)
+        check_checkpoint_tensors(config, state)
         tokenizer = load_tokenizer(path)
         config.eos_token_ids = eos_token_ids(tokenizer, hf_folder=path)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
@@ -134,3 +138,24 @@ def load_model(
     return LoadedModel(
         config=config, state_dict=state, tokenizer=tokenizer, source=path, weight_bytes=weight_bytes
     )
+
+
+def check_checkpoint_tensors(config: ModelArchConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """Check that the whole model of ``config`` reads every tensor of ``state_dict`` and finds
+    every tensor it needs (``weight_map.checkpoint_plan`` on the model built on the meta device:
+    no weight memory). Each worker checks again as it loads (``load_named_weights``); this runs
+    first, so that a bad checkpoint fails with its own error before any tensor-parallel or
+    pipeline rank starts.
+
+    Raises:
+        ValueError: naming a missing tensor, or up to five tensors no parameter reads with their
+            count and the architecture ("... were not used by LlamaForCausalLM; the checkpoint
+            may be a variant pagedllm does not support").
+    """
+    from pagedllm.attention import get_attention_backend
+    from pagedllm.model.registry import model_class
+
+    backend = get_attention_backend("torch_native", "cpu")
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config, torch.float32, backend)
+    checkpoint_plan(model, state_dict)

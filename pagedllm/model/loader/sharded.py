@@ -17,7 +17,11 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.model.config import ModelArchConfig
-from pagedllm.model.loader.gguf_expand import gguf_tensor_to_hf_parts, needs_whole_tensor
+from pagedllm.model.loader.gguf_expand import (
+    check_gguf_tensor_names,
+    gguf_tensor_to_hf_parts,
+    needs_whole_tensor,
+)
 from pagedllm.model.loader.gguf_loader import (
     ROPE_TENSORS,
     _dequantize,
@@ -73,6 +77,7 @@ def _gguf_shard(
 
     names = model_class(config.architecture).gguf_tensor_names
     reader = open_gguf(path)
+    check_gguf_tensor_names([t.name for t in reader.tensors], config)
     d = config.head_dim
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
