@@ -82,6 +82,8 @@ MODELS: tuple[ModelEntry, ...] = (
                "Qwen1.5-MoE, Qwen2-MoE (sparse MoE, shared expert)"),
     ModelEntry("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", ("olmo2",), ("olmo2",),
                "OLMo 2 (post-norm layers, full-width q/k norm)"),
+    ModelEntry("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), ("olmoe",),
+               "OLMoE (sparse MoE, full-width q/k norm)"),
 )  # fmt: skip
 
 
