@@ -84,6 +84,10 @@ MODELS: tuple[ModelEntry, ...] = (
                "OLMo 2 (post-norm layers, full-width q/k norm)"),
     ModelEntry("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), ("olmoe",),
                "OLMoE (sparse MoE, full-width q/k norm)"),
+    ModelEntry("GraniteMoeForCausalLM", "granite_moe", "GraniteMoeForCausalLM", ("granitemoe",),
+               ("granitemoe",), "Granite 3.x MoE (Granite's scales, top-k then softmax routing)"),
+    ModelEntry("GraniteMoeSharedForCausalLM", "granite_moe", "GraniteMoeForCausalLM",
+               ("granitemoeshared",), (), "Granite MoE with an ungated shared expert"),
 )  # fmt: skip
 
 

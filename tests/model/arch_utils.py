@@ -29,7 +29,7 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 WINDOW = 8
-MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoe_shared")
 # The LayerNorm families (OPT, GPT-NeoX) have no GQA: 4 heads of 16, biases everywhere. Their
 # weights are drawn wider (std 0.5): at 0.1 the biases dominate and greedy decoding repeats
 # one token.

@@ -26,6 +26,7 @@ from tests.model.arch_utils import (
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
+ARCHS += ["granitemoe", "granitemoe_shared"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
@@ -165,6 +166,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     transformers' greedy tokens."""
     from pagedllm.model.loader import load_gguf_weights, load_hf_weights, load_model
     from pagedllm.model.loader.sharded import load_weight_shard
+    from pagedllm.model.registry import model_class
     from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
     from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
 
@@ -202,7 +204,8 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     for name, t in ref.items():
         torch.testing.assert_close(mine[name], t, atol=1e-6, rtol=0, msg=name)
     if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
-        assert cfg_g.architecture == cfg_h.architecture
+        # Granite MoE Shared files say "granitemoe": the same model class serves both.
+        assert model_class(cfg_g.architecture) is model_class(cfg_h.architecture)
         for f in same:
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
     # Not run: Mistral / Mixtral / StarCoder2 (no window recorded, tokens differ past it) and
