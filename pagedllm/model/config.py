@@ -81,7 +81,14 @@ class ModelArchConfig:
         moe_layers: indices of the MoE layers (the others have a dense MLP of
             ``intermediate_size``); None = every layer when ``num_experts``.
         shared_expert_intermediate_size: width of the SwiGLU shared expert every token of a MoE
-            layer also runs, scaled by a sigmoid gate (Qwen2-MoE); None = no shared expert.
+            layer also runs (Qwen2-MoE, Granite MoE Shared); None = no shared expert.
+        shared_expert_gated: the shared expert's output is scaled per token by a sigmoid gate
+            (Qwen2-MoE); False = added as it is (Granite MoE Shared).
+        router_top_k_then_softmax: the router takes the k largest logits first and the softmax
+            over those k only (Granite MoE), instead of the k largest of the softmax over all
+            experts; the k weights then sum to 1 (equal to renormalising, up to rounding).
+        clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections (and
+            after the q/k norms when there are any; OLMoE), or None.
     """
 
     vocab_size: int
@@ -133,6 +140,9 @@ class ModelArchConfig:
     norm_topk_prob: bool = True
     moe_layers: list[int] | None = None
     shared_expert_intermediate_size: int | None = None
+    shared_expert_gated: bool = True
+    router_top_k_then_softmax: bool = False
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:

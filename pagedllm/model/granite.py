@@ -15,7 +15,8 @@ A Llama with four scalar multipliers from its maximal-update-style training reci
 llama.cpp's converter writes them as ``granite.embedding_scale``, ``residual_scale``,
 ``attention.scale`` and ``logit_scale`` (each only when set; an absent attention scale there
 means head_dim ** -0.5) and permutes the q/k rows as for Llama. Granite MoE
-(``GraniteMoeForCausalLM``) and the hybrid Mamba models are other architectures, not served here.
+(``GraniteMoeForCausalLM``) subclasses this model (``granite_moe``); the hybrid Mamba models are
+another architecture, not served here.
 """
 
 from __future__ import annotations
@@ -97,9 +98,17 @@ class GraniteForCausalLM(LlamaForCausalLM):
             for layer in self.layers:
                 if not isinstance(layer, LlamaDecoderLayer):
                     continue  # a layer another pipeline stage holds
-                for name in self.folded_projections:
-                    for param in layer.get_submodule(name).parameters(recurse=False):
-                        param.mul_(scale)  # the weight, and the bias when there is one
+                for param in self.residual_branch_outputs(layer):
+                    param.mul_(scale)
+
+    def residual_branch_outputs(self, layer: LlamaDecoderLayer) -> list[torch.Tensor]:
+        """The parameters of ``layer`` whose products end a residual branch, so that scaling
+        them scales the branch: the weights and biases of ``folded_projections``."""
+        return [
+            param
+            for name in self.folded_projections
+            for param in layer.get_submodule(name).parameters(recurse=False)
+        ]
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         group: TensorParallelGroup | None,
     ) -> SparseMoeBlock:
         """One layer's MoE block (this rank's expert slices under tensor parallelism); a
-        :class:`SharedExpertMoeBlock` when ``config.shared_expert_intermediate_size`` is set."""
+        :class:`SharedExpertMoeBlock` when ``config.shared_expert_intermediate_size`` is set
+        (gated as ``config.shared_expert_gated`` says); routed as
+        ``config.router_top_k_then_softmax`` says."""
         inter = config.moe_intermediate_size or config.intermediate_size
         shared = config.shared_expert_intermediate_size
         if shard is not None:
@@ -70,6 +72,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             lo, hi = shard.shared_expert_intermediate
             shared = hi - lo if shared else None
         routed = (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
+        order = config.router_top_k_then_softmax
         if shared:
             return SharedExpertMoeBlock(
                 config.hidden_size,
@@ -80,9 +83,18 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 dtype,
                 self.moe_names,
                 group,
+                softmax_after_top_k=order,
+                gated=config.shared_expert_gated,
             )
         return SparseMoeBlock(
-            config.hidden_size, inter, *routed, config.hidden_act, dtype, self.moe_names, group
+            config.hidden_size,
+            inter,
+            *routed,
+            config.hidden_act,
+            dtype,
+            self.moe_names,
+            group,
+            softmax_after_top_k=order,
         )
 
     @classmethod

@@ -86,6 +86,12 @@ MODELS: tuple[ModelEntry, ...] = (
                ("smollm3",), "SmolLM3 (NoPE layers: no RoPE on every fourth)"),
     ModelEntry("CohereForCausalLM", "cohere", "CohereForCausalLM", ("cohere",), ("command-r",),
                "Command-R, Aya 23 (parallel residual, interleaved RoPE, logit scale)"),
+    ModelEntry("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), ("olmoe",),
+               "OLMoE (sparse MoE, full-width q/k norm)"),
+    ModelEntry("GraniteMoeForCausalLM", "granite_moe", "GraniteMoeForCausalLM", ("granitemoe",),
+               ("granitemoe",), "Granite 3.x MoE (Granite's scales, top-k then softmax routing)"),
+    ModelEntry("GraniteMoeSharedForCausalLM", "granite_moe", "GraniteMoeForCausalLM",
+               ("granitemoeshared",), (), "Granite MoE with an ungated shared expert"),
 )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 WINDOW = 8
-MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoe_shared")
 # The LayerNorm families (OPT, GPT-NeoX) have no GQA: 4 heads of 16, biases everywhere. Their
 # weights are drawn wider (std 0.5): at 0.1 the biases dominate and greedy decoding repeats
 # one token.
@@ -200,7 +200,12 @@ def _arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
         return tf.Olmo2ForCausalLM, {"config": tf.Olmo2Config}
     if arch in EXTRA_ARCHS:  # tests/model/arch_gguf_extra.py
         return extra_arch_kwargs(arch)
-    raise ValueError(arch)
+    from tests.model.arch_gguf_moe import moe_arch_kwargs  # OLMoE, Granite MoE
+
+    found = moe_arch_kwargs(arch)
+    if found is None:
+        raise ValueError(arch)
+    return found
 
 
 def build_tiny_hf_model(
@@ -325,6 +330,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from tests.model.arch_gguf_moe import MOE_GGUF_ARCH, add_moe_gguf_keys, llama_cpp_moe_tensors
 
     if arch in ("gpt2", "gpt_neox"):
         _write_layer_norm_gguf(hf_model, path, arch, qtype)
@@ -335,14 +341,8 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     if arch in EXTRA_GGUF_WRITERS:
         EXTRA_GGUF_WRITERS[arch](hf_model, path, qtype)
         return
-    gguf_arch = {
-        "mistral": "llama",
-        "mixtral": "llama",
-        "qwen3_moe": "qwen3moe",
-        "gemma_v1": "gemma",
-        "granite_tied": "granite",
-    }.get(arch, arch)
-    gguf_arch = {"qwen2_moe": "qwen2moe"}.get(arch, gguf_arch)
+    gguf_arch = {"mistral": "llama", "gemma_v1": "gemma", "granite_tied": "granite"}.get(arch, arch)
+    gguf_arch = MOE_GGUF_ARCH.get(arch, gguf_arch)
     c = hf_model.config
     names = dict(GGUF_LAYER_NAMES)
     gemma = gguf_arch in ("gemma", "gemma2", "gemma3")
@@ -391,22 +391,14 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_vocab_size(c.vocab_size)
-    if gguf_arch == "granite":  # llama.cpp's names for the four multipliers
+    if gguf_arch in ("granite", "granitemoe"):  # llama.cpp's names for the four multipliers
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    if arch in MOE_ARCHS:  # llama.cpp's converter: no sliding window for any of them
-        w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-    if arch == "qwen3_moe":
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        w.add_expert_weights_norm(c.norm_topk_prob)
-    if arch == "qwen2_moe":  # no expert_weights_norm key: llama.cpp never renormalises Qwen2-MoE
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    add_moe_gguf_keys(w, c, arch)
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    for name, t in _llama_cpp_moe_tensors(hf_model.state_dict()):
+    for name, t in llama_cpp_moe_tensors(hf_model.state_dict()):
         t = t.float().clone()
         if name.startswith("blk."):
             g = name
@@ -422,7 +414,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
             _, _, layer, rest = name.split(".", 3)
             stem, kind = rest.rsplit(".", 1)
             g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
-        permuted = gguf_arch in ("llama", "granite", "smollm3")  # its LlamaModel converters
+        permuted = gguf_arch in ("llama", "granite", "granitemoe", "smollm3")  # LlamaModel converters
         if permuted and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else kv_heads
             rows = t.shape[0]
@@ -436,26 +428,6 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-def _llama_cpp_moe_tensors(state: dict[str, Any]) -> Any:
-    """``state``'s items with transformers' stacked experts as llama.cpp stores them: the router
-    ``mlp.gate`` -> ``blk.N.ffn_gate_inp``, ``gate_up_proj`` [E, 2I, d] split into
-    ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, d], ``down_proj`` -> ``ffn_down_exps`` [E, d, I]."""
-    for name, t in state.items():
-        parts = name.split(".")
-        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
-            blk = f"blk.{parts[2]}"
-            if name.endswith(".mlp.gate.weight"):
-                yield f"{blk}.ffn_gate_inp.weight", t
-            elif name.endswith("gate_up_proj"):
-                gate, up = t.chunk(2, dim=1)
-                yield f"{blk}.ffn_gate_exps.weight", gate
-                yield f"{blk}.ffn_up_exps.weight", up
-            else:
-                yield f"{blk}.ffn_down_exps.weight", t
-        else:
-            yield name, t
 
 
 def _add_phi3_rope(w: Any, c: Any) -> None:

@@ -25,12 +25,14 @@ from tests.model.arch_utils import (
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt", "gpt2"]
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
-ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2"]
+ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
+ARCHS += ["granitemoe", "granitemoe_shared"]
 ARCHS += ["smollm3", "cohere"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
 QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "stablelm", "granite_tied", *LAYER_NORM_ARCHS)
+SHARED_EXPERT_ARCHS = ("qwen2_moe", "granitemoe_shared")
 GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
@@ -134,8 +136,9 @@ def test_cpu_fast_path_is_used(arch_case):
             gate_up_kind = PackedSwiGLU if own else PackedLinear
             assert all(type(m) is gate_up_kind for m in mlp.experts.packed_gate_up)
             assert all(isinstance(m, PackedLinear) for m in mlp.experts.packed_down)
-            shared = getattr(mlp, "shared_expert", None)  # Qwen2-MoE: packed as a dense MLP
-            assert (shared is not None) == (arch == "qwen2_moe")
+            # Qwen2-MoE, Granite MoE Shared: packed as a dense MLP.
+            shared = getattr(mlp, "shared_expert", None)
+            assert (shared is not None) == (arch in SHARED_EXPERT_ARCHS)
             if shared is not None:
                 assert type(shared.gate_up_proj) is gate_up_kind
                 assert isinstance(shared.down_proj, PackedLinear)
@@ -164,6 +167,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     transformers' greedy tokens."""
     from pagedllm.model.loader import load_gguf_weights, load_hf_weights, load_model
     from pagedllm.model.loader.sharded import load_weight_shard
+    from pagedllm.model.registry import model_class
     from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
     from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
 
@@ -185,6 +189,8 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     same += ["mlp_bias", "o_proj_bias", "hidden_size", "intermediate_size", "num_attention_heads"]
     same += ["embedding_scale", "attention_scale", "residual_multiplier", "logits_scaling"]
     same += ["nope_layers", "layer_norm_bias", "logit_scale", "shared_input_norm"]
+    same += ["qk_norm_full_width", "clip_qkv", "shared_expert_intermediate_size"]
+    same += ["shared_expert_gated", "router_top_k_then_softmax"]
     if arch in ("mixtral", "starcoder2"):  # llama.cpp's converters record no window
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:
@@ -200,7 +206,8 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     for name, t in ref.items():
         torch.testing.assert_close(mine[name], t, atol=1e-6, rtol=0, msg=name)
     if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
-        assert cfg_g.architecture == cfg_h.architecture
+        # Granite MoE Shared files say "granitemoe": the same model class serves both.
+        assert model_class(cfg_g.architecture) is model_class(cfg_h.architecture)
         for f in same:
             assert getattr(cfg_g, f) == getattr(cfg_h, f), f
     # Not run: Mistral / Mixtral / StarCoder2 (no window recorded, tokens differ past it) and

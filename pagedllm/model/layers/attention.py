@@ -1,10 +1,11 @@
 """Self-attention of a decoder layer over the paged KV cache (vLLM paper section 4).
 
 One fused QKV projection (optionally with bias: Qwen2), optional RMSNorms of queries and keys
-before RoPE (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2, whose mean square spans
-every rank's heads under tensor parallelism), the rotary embedding (none on a NoPE layer: SmolLM3),
-the attention backend (with the layer's sliding window when it has one: Mistral, Gemma local
-layers; the attention-logit soft cap of Gemma 2, on torch_native) and the output projection.
+before RoPE (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2, OLMoE, whose mean square
+spans every rank's heads under tensor parallelism), an optional clamp of q, k and v (``clip_qkv``:
+OLMoE; after the q/k norms), the rotary embedding (none on a NoPE layer: SmolLM3), the attention
+backend (with the layer's sliding window when it has one: Mistral, Gemma local layers; the
+attention-logit soft cap of Gemma 2, on torch_native) and the output projection.
 """
 
 from __future__ import annotations
@@ -84,12 +85,20 @@ class PagedSelfAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         self.qk_norm_full_width = config.qk_norm_full_width
+        self.clip_qkv = config.clip_qkv
         self.group = group
         if config.qk_norm:
             eps, off = config.rms_norm_eps, config.norm_weight_offset
             full = config.qk_norm_full_width  # this rank's heads' slice of the weight
             self.q_norm = RMSNorm(self.q_size if full else self.head_dim, eps, dtype, off)
             self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, eps, dtype, off)
+
+    def clip(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` clamped to [-clip_qkv, clip_qkv] (a new tensor), or ``t`` itself when the
+        config has no ``clip_qkv``."""
+        if self.clip_qkv is None:
+            return t
+        return t.clamp(-self.clip_qkv, self.clip_qkv)
 
     def forward(
         self,
@@ -112,16 +121,17 @@ class PagedSelfAttention(nn.Module):
                 q_out, k_out = rms_norm_across_ranks(
                     [self.q_norm, self.k_norm], [q_in, k_in], self.group
                 )
-            q = rotate(q_out.view(t, self.num_heads, d))
-            k = rotate(k_out.view(t, self.num_kv_heads, d))
+            q = rotate(self.clip(q_out).view(t, self.num_heads, d))
+            k = rotate(self.clip(k_out).view(t, self.num_kv_heads, d))
         elif self.q_norm is not None and self.k_norm is not None:
-            q = rotate(norm_heads(self.q_norm, qkv[:, :qs].view(t, self.num_heads, d)))
-            k = rotate(norm_heads(self.k_norm, qkv[:, qs : qs + kvs].view(t, -1, d)))
+            q_heads = norm_heads(self.q_norm, qkv[:, :qs].view(t, self.num_heads, d))
+            k_heads = norm_heads(self.k_norm, qkv[:, qs : qs + kvs].view(t, -1, d))
+            q, k = rotate(self.clip(q_heads)), rotate(self.clip(k_heads))
         else:
             # Q and K heads are rotated together: one rotary op per layer.
-            qk = rotate(qkv[:, : qs + kvs].view(t, -1, d))
+            qk = rotate(self.clip(qkv[:, : qs + kvs]).view(t, -1, d))
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qs + kvs :].reshape(t, self.num_kv_heads, d)
+        v = self.clip(qkv[:, qs + kvs :]).reshape(t, self.num_kv_heads, d)
         kc, vc = kv_cache
         if self.logits_soft_cap is not None:
             capped = soft_cap_backend(backend)

@@ -1,15 +1,17 @@
 """Sparse mixture-of-experts feed-forward block (Shazeer et al. 2017; Mixtral, Jiang et al. 2024,
-section 2.1; Qwen3-MoE; Qwen2-MoE's shared expert) with the batch's tokens grouped by expert.
+section 2.1; Qwen3-MoE; OLMoE; Granite MoE; Qwen2-MoE's and Granite MoE Shared's shared expert)
+with the batch's tokens grouped by expert.
 
 Each token's router picks its top-k of E SwiGLU experts and the block outputs the sum of their
 outputs weighted by the router's softmax probabilities (Mixtral renormalises the k weights to sum
-to 1; Qwen3-MoE does when ``norm_topk_prob``). A serving step holds many tokens (the decode
+to 1; Qwen3-MoE and OLMoE do when ``norm_topk_prob``; Granite MoE takes the softmax over the k
+largest logits only). A serving step holds many tokens (the decode
 tokens of every running sequence plus prefill chunks), so instead of running k experts per token
 the block sorts the step's (token, expert) assignments by expert id and runs every routed expert
 ONCE over all of its rows (one gate/up GEMM and one down GEMM per expert and step); experts that
 no token picked are not run. The weighted outputs are scatter-added back to their tokens.
-Qwen2-MoE adds a shared expert that every token runs, scaled by a sigmoid gate
-(:class:`SharedExpertMoeBlock`).
+Qwen2-MoE adds a shared expert that every token runs, scaled by a sigmoid gate, Granite MoE Shared
+one without a gate (:class:`SharedExpertMoeBlock`).
 
 Shapes: T = tokens in the step, d = hidden size, E = experts, k = experts per token,
 I = one expert's intermediate width.
@@ -75,6 +77,7 @@ class MoeRouter(nn.Module):
         normalize: bool,
         dtype: torch.dtype,
         names: MoeCheckpointNames,
+        softmax_after_top_k: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
@@ -82,6 +85,7 @@ class MoeRouter(nn.Module):
         )
         self.top_k = top_k
         self.normalize = normalize
+        self.softmax_after_top_k = softmax_after_top_k
         self.names = names
 
     def checkpoint_names(self, param_name: str) -> list[str]:
@@ -89,23 +93,30 @@ class MoeRouter(nn.Module):
         return [f"{_layer_prefix(param_name)}{self.names.block}.gate.weight"]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_top_k(F.linear(x, self.weight), self.top_k, self.normalize)
+        logits = F.linear(x, self.weight)
+        return route_top_k(logits, self.top_k, self.normalize, self.softmax_after_top_k)
 
 
 def route_top_k(
-    logits: torch.Tensor, top_k: int, normalize: bool
+    logits: torch.Tensor, top_k: int, normalize: bool, softmax_after_top_k: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, then the k largest.
+    """Softmax over the experts in float32, then the k largest; or with
+    ``softmax_after_top_k`` the k largest logits, then the softmax over those k (Granite MoE).
 
     Args:
         logits: [T, E] router logits (any float dtype).
         top_k: experts per token.
         normalize: rescale the k probabilities to sum to 1 (Mixtral; Qwen3-MoE's
-            ``norm_topk_prob``).
+            ``norm_topk_prob``); ignored with ``softmax_after_top_k`` (they already do).
+        softmax_after_top_k: Granite MoE's order. The same experts, and weights equal to the
+            renormalised ones up to rounding; without renormalisation the orders differ.
 
     Returns:
         (weights [T, k] float32, expert ids [T, k] int64), largest first.
     """
+    if softmax_after_top_k:
+        top_logits, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1), ids
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -226,6 +237,7 @@ class SparseMoeBlock(nn.Module):
             1 / tp slice of every expert's intermediate width (``inter`` is this rank's share;
             Megatron-LM column / row split per expert), routes all tokens itself (the router is
             replicated) and the partial outputs are summed by one all-reduce.
+        softmax_after_top_k: route as Granite MoE (:func:`route_top_k`).
 
     Forward: x [T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the
     result is added into it in place and ``residual`` is returned (as ``GatedMLP``).
@@ -245,6 +257,7 @@ class SparseMoeBlock(nn.Module):
         dtype: torch.dtype,
         names: MoeCheckpointNames,
         group: TensorParallelGroup | None = None,
+        softmax_after_top_k: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
@@ -252,7 +265,9 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(
                 f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]"
             )
-        self.gate = MoeRouter(hidden, num_experts, top_k, normalize, dtype, names)
+        self.gate = MoeRouter(
+            hidden, num_experts, top_k, normalize, dtype, names, softmax_after_top_k
+        )
         self.experts = StackedExperts(hidden, inter, num_experts, act, dtype, names)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -318,18 +333,19 @@ class SharedExpertGate(nn.Module):
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
-    """A :class:`SparseMoeBlock` plus a shared expert every token runs (Qwen2-MoE): a SwiGLU
-    ``GatedMLP`` of width ``shared_inter`` whose output, scaled per token by
-    :class:`SharedExpertGate`, is added to the routed experts' sum.
+    """A :class:`SparseMoeBlock` plus a shared expert every token runs (Qwen2-MoE, Granite MoE
+    Shared): a SwiGLU ``GatedMLP`` of width ``shared_inter`` whose output, scaled per token by
+    :class:`SharedExpertGate` when ``gated`` (Qwen2-MoE), is added to the routed experts' sum.
 
     Args:
         shared_inter: the shared expert's inner width (this rank's share under tensor
             parallelism: it is split like a dense MLP and its partial output joins the routed
             experts' partial sum before the block's one all-reduce).
+        gated: the shared expert has a sigmoid gate (Qwen2-MoE); False = added as it is.
         other arguments: as :class:`SparseMoeBlock`.
 
-    Checkpoint names (``model.layers.N.`` + ``names.block`` = "mlp"):
-    ``shared_expert.{gate,up,down}_proj.weight`` and ``shared_expert_gate.weight``.
+    Checkpoint names (``model.layers.N.mlp.``, whatever ``names.block`` is):
+    ``shared_expert.{gate,up,down}_proj.weight`` and, when gated, ``shared_expert_gate.weight``.
     """
 
     def __init__(
@@ -344,13 +360,21 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         dtype: torch.dtype,
         names: MoeCheckpointNames,
         group: TensorParallelGroup | None = None,
+        softmax_after_top_k: bool = False,
+        gated: bool = True,
     ) -> None:
-        super().__init__(hidden, inter, num_experts, top_k, normalize, act, dtype, names, group)
+        super().__init__(
+            hidden, inter, num_experts, top_k, normalize, act, dtype, names, group,
+            softmax_after_top_k,
+        )  # fmt: skip
         # No group: its down projection's partial sum is reduced with the routed experts'.
         self.shared_expert = GatedMLP(hidden, shared_inter, act, dtype)
-        self.shared_expert_gate = SharedExpertGate(hidden, dtype)
+        self.shared_expert_gate = SharedExpertGate(hidden, dtype) if gated else None
 
     def add_shared_expert(self, x: torch.Tensor, moe: torch.Tensor) -> torch.Tensor:
-        """``moe + sigmoid(gate(x)) * shared_expert(x)`` (in place into ``moe``)."""
+        """``moe + sigmoid(gate(x)) * shared_expert(x)``, or ``moe + shared_expert(x)`` without
+        a gate (in place into ``moe``)."""
         shared = self.shared_expert(x)
-        return moe.add_(shared.mul_(self.shared_expert_gate(x)))
+        if self.shared_expert_gate is not None:
+            shared.mul_(self.shared_expert_gate(x))
+        return moe.add_(shared)
