@@ -114,3 +114,20 @@ def test_gguf_tokenizer_unwritable_cache_still_loads(
     tok = load_tokenizer(path)
     assert tok.convert_tokens_to_ids("<|im_end|>") == 2
     assert not_a_dir.read_text() == "x"
+
+
+def test_gguf_tokenizer_of_an_architecture_transformers_has_no_gguf_support_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' AutoTokenizer refuses a GGUF file whose architecture it has no GGUF
+    support for (OLMo 2 here), although the tokenizer depends only on the file's tokenizer keys:
+    pagedllm builds it from those, equal to the same keys' tokenizer in a Llama file."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "olmo2").mkdir()
+    write_tiny_gguf(tmp_path / "llama" / "tiny.gguf", arch="llama")
+    write_tiny_gguf(tmp_path / "olmo2" / "tiny.gguf", arch="olmo2")
+    expected = _tokenizer_facts(load_tokenizer(tmp_path / "llama" / "tiny.gguf"))
+    assert _tokenizer_facts(load_tokenizer(tmp_path / "olmo2" / "tiny.gguf")) == expected
+    # ... and from the cache entry it wrote.
+    assert _tokenizer_facts(load_tokenizer(tmp_path / "olmo2" / "tiny.gguf")) == expected

@@ -113,7 +113,7 @@ def _load_gguf_tokenizer_cached(gguf_path: Path) -> PreTrainedTokenizerBase:
         except Exception as exc:  # noqa: BLE001 - a damaged entry: rebuild it from the GGUF
             logger.warning("ignoring the cached tokenizer in %s (%s)", cache, exc)
             shutil.rmtree(cache, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer = _tokenizer_from_gguf(gguf_path)
     try:
         if cache.exists():  # a leftover without tokenizer.json would block the rename below
             shutil.rmtree(cache)
@@ -128,6 +128,39 @@ def _load_gguf_tokenizer_cached(gguf_path: Path) -> PreTrainedTokenizerBase:
         # caching is an optimisation, so a failure only means the next load builds it again.
         logger.debug("tokenizer not cached in %s: %s", cache, exc)
     return tokenizer
+
+
+def _tokenizer_from_gguf(gguf_path: Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer for a GGUF file. ``AutoTokenizer`` reads the file's model config
+    first and refuses an architecture transformers has no GGUF support for (in 5.25: OLMo 2,
+    Granite, Gemma v1, Phi-2, GPT-NeoX, ...), although the tokenizer itself only depends on the
+    ``tokenizer.ggml.*`` keys; for those files the tokenizer is built from the keys alone
+    (transformers' own GGUF tokenizer conversion, wrapped as a fast tokenizer).
+
+    Raises:
+        ValueError: transformers' error, when it cannot build the tokenizer either way.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+        try:  # transformers >= 5: the conversion that AutoTokenizer itself calls
+            from transformers import PreTrainedTokenizerFast
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                convert_gguf_tokenizer,
+                get_gguf_tokenizer,
+            )
+        except ImportError:
+            raise exc from None
+        architecture, tokens, config = get_gguf_tokenizer(str(gguf_path))
+        backend, extra = convert_gguf_tokenizer(architecture, tokens)
+        logger.info(
+            "GGUF architecture %r: tokenizer built from the file's tokenizer keys", architecture
+        )
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **{**config, **extra})
 
 
 def _as_ids(value: Any) -> list[int]:
