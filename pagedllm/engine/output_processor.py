@@ -98,7 +98,8 @@ class OutputProcessor:
         ):
             new_text = seq.detokenizer.append(token)
             seq.output_text += new_text
-            if params.stop and not stopped_by_token and n_out >= params.min_tokens:
+            # Not on the min_tokens-th token either: its cut would leave fewer (case C06).
+            if params.stop and not stopped_by_token and n_out > params.min_tokens:
                 cut = find_stop_string(
                     seq.output_text,
                     len(new_text),

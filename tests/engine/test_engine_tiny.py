@@ -346,3 +346,39 @@ def test_prefill_first_keeps_greedy_outputs(tiny_llm_factory, reference):
     assert steps_alone >= 1  # some admission ran without the running decodes
     for p in PROMPTS:
         assert got[p] == reference[p][: lengths[p]]
+
+
+def test_min_tokens_holds_back_a_stop_string_completed_by_its_last_token(
+    tiny_llm_factory, reference, tiny_tokenizer
+):
+    """Case C06: with min_tokens = max_tokens = k, a stop string that the k-th token completes
+    does not cut the output (the cut would leave fewer than min_tokens tokens): k tokens,
+    finish_reason "length". One token later it stops as usual."""
+    llm = tiny_llm_factory()
+
+    def first_stop(prompt: str) -> tuple[int, str] | None:
+        """(k, the text's last character) where that character appears first with token k."""
+        ref = reference[prompt]
+        for k in range(4, len(ref)):
+            text = tiny_tokenizer.decode(ref[:k])
+            new_char = text[-1:].strip() and "\ufffd" not in text[-1] and text[-1] not in text[:-1]
+            if new_char and text[:-1] == tiny_tokenizer.decode(ref[: k - 1]):
+                return k, text[-1]
+        return None
+
+    prompt = next(p for p in PROMPTS if first_stop(p))
+    ref = reference[prompt]
+    k, stop = first_stop(prompt)
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=k, min_tokens=k, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == ref[:k] and out.finish_reason == "length"
+    assert out.text == tiny_tokenizer.decode(ref[:k])
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=k, min_tokens=k - 1, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[:k]
