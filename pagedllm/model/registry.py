@@ -92,6 +92,10 @@ MODELS: tuple[ModelEntry, ...] = (
                ("granitemoe",), "Granite 3.x MoE (Granite's scales, top-k then softmax routing)"),
     ModelEntry("GraniteMoeSharedForCausalLM", "granite_moe", "GraniteMoeForCausalLM",
                ("granitemoeshared",), (), "Granite MoE with an ungated shared expert"),
+    ModelEntry("GlmForCausalLM", "glm", "GlmForCausalLM", ("glm",), (),
+               "GLM-4 (glm-4-9b-chat-hf: partial interleaved RoPE, q/k/v biases)"),
+    ModelEntry("Glm4ForCausalLM", "glm", "Glm4ForCausalLM", ("glm4",), ("glm4",),
+               "GLM-4-0414, GLM-Z1 (GLM with post-attention / post-MLP norms)"),
 )  # fmt: skip
 
 
