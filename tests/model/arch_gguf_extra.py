@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.model.arch_glm import GLM_ARCHS, GLM_GGUF_WRITERS, glm_arch_kwargs
+
 # 4 layers so that transformers' default NoPE interval (4) leaves layer 3 without RoPE, as
 # llama.cpp's fixed interval does for the GGUF file; RoPE base 10000 (not SmolLM3's 2e6) so that
 # rotating the NoPE layer would change the tiny model's tokens.
@@ -19,7 +21,7 @@ SMOLLM3_LAYERS = 4
 # Cohere's logit multiplier: far from 1 so that ignoring it changes the logprobs (the greedy
 # tokens are argmax-invariant to it).
 COHERE_LOGIT_SCALE = 0.25
-EXTRA_ARCHS = ("smollm3", "cohere")
+EXTRA_ARCHS = ("smollm3", "cohere", *GLM_ARCHS)
 
 
 def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -29,6 +31,8 @@ def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
 
     from tests.model.arch_utils import TINY
 
+    if arch in GLM_ARCHS:  # tests/model/arch_glm.py
+        return glm_arch_kwargs(arch)
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if arch == "smollm3":  # tied head, as released
         return tf.SmolLM3ForCausalLM, {
@@ -94,4 +98,7 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     w.close()
 
 
-EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {"cohere": write_cohere_gguf}
+EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {
+    "cohere": write_cohere_gguf,
+    **GLM_GGUF_WRITERS,
+}

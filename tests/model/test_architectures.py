@@ -27,13 +27,17 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt"
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
 ARCHS += ["granitemoe", "granitemoe_shared"]
-ARCHS += ["smollm3", "cohere"]
+ARCHS += ["smollm3", "cohere", "glm", "glm4"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
-QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "stablelm", "granite_tied", *LAYER_NORM_ARCHS)
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "stablelm", "granite_tied", "glm", "glm4")
+QKV_BIAS_ARCHS += LAYER_NORM_ARCHS
 SHARED_EXPERT_ARCHS = ("qwen2_moe", "granitemoe_shared")
-GGUF_UNSUPPORTED = {"opt": "llama.cpp has no OPT architecture: Hugging Face folders only"}
+GGUF_UNSUPPORTED = {
+    "opt": "llama.cpp has no OPT architecture: Hugging Face folders only",
+    "glm": "llama.cpp converts glm-4-9b-chat as chatglm from the original checkpoint; not read",
+}
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
 
