@@ -53,9 +53,7 @@ def partial_interleaved_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """[head_dim] int64: the first ``rotary_dim`` dimensions of a head in the order that makes
     rotate-half RoPE equal the interleaved one (``cohere.interleaved_to_half_order``), followed
     by the unrotated ones in place."""
-    return torch.cat(
-        (interleaved_to_half_order(rotary_dim), torch.arange(rotary_dim, head_dim))
-    )
+    return torch.cat((interleaved_to_half_order(rotary_dim), torch.arange(rotary_dim, head_dim)))
 
 
 def permute_partial_head_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
@@ -212,4 +210,13 @@ class Glm4ForCausalLM(GlmForCausalLM):
         "post_ffw_norm": "post_mlp_layernorm",
     }
 
-    layer_class = Glm4DecoderLayer
+    def make_layer(
+        self,
+        config: ModelArchConfig,
+        index: int,
+        dtype: torch.dtype,
+        shard: TensorParallelShard | None,
+        group: TensorParallelGroup | None,
+    ) -> nn.Module:
+        """A :class:`Glm4DecoderLayer` (Llama's ``layer_class`` is typed as its own layer)."""
+        return Glm4DecoderLayer(config, index, dtype, shard, group)
