@@ -226,7 +226,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
         _check(results, refs[:2])
 
 
-@pytest.mark.parametrize("arch", [*MOE_ARCHS, "phi3", "gpt2", "gpt_neox", "phi"])
+@pytest.mark.parametrize("arch", [*MOE_ARCHS, "phi3", "gpt2", "gpt_neox", "phi", "glm4"])
 def test_quantized_gguf_loads_dequantized_weights(arch, tmp_path):
     """A Q8_0 GGUF (stacked experts and fused QKV / gate-up quantized too) loads every tensor
     within one Q8_0 step (1/127 of the largest weight; the fp16 block scale rounds too) of the
