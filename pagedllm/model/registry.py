@@ -92,6 +92,10 @@ MODELS: tuple[ModelEntry, ...] = (
                ("granitemoe",), "Granite 3.x MoE (Granite's scales, top-k then softmax routing)"),
     ModelEntry("GraniteMoeSharedForCausalLM", "granite_moe", "GraniteMoeForCausalLM",
                ("granitemoeshared",), (), "Granite MoE with an ungated shared expert"),
+    ModelEntry("Ernie4_5ForCausalLM", "ernie4_5", "Ernie4_5ForCausalLM", ("ernie4_5",),
+               ("ernie4_5",), "ERNIE 4.5 dense (0.3B; interleaved RoPE)"),
+    ModelEntry("Exaone4ForCausalLM", "exaone4", "Exaone4ForCausalLM", ("exaone4",), ("exaone4",),
+               "EXAONE 4.0 (post-norm layers, q/k norm, local RoPE / global NoPE layers)"),
 )  # fmt: skip
 
 
