@@ -24,11 +24,12 @@ LayerNorms, whose weights differ per head). llama.cpp's converter keeps the chec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagedllm.model.layernorm_decoder import LayerNormDecoderForCausalLM
 from pagedllm.model.stablelm import StableLmDecoderLayer
@@ -48,6 +49,22 @@ def permute_head_rows(rows: torch.Tensor, head_dim: int) -> None:
     heads = rows.shape[0] // head_dim
     view = rows.view(heads, head_dim, *rows.shape[1:])
     view.copy_(view[:, order])
+
+
+def permute_interleaved_qk(layers: Iterable[nn.Module]) -> None:
+    """Reorder, in place, the q and k rows (weights and biases of each ``self_attn.qkv_proj``;
+    this rank's heads under tensor parallelism) of every head of ``layers`` by
+    :func:`interleaved_to_half_order`, so that rotate-half RoPE computes a model's interleaved
+    rotation. Call after the weights are loaded, before packing or quantization; layers
+    without ``self_attn`` (another pipeline stage's) are skipped."""
+    with torch.no_grad():
+        for layer in layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:
+                continue
+            qk_rows = attn.q_size + attn.kv_size
+            for param in attn.qkv_proj.parameters(recurse=False):
+                permute_head_rows(param[:qk_rows], attn.head_dim)
 
 
 def _gguf_float(value: Any) -> float | None:
@@ -103,14 +120,7 @@ class CohereForCausalLM(LayerNormDecoderForCausalLM):
         rank's heads under tensor parallelism) of every head reordered for rotate-half RoPE
         (module docstring), before any packing or quantization reads them."""
         super().load_weights(state_dict)
-        with torch.no_grad():
-            for layer in self.layers:
-                attn = getattr(layer, "self_attn", None)
-                if attn is None:
-                    continue  # a layer another pipeline stage holds
-                qk_rows = attn.q_size + attn.kv_size
-                for param in attn.qkv_proj.parameters(recurse=False):
-                    permute_head_rows(param[:qk_rows], attn.head_dim)
+        permute_interleaved_qk(self.layers)
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

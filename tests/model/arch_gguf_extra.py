@@ -21,7 +21,10 @@ SMOLLM3_LAYERS = 4
 # Cohere's logit multiplier: far from 1 so that ignoring it changes the logprobs (the greedy
 # tokens are argmax-invariant to it).
 COHERE_LOGIT_SCALE = 0.25
-EXTRA_ARCHS = ("smollm3", "cohere", *GLM_ARCHS)
+# EXAONE 4.0: one sliding layer (RoPE) and one full-attention layer (NoPE), window 8 (shorter than
+# the test prompts).
+EXAONE4_LAYER_TYPES = ["sliding_attention", "full_attention"]
+EXTRA_ARCHS = ("smollm3", "cohere", "ernie4_5", "exaone4", *GLM_ARCHS)
 
 
 def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -29,7 +32,7 @@ def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
     of ``arch_utils._arch_kwargs``."""
     import transformers as tf
 
-    from tests.model.arch_utils import TINY
+    from tests.model.arch_utils import TINY, WINDOW
 
     if arch in GLM_ARCHS:  # tests/model/arch_glm.py
         return glm_arch_kwargs(arch)
@@ -48,7 +51,100 @@ def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "tie_word_embeddings": True,
             "rope_parameters": rope,
         }
+    if arch == "ernie4_5":  # tied head and no biases, as released; RoPE base 10000 (not 5e5)
+        return tf.Ernie4_5ForCausalLM, {
+            "config": tf.Ernie4_5Config,
+            "tie_word_embeddings": True,
+            "use_bias": False,
+            "rope_parameters": rope,
+        }
+    if arch == "exaone4":
+        return tf.Exaone4ForCausalLM, {
+            "config": tf.Exaone4Config,
+            "sliding_window": WINDOW,
+            "layer_types": EXAONE4_LAYER_TYPES,
+            "rope_parameters": rope,
+        }
     raise ValueError(arch)
+
+
+def write_plain_gguf(
+    hf_model: Any,
+    path: Path,
+    qtype: Any,
+    arch: Any,
+    names: dict[str, str] | None = None,
+    keys: Callable[[Any, Any], None] | None = None,
+) -> None:
+    """A tiny RMSNorm model as a llama.cpp converter that neither permutes q/k rows nor fuses
+    tensors writes it: ``arch`` (a ``gguf.MODEL_ARCH``), the common keys, ``keys(writer,
+    config)`` for the architecture's own, ``names`` (llama.cpp name -> Hugging Face suffix) on
+    top of ``GGUF_LAYER_NAMES``, no ``output`` tensor when the head is tied."""
+    import gguf
+
+    from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
+    from tests.model.arch_utils import _add_tensor
+
+    c = hf_model.config
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    if keys is not None:
+        keys(w, c)
+    to_gguf = {hf: g for g, hf in {**GGUF_LAYER_NAMES, **(names or {})}.items()}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name in glob:
+            g = glob[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            stem, kind = rest.rsplit(".", 1)
+            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        _add_tensor(w, g, t.float().clone(), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_ernie4_5_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
+    """ERNIE 4.5 as llama.cpp's ``ernie4_5`` converter writes it: Llama's names, q/k rows as in
+    the checkpoint (its graph rotates interleaved pairs)."""
+    import gguf
+
+    write_plain_gguf(hf_model, path, qtype, gguf.MODEL_ARCH.ERNIE4_5)
+
+
+def write_exaone4_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
+    """EXAONE 4.0 as llama.cpp's ``exaone4`` converter writes it: post-attention / post-FFN norm
+    names, the window and one sliding flag per layer, q/k rows as in the checkpoint."""
+    import gguf
+
+    def keys(w: Any, c: Any) -> None:
+        if c.sliding_window is not None:
+            w.add_sliding_window(c.sliding_window)
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+
+    names = {
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+    write_plain_gguf(hf_model, path, qtype, gguf.MODEL_ARCH.EXAONE4, names, keys)
 
 
 def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
@@ -100,5 +196,7 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
 
 EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {
     "cohere": write_cohere_gguf,
+    "ernie4_5": write_ernie4_5_gguf,
+    "exaone4": write_exaone4_gguf,
     **GLM_GGUF_WRITERS,
 }

@@ -27,7 +27,8 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt"
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
 ARCHS += ["granitemoe", "granitemoe_shared"]
-ARCHS += ["smollm3", "cohere", "glm", "glm4"]
+ARCHS += ["smollm3", "cohere", "ernie4_5", "exaone4"]
+ARCHS += ["glm", "glm4"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
@@ -153,8 +154,9 @@ def test_cpu_fast_path_is_used(arch_case):
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
             norm_cls = LayerNorm if arch in ("stablelm", "cohere") else RMSNorm
-            # OLMo 2 has post-norms only.
-            norm = layer.post_attention_layernorm if arch == "olmo2" else layer.input_layernorm
+            # OLMo 2 and EXAONE 4.0 have post-norms only.
+            post_only = arch in ("olmo2", "exaone4")
+            norm = layer.post_attention_layernorm if post_only else layer.input_layernorm
             assert isinstance(norm, norm_cls)
         assert isinstance(mlp.down_proj, PackedLinear)
     assert model.lm_head_packed is not None
