@@ -494,12 +494,18 @@ class Scheduler:
     ) -> list[tuple[Sequence, int]]:
         """Tokens each sequence computes this step, within the budget ([] = none fit).
         ``together``: every sequence with work gets some or none does (a beam search's beams
-        are ranked together every step)."""
+        are ranked together every step); under chunked prefill they share the budget evenly."""
         plan = []
+        # Together, the budget is shared evenly (the rest to the later ones): the first
+        # sequences taking it all left the last none, so the group never ran.
+        with_work = sum(1 for s in seqs if s.num_uncomputed_tokens) if together else 0
         for seq in seqs:
             n = seq.num_uncomputed_tokens
             if self.config.enable_chunked_prefill:
-                n = min(n, budget)
+                share = budget
+                if together and n:
+                    share, with_work = budget // with_work, with_work - 1
+                n = min(n, share)
                 if together and n == 0 < seq.num_uncomputed_tokens:
                     return []
             if n > budget:

@@ -196,10 +196,13 @@ class EngineCore:
                 group.metrics.first_scheduled_time = now
             n_prompt_part = max(0, min(seq.num_prompt_tokens - work.start_pos, len(work.token_ids)))
             self.stats.prompt_tokens += n_prompt_part
-        for seq_id, logits in result.prompt_logits.items():
-            self.output_processor.add_prompt_logprobs(
-                *self._seqs[seq_id], logits, self.sampler.raw_logsumexp(logits)
-            )
+        if result.prompt_logits:
+            starts = {work.seq_id: work.start_pos for _, work in sched.scheduled}
+            for seq_id, logits in result.prompt_logits.items():
+                self.output_processor.add_prompt_logprobs(
+                    *self._seqs[seq_id], logits, self.sampler.raw_logsumexp(logits),
+                    starts[seq_id],
+                )
         if result.hidden_states:
             self._process_pooling(sched, result.hidden_states, now)
         sample_ids, logits = result.sample_seq_ids, result.logits

@@ -139,6 +139,7 @@ class OutputProcessor:
         group: SequenceGroup,
         logits: torch.Tensor,
         lse: torch.Tensor | None = None,
+        start: int = 0,
     ) -> None:
         """Append the logprobs of a prompt chunk to ``group.prompt_logprobs``.
 
@@ -148,10 +149,17 @@ class OutputProcessor:
             logits: ``[chunk tokens, vocab]`` float logits; row ``j`` of a chunk starting at
                 prompt position ``start`` predicts prompt token ``start + j + 1``.
             lse: [chunk tokens] logsumexp of ``logits`` (``Sampler.raw_logsumexp``) or None.
+            start: the chunk's first position. Rows predicting positions already kept (a
+                prompt recomputed after preemption) are skipped.
         """
         plp = group.prompt_logprobs
         if plp is None or len(plp) >= seq.num_prompt_tokens:
             return  # not asked, or already complete (a recompute after preemption)
+        skip = len(plp) - 1 - start  # rows whose positions were kept before a recompute
+        # Chunks come in order and a prompt_logprobs request takes no prefix-cache hits.
+        assert skip >= 0, f"prompt chunk at {start} follows a gap in prompt_logprobs"
+        logits = logits[skip:]
+        lse = None if lse is None else lse[skip:]
         start = len(plp) - 1
         targets = seq.token_ids[start + 1 : start + 1 + logits.shape[0]]
         n = min(len(targets), seq.num_prompt_tokens - len(plp))

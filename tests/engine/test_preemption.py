@@ -222,3 +222,41 @@ def test_chunked_readmission_of_a_beam_search_samples_all_beams_together(tiny_ll
     got = _bounded_outputs(small, requests)
     assert small.engine.stats.num_preemptions > 0
     assert got == _bounded_outputs(tiny_llm_factory(num_gpu_blocks_override=64, **kw), requests)
+
+
+def test_chunked_readmission_of_beams_shares_the_token_budget(tiny_llm_factory):
+    """Budget 7 and a readmitted beam search whose beams have 2, 5 and 5 tokens to recompute:
+    the first beams took the whole budget, the last got none, so the group was never scheduled
+    again (a helper's fuzz); the budget is now shared among the beams, and the outputs equal a
+    run without preemption."""
+    beams = [SamplingParams(n=1, best_of=b, use_beam_search=True, temperature=0, max_tokens=m,
+                            ignore_eos=True) for b, m in ((2, 7), (3, 6))]
+    requests = [([39, 11, 28, 42, 8, 37, 18, 7], beams[0]), ([9, 20, 10, 40, 32], beams[1]),
+                ([57, 41, 12, 19], _greedy(20))]
+    kw = dict(block_size=4, max_model_len=64, preemption_mode="recompute",
+              enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=7)
+    small = tiny_llm_factory(num_gpu_blocks_override=9, **kw)
+    got = _bounded_outputs(small, requests)
+    assert small.engine.stats.num_preemptions > 0
+    assert got == _bounded_outputs(tiny_llm_factory(num_gpu_blocks_override=64, **kw), requests)
+
+
+def test_prompt_logprobs_recomputed_mid_prefill_are_not_appended_twice(tiny_llm_factory):
+    """A prompt_logprobs request preempted by recompute between two prefill chunks: the
+    recomputed chunk's rows for positions already kept were appended after them (positions
+    17-23 repeated what 1-7 predicted); they equal a run without preemption."""
+    prompt = [41, 19, 5, 53, 38, 56, 35, 55, 56, 22, 19, 58, 29, 37, 52, 50, 45, 52, 15, 20, 22,
+              44, 7, 51]
+    params = [SamplingParams(n=3, temperature=1.0, seed=1000, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)]
+    prompts = [[1, 2, 3, 4, 5, 6, 7], prompt]
+    kw = dict(block_size=4, max_model_len=64, enable_chunked_prefill=True)
+    small = tiny_llm_factory(num_gpu_blocks_override=8, preemption_mode="recompute",
+                             max_num_batched_tokens=13, **kw)
+    roomy = tiny_llm_factory(num_gpu_blocks_override=256, **kw)
+    got, want = (llm.generate(prompts, params, use_tqdm=False)[1] for llm in (small, roomy))
+    assert small.engine.scheduler.num_preemptions > 0
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+        assert g.keys() == w.keys()
+        assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
