@@ -10,11 +10,8 @@ What differs from Llama:
   the standard deviation, then multiplies by the weight (``layer_norm_bias`` False);
 * the logits are multiplied by ``logit_scale`` (0.0625 in Command-R), after the tied LM head;
 * RoPE rotates interleaved pairs of each head's dimensions, (2i, 2i + 1) at frequency i (GPT-J
-  style), where Llama's rotate-half layout pairs (i, i + D/2). Instead of a second rotary layout,
-  the q and k projection rows of every head are permuted once at load time, the even dimensions
-  first, then the odd ones: rotate-half on the permuted rows is the interleaved rotation of the
-  original ones, and since q and k get the same permutation their dot products, hence the
-  attention, are unchanged (v and o are untouched). The rotary stays the C++ kernel.
+  style): the q and k projection rows are permuted once at load time so that the rotate-half
+  kernels compute it (``layers.interleaved_rope``).
 
 The SwiGLU MLP and the projections have no biases (``attention_bias`` adds them to q, k, v and
 o). Refused with an error naming the field: ``use_qk_norm`` (Command R+ 08-2024's per-head
@@ -24,47 +21,15 @@ LayerNorms, whose weights differ per head). llama.cpp's converter keeps the chec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from torch import nn
 
 from pagedllm.model.layernorm_decoder import LayerNormDecoderForCausalLM
+from pagedllm.model.layers.interleaved_rope import permute_interleaved_qk
 from pagedllm.model.stablelm import StableLmDecoderLayer
-
-
-def interleaved_to_half_order(head_dim: int) -> torch.Tensor:
-    """[head_dim] int64: the dimensions of a head in the order that makes rotate-half RoPE equal
-    the interleaved one, the even dimensions then the odd ones (position i of the first half
-    holds dimension 2i, position i + head_dim / 2 holds 2i + 1)."""
-    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
-
-
-def permute_head_rows(rows: torch.Tensor, head_dim: int) -> None:
-    """Reorder, in place, the rows of each head of ``rows`` ([heads * head_dim, ...]: a q or k
-    projection's weight or bias) by :func:`interleaved_to_half_order`."""
-    order = interleaved_to_half_order(head_dim).to(rows.device)
-    heads = rows.shape[0] // head_dim
-    view = rows.view(heads, head_dim, *rows.shape[1:])
-    view.copy_(view[:, order])
-
-
-def permute_interleaved_qk(layers: Iterable[nn.Module]) -> None:
-    """Reorder, in place, the q and k rows (weights and biases of each ``self_attn.qkv_proj``;
-    this rank's heads under tensor parallelism) of every head of ``layers`` by
-    :func:`interleaved_to_half_order`, so that rotate-half RoPE computes a model's interleaved
-    rotation. Call after the weights are loaded, before packing or quantization; layers
-    without ``self_attn`` (another pipeline stage's) are skipped."""
-    with torch.no_grad():
-        for layer in layers:
-            attn = getattr(layer, "self_attn", None)
-            if attn is None:
-                continue
-            qk_rows = attn.q_size + attn.kv_size
-            for param in attn.qkv_proj.parameters(recurse=False):
-                permute_head_rows(param[:qk_rows], attn.head_dim)
 
 
 def _gguf_float(value: Any) -> float | None:

@@ -4,7 +4,7 @@
 A Llama (grouped-query attention, SwiGLU MLP, pre-norm RMSNorm layers) with three differences:
 
 * RoPE rotates interleaved pairs of each head's dimensions, (2i, 2i + 1) at frequency i, where
-  Llama's rotate-half layout pairs (i, i + D/2). As for Cohere (``cohere.permute_interleaved_qk``)
+  Llama's rotate-half layout pairs (i, i + D/2). As for Cohere (``layers.interleaved_rope``)
   the q and k projection rows of every head are reordered once at load time, even dimensions
   first: rotate-half RoPE on the reordered rows is the interleaved rotation of the original ones,
   and q and k get the same order, so the attention scores are unchanged. The layers therefore
@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedllm.model.cohere import permute_interleaved_qk
+from pagedllm.model.layers.interleaved_rope import permute_interleaved_qk
 from pagedllm.model.llama import LlamaForCausalLM
 
 # transformers' Ernie4_5Config.default_theta: the RoPE base of a config.json that names none.

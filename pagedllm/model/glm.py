@@ -8,7 +8,7 @@ What GLM changes from Llama:
 * RoPE turns only part of each head (``partial_rotary_factor``, 0.5 when the config is silent,
   as transformers), and inside that part it rotates interleaved pairs (2i, 2i + 1) at frequency
   i (GPT-J style) where Llama's rotate-half pairs (i, i + R/2). As for Cohere
-  (``cohere.interleaved_to_half_order``) the first R rows of every q and k head are permuted once
+  (``layers.interleaved_rope``) the first R rows of every q and k head are permuted once
   at load time, even dimensions then odd ones, the other D - R rows left in place: rotate-half
   on the permuted rows is the interleaved rotation of the original ones, and q and k share the
   permutation, so attention is unchanged. The rotary stays the C++ kernel and the layer stays
@@ -18,7 +18,8 @@ What GLM changes from Llama:
   (``weight_map.split_fused_tensor``, as Phi-3).
 
 GLM-4-0414 adds "sandwich" norms: ``post_self_attn_layernorm`` and ``post_mlp_layernorm`` are
-RMSNorms of the attention and MLP outputs before their residual adds (:class:`Glm4DecoderLayer`).
+RMSNorms of the attention and MLP outputs before their residual adds: Gemma 3's sandwich layer
+(``gemma3.Gemma3DecoderLayer``), its checkpoint names mapped at load.
 
 Refused with an error naming the field: a ``partial_rotary_factor`` whose rotary width is odd
 (the pairs would not close). llama.cpp's ``glm4`` converter keeps the q/k rows as in the checkpoint
@@ -35,33 +36,15 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
-from pagedllm.model.cohere import interleaved_to_half_order
 from pagedllm.model.config import ModelArchConfig, hf_rope_parameters
-from pagedllm.model.decoder import StepContext
-from pagedllm.model.layers.attention import PagedSelfAttention
-from pagedllm.model.layers.mlp import GatedMLP
-from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.gemma3 import Gemma3DecoderLayer
+from pagedllm.model.layers.interleaved_rope import permute_interleaved_qk
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.model.weight_map import split_fused_tensor
 
 # transformers' GlmConfig / Glm4Config default when the config names no factor.
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
-
-
-def partial_interleaved_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """[head_dim] int64: the first ``rotary_dim`` dimensions of a head in the order that makes
-    rotate-half RoPE equal the interleaved one (``cohere.interleaved_to_half_order``), followed
-    by the unrotated ones in place."""
-    return torch.cat((interleaved_to_half_order(rotary_dim), torch.arange(rotary_dim, head_dim)))
-
-
-def permute_partial_head_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
-    """Reorder, in place, the rows of each head of ``rows`` ([heads * head_dim, ...]: a q or k
-    projection's weight or bias) by :func:`partial_interleaved_order`."""
-    order = partial_interleaved_order(head_dim, rotary_dim).to(rows.device)
-    view = rows.view(rows.shape[0] // head_dim, head_dim, *rows.shape[1:])
-    view.copy_(view[:, order])
 
 
 def _rotary_fields(partial: float, head_dim: int) -> dict[str, Any]:
@@ -144,71 +127,38 @@ class GlmForCausalLM(LlamaForCausalLM):
         rotate-half RoPE (module docstring), before any packing or quantization reads them."""
         super().load_weights(state_dict)
         rot = int(self.config.head_dim * self.config.partial_rotary_factor)
-        with torch.no_grad():
-            for layer in self.layers:
-                attn = getattr(layer, "self_attn", None)
-                if attn is None:
-                    continue  # a layer another pipeline stage holds
-                qk_rows = attn.q_size + attn.kv_size
-                for param in attn.qkv_proj.parameters(recurse=False):
-                    permute_partial_head_rows(param[:qk_rows], attn.head_dim, rot)
-
-
-class Glm4DecoderLayer(nn.Module):
-    """x + post_self_attn_norm(attn(input_norm(x))), then
-    + post_mlp_norm(mlp(post_attention_norm(...))) (GLM-4-0414's sandwich norms).
-
-    Args:
-        config: architecture.
-        index: layer index.
-        dtype: parameter dtype.
-        shard / group: tensor-parallel slice and group, or None.
-
-    Forward: h [T, d], the layer's (key_cache, value_cache), the step context -> [T, d] (``h``
-    updated in place: it is this step's own activation).
-    """
-
-    def __init__(
-        self,
-        config: ModelArchConfig,
-        index: int,
-        dtype: torch.dtype,
-        shard: TensorParallelShard | None = None,
-        group: TensorParallelGroup | None = None,
-    ) -> None:
-        super().__init__()
-        d, eps = config.hidden_size, config.rms_norm_eps
-        inter = shard.intermediate_size if shard else config.intermediate_size
-        self.input_layernorm = RMSNorm(d, eps, dtype)
-        self.self_attn = PagedSelfAttention(config, index, dtype, shard, group)
-        self.post_self_attn_layernorm = RMSNorm(d, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(d, eps, dtype)
-        self.mlp = GatedMLP(d, inter, config.hidden_act, dtype, group)
-        self.post_mlp_layernorm = RMSNorm(d, eps, dtype)
-
-    def forward(
-        self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext
-    ) -> torch.Tensor:
-        rotate = ctx.rotations["global"]
-        a = self.self_attn(rotate, self.input_layernorm(x), kv_cache, ctx.meta, ctx.backend)
-        a = self.post_self_attn_layernorm(a)
-        pre = self.post_attention_layernorm
-        if pre.cpu_ops is not None and a.dim() == 2:
-            # One pass: x += a, a = post_attention_norm(x).
-            pre.cpu_ops.fused_add_rms_norm(a, x, pre.weight, pre.eps)
-            return x.add_(self.post_mlp_layernorm(self.mlp(a)))
-        h = x + a
-        return h + self.post_mlp_layernorm(self.mlp(pre(h)))
+        permute_interleaved_qk(self.layers, rot)
 
 
 class Glm4ForCausalLM(GlmForCausalLM):
-    """GLM-4-0414 / GLM-Z1: GLM with post-attention and post-MLP RMSNorms on the branches."""
+    """GLM-4-0414 / GLM-Z1: GLM with post-attention and post-MLP RMSNorms on the branches, the
+    sandwich layer of Gemma 3 (``gemma3.Gemma3DecoderLayer``: no norm offset, no window here)
+    under GLM-4's checkpoint names."""
 
+    # llama.cpp's names, as Gemma 3's, plus the fused gate/up.
     gguf_tensor_names: ClassVar[dict[str, str]] = {
         "ffn_up": "mlp.gate_up_proj",
-        "post_attention_norm": "post_self_attn_layernorm",
-        "post_ffw_norm": "post_mlp_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
     }
+    # GLM-4's norm names -> the sandwich layer's (its post_attention_layernorm is the pre-MLP one).
+    _NORM_NAMES: ClassVar[dict[str, str]] = {
+        "post_self_attn_layernorm": "post_attention_layernorm",
+        "post_attention_layernorm": "pre_feedforward_layernorm",
+        "post_mlp_layernorm": "post_feedforward_layernorm",
+    }
+
+    @classmethod
+    def hf_weight_name(cls, name: str) -> str | None:
+        """A layer's ``post_self_attn_layernorm`` / ``post_attention_layernorm`` /
+        ``post_mlp_layernorm`` -> the sandwich layer's ``post_attention_layernorm`` /
+        ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``; the rest unchanged."""
+        stem, dot, kind = name.rpartition(".")
+        head, _, norm = stem.rpartition(".")
+        if head.startswith("model.layers.") and norm in cls._NORM_NAMES:
+            return f"{head}.{cls._NORM_NAMES[norm]}{dot}{kind}"
+        return name
 
     def make_layer(
         self,
@@ -218,5 +168,5 @@ class Glm4ForCausalLM(GlmForCausalLM):
         shard: TensorParallelShard | None,
         group: TensorParallelGroup | None,
     ) -> nn.Module:
-        """A :class:`Glm4DecoderLayer` (Llama's ``layer_class`` is typed as its own layer)."""
-        return Glm4DecoderLayer(config, index, dtype, shard, group)
+        """A ``Gemma3DecoderLayer`` (Llama's ``layer_class`` is typed as its own layer)."""
+        return Gemma3DecoderLayer(config, index, dtype, shard, group)

@@ -17,7 +17,7 @@ def test_permuted_rows_rotate_half_equals_interleaved() -> None:
     q . k is unchanged."""
     from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb
 
-    from pagedllm.model.cohere import interleaved_to_half_order, permute_head_rows
+    from pagedllm.model.layers.interleaved_rope import interleaved_to_half_order, permute_head_rows
     from pagedllm.model.layers.rotary import RotaryEmbedding
 
     g = torch.Generator().manual_seed(0)

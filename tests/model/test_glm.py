@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.model.glm import GlmForCausalLM, partial_interleaved_order
+from pagedllm.model.glm import GlmForCausalLM
+from pagedllm.model.layers.interleaved_rope import interleaved_to_half_order
 from pagedllm.model.layers.rotary import apply_rotary, rope_inv_freq
 
 
@@ -21,7 +22,7 @@ def test_permuted_rows_turn_as_transformers_partial_interleaved_rope():
     freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(rot, 10000.0))
     emb = torch.cat((freqs, freqs), -1)
     ref, _ = apply_rotary_pos_emb(x, x, emb.cos()[None], emb.sin()[None])
-    order = partial_interleaved_order(head_dim, rot)
+    order = interleaved_to_half_order(head_dim, rot)
     xp = x[0, 0][:, order].clone()
     xp[:, :rot] = apply_rotary(xp[:, :rot], freqs.cos(), freqs.sin())
     torch.testing.assert_close(xp, ref[0, 0][:, order], atol=1e-6, rtol=0)
