@@ -402,16 +402,17 @@ class Scheduler:
         lead_plan = self._plan([lead], budget)
         # Beams sample together: unless every sequence finishes its recompute in this step,
         # none reaches its sampling token yet.
-        waiting_to_share = {s.seq_id for s in followers}
-        rest_tokens = sum(
-            s.num_tokens - shared * bm.block_size
-            if s.seq_id in waiting_to_share
-            else s.num_uncomputed_tokens
-            for s in others
-        )
-        lead_tokens = lead_plan[0][1] if lead_plan else 0
-        whole = lead_tokens == lead.num_uncomputed_tokens and lead_tokens + rest_tokens <= budget
-        hold = group.beam is not None and bool(others) and not whole
+        hold = False
+        if group.beam is not None and others:
+            waiting_to_share = {s.seq_id for s in followers}
+            rest_tokens = sum(
+                s.num_tokens - shared * bm.block_size
+                if s.seq_id in waiting_to_share
+                else s.num_uncomputed_tokens
+                for s in others
+            )
+            lead_tokens = lead_plan[0][1] if lead_plan else 0
+            hold = lead_tokens < lead.num_uncomputed_tokens or lead_tokens + rest_tokens > budget
         used = self._commit(group, self._hold_samples(lead_plan) if hold else lead_plan, out)
         for seq in followers:
             if lead.num_computed_tokens + used >= shared * bm.block_size:
@@ -432,12 +433,13 @@ class Scheduler:
         sequences). A beam search's beams are ranked together, so they sample in the same step
         or none does: while some beam still recomputes (or waits to share), the others stop
         one token short of their sampling token."""
-        together = group.beam is not None
-        plan = self._plan(self._schedulable(group), budget, together=together)
+        if group.beam is None:
+            return self._plan(self._schedulable(group), budget)
+        plan = self._plan(self._schedulable(group), budget, together=True)
         every_beam_samples = len(plan) == len(group.unfinished_seqs()) and all(
             n >= seq.num_uncomputed_tokens for seq, n in plan
         )
-        return self._hold_samples(plan) if together and not every_beam_samples else plan
+        return plan if every_beam_samples else self._hold_samples(plan)
 
     @staticmethod
     def _hold_samples(plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

@@ -138,8 +138,8 @@ class OutputProcessor:
         seq: Sequence,
         group: SequenceGroup,
         logits: torch.Tensor,
-        lse: torch.Tensor | None = None,
-        start: int = 0,
+        lse: torch.Tensor | None,
+        start: int,
     ) -> None:
         """Append the logprobs of a prompt chunk to ``group.prompt_logprobs``.
 
