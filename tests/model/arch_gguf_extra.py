@@ -83,7 +83,7 @@ def write_plain_gguf(
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
-    from tests.model.arch_utils import _add_tensor
+    from tests.model.arch_utils import _add_tensor, close_gguf, gguf_tensor_name
 
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -101,25 +101,11 @@ def write_plain_gguf(
     if keys is not None:
         keys(w, c)
     to_gguf = {hf: g for g, hf in {**GGUF_LAYER_NAMES, **(names or {})}.items()}
-    glob = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if name in glob:
-            g = glob[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            stem, kind = rest.rsplit(".", 1)
-            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
-        _add_tensor(w, g, t.float().clone(), qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        _add_tensor(w, gguf_tensor_name(name, to_gguf), t.float().clone(), qtype)
+    close_gguf(w)
 
 
 def write_ernie4_5_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
@@ -155,7 +141,7 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
-    from tests.model.arch_utils import _add_tensor
+    from tests.model.arch_utils import _add_tensor, close_gguf, gguf_tensor_name
 
     c = hf_model.config
     arch_name = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.COMMAND_R]
@@ -174,24 +160,11 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     w.add_logit_scale(c.logit_scale)
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
-    glob = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-    }
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
-        if name in glob:
-            g = glob[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            stem, kind = rest.rsplit(".", 1)
-            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
-        _add_tensor(w, g, t.float().clone(), qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        _add_tensor(w, gguf_tensor_name(name, to_gguf), t.float().clone(), qtype)
+    close_gguf(w)
 
 
 EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {

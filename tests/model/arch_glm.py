@@ -50,7 +50,7 @@ def write_glm4_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     ``ffn_up``, the two post-norms as ``post_attention_norm`` / ``post_ffw_norm``."""
     import gguf
 
-    from tests.model.arch_utils import _add_tensor
+    from tests.model.arch_utils import _add_tensor, close_gguf, gguf_tensor_name
 
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GLM4])
@@ -66,23 +66,9 @@ def write_glm4_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    glob = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
     for name, t in hf_model.state_dict().items():
-        if name in glob:
-            g = glob[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            stem, kind = rest.rsplit(".", 1)
-            g = f"blk.{layer}.{GLM4_GGUF_NAMES[stem]}.{kind}"
-        _add_tensor(w, g, t.float().clone(), qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        _add_tensor(w, gguf_tensor_name(name, GLM4_GGUF_NAMES), t.float().clone(), qtype)
+    close_gguf(w)
 
 
 GLM_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {"glm4": write_glm4_gguf}

@@ -400,20 +400,9 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     for name, t in llama_cpp_moe_tensors(hf_model.state_dict()):
         t = t.float().clone()
-        if name.startswith("blk."):
-            g = name
-        elif name == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif name == "model.norm.weight":
-            g = "output_norm.weight"
-        elif name == "lm_head.weight":
-            if c.tie_word_embeddings:
-                continue
-            g = "output.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            stem, kind = rest.rsplit(".", 1)
-            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        g = name if name.startswith("blk.") else gguf_tensor_name(name, to_gguf)
         permuted = gguf_arch in ("llama", "granite", "granitemoe", "smollm3")  # LlamaModel converters
         if permuted and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else kv_heads
@@ -424,10 +413,7 @@ def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any =
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp: a [hidden] vector
             t = t.reshape(-1)
         _add_tensor(w, g, t, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def _add_phi3_rope(w: Any, c: Any) -> None:
@@ -503,10 +489,7 @@ def _write_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: Any) -> 
         _add_tensor(w, g, t, qtype)
         if not neox and g == "token_embd.weight":
             _add_tensor(w, "output.weight", t, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 # The rotary LayerNorm families llama.cpp stores with separate q / k / v: test arch -> GGUF arch.
@@ -544,25 +527,36 @@ def _write_rotary_layer_norm_gguf(hf_model: Any, path: Path, arch: str, qtype: A
         partial = c.rope_parameters["partial_rotary_factor"]
         w.add_rope_dimension_count(int(partial * hidden) // heads)
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
-    glob = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "model.norm.bias": "output_norm.bias",
-        "lm_head.weight": "output.weight",
-        "lm_head.bias": "output.bias",
-    }
     for name, t in hf_model.state_dict().items():
         pname = cls.hf_weight_name(name)
         assert pname is not None
         if pname == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if pname in glob:
-            g = glob[pname]
-        else:
-            _, _, layer, rest = pname.split(".", 3)
-            stem, kind = rest.rsplit(".", 1)
-            g = f"blk.{layer}.{to_gguf[stem]}.{kind}"
-        _add_tensor(w, g, t.float().clone(), qtype)
+        _add_tensor(w, gguf_tensor_name(pname, to_gguf), t.float().clone(), qtype)
+    close_gguf(w)
+
+
+GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "model.norm.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+    "lm_head.bias": "output.bias",
+}
+
+
+def gguf_tensor_name(name: str, layer_names: dict[str, str]) -> str:
+    """llama.cpp's name of the Hugging Face tensor ``name``: a global one, else
+    ``blk.N.<layer_names[stem]>.<weight or bias>``."""
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)
+    stem, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{layer_names[stem]}.{kind}"
+
+
+def close_gguf(w: Any) -> None:
+    """Write the header, the keys and the tensors of GGUF writer ``w``, then close it."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
