@@ -45,30 +45,33 @@ from pagedllm.model.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 
 
-def run_group(llm: LLM, prompts: list[Any], max_tokens: list[int]) -> tuple[list[float], list[list[int]]]:
-    """One greedy ``generate`` call over ``prompts``: each request's TPOT (seconds; requests of
-    one output token have none) and its output token ids, in prompt order."""
+def run_group(llm: LLM, prompts: list[Any],
+              max_tokens: list[int]) -> tuple[list[float | None], list[list[int]]]:
+    """One greedy ``generate`` call over ``prompts``: each request's TPOT (seconds; None for a
+    request of one output token) and its output token ids, in prompt order."""
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
-    tpots: list[float] = []
+    tpots: list[float | None] = []
     outputs: list[list[int]] = []
     for o in llm.generate(prompts, params, use_tqdm=False):
         m, n = o.metrics, len(o.outputs[0].token_ids)
         outputs.append(list(o.outputs[0].token_ids))
-        if n > 1 and m.first_token_time is not None and m.finished_time is not None:
-            tpots.append((m.finished_time - m.first_token_time) / (n - 1))
+        timed = n > 1 and m.first_token_time is not None and m.finished_time is not None
+        tpots.append((m.finished_time - m.first_token_time) / (n - 1) if timed else None)
     return tpots, outputs
 
 
-def cell_figures(llm: LLM, st0: dict[str, Any], tpots: list[float], outputs: list[list[int]],
-                 wall: float) -> dict[str, Any]:
-    """A cell's figures: mean TPOT (ms), wall seconds, output tokens, acceptance (the engine's
-    stats since the ``summary()`` ``st0``) and the outputs."""
+def cell_figures(llm: LLM, st0: dict[str, Any], tpots: list[float | None],
+                 outputs: list[list[int]], wall: float) -> dict[str, Any]:
+    """A cell's figures: mean TPOT (ms) over the requests of 2+ tokens, each request's TPOT (ms,
+    None for one token), wall seconds, output tokens, acceptance (the engine's stats since the
+    ``summary()`` ``st0``) and the outputs."""
     st = type(llm.engine.stats).delta(st0, llm.engine.stats.summary())
     per_pos = [
         round(a / d, 3) for a, d in zip(st.spec_accepted_per_pos, st.spec_draft_per_pos, strict=False) if d
     ]
     return {
-        "tpot_ms": 1000 * statistics.mean(tpots),
+        "tpot_ms": 1000 * statistics.mean(t for t in tpots if t is not None),
+        "request_tpot_ms": [None if t is None else 1000 * t for t in tpots],
         "wall_s": wall,
         "tokens": sum(len(x) for x in outputs),
         "acceptance_rate": st.spec_acceptance_rate,
@@ -93,7 +96,7 @@ def run_interleaved(llms: dict[str, LLM], prompts: list[Any], max_tokens: list[i
     """
     names = list(llms)
     st0, wall = {}, dict.fromkeys(names, 0.0)
-    tpots: dict[str, list[float]] = {n: [] for n in names}
+    tpots: dict[str, list[float | None]] = {n: [] for n in names}
     outputs: dict[str, list[list[int]]] = {n: [] for n in names}
     for name, llm in llms.items():
         llm.engine.reset_prefix_cache()
@@ -128,11 +131,12 @@ def make_llm(args: argparse.Namespace, loaded: Any, name: str) -> LLM:
 
 
 def run_round(args: argparse.Namespace, loaded: Any, prompts: list[str], max_tokens: list[int],
-              methods: list[str]) -> dict[str, Any]:
+              methods: list[str], kinds: list[str]) -> dict[str, Any]:
     """One pass over ``args.batches``, each batch size running all ``methods`` (an engine
     each, new per batch size with ``--fresh-engine``) interleaved group by group, or one method
-    after another with ``--sequential``; prints each cell and the speed-ups against "off", and
-    returns the cells by ``"METHOD/bB"``."""
+    after another with ``--sequential``; prints each cell, the speed-ups against "off" and
+    their breakdown by task kind (``kinds[i]`` is prompt i's), and returns the cells by
+    ``"METHOD/bB"``."""
     results: dict[str, Any] = {}
     llms: dict[str, LLM] = {}
     for b in args.batches:
@@ -160,6 +164,7 @@ def run_round(args: argparse.Namespace, loaded: Any, prompts: list[str], max_tok
             same = off["outputs"] == on["outputs"]
             print(f"{name:6s} batch {b:3d}: speedup {off['tpot_ms'] / on['tpot_ms']:.2f}x TPOT; "
                   f"outputs identical to off: {same}")
+            print_by_kind(name, b, off, on, kinds)
     return results
 
 
@@ -187,6 +192,27 @@ def run_sharegpt(args: argparse.Namespace, loaded: Any, tok: Any) -> dict[str, A
     print(f"sharegpt batch 64: ngram (policy off) / off TPOT speed ratio {off / on:.3f} "
           f"(median TPOT {on:.2f} against {off:.2f} ms)")
     return results
+
+
+def print_by_kind(name: str, batch: int, off: dict[str, Any], on: dict[str, Any],
+                  kinds: list[str]) -> None:
+    """Where a cell's mean-TPOT speed-up comes from: the speed-up of each task kind (ratio of
+    the kind's mean TPOTs), how many requests ran slower than off, and the ceiling of the
+    figure if every such request had run exactly as fast as off. A request that drafts nothing
+    cannot beat off (a step costs at least a plain one), so this ceiling bounds what a cheaper
+    verification or a better policy could reach on this workload (docs/spec_decode.md)."""
+    pairs = [(k, a, b) for k, a, b in zip(kinds, off["request_tpot_ms"], on["request_tpot_ms"],
+                                          strict=True) if a is not None and b is not None]
+    parts = []
+    for kind in dict.fromkeys(kinds):
+        mine = [(a, b) for k, a, b in pairs if k == kind]
+        if mine:
+            ratio = sum(a for a, _ in mine) / sum(b for _, b in mine)
+            slower = sum(b > a for a, b in mine)
+            parts.append(f"{kind} {ratio:.2f}x ({slower}/{len(mine)} slower)")
+    ceiling = sum(a for _, a, _ in pairs) / sum(min(a, b) for _, a, b in pairs)
+    print(f"{name:6s} batch {batch:3d}: by kind: {', '.join(parts)}; ceiling with no request "
+          f"slower than off: {ceiling:.2f}x")
 
 
 def loaded_dtype(loaded: Any) -> str:
@@ -247,7 +273,8 @@ def main() -> None:
     for rnd in range(args.repeats):
         if args.repeats > 1:
             print(f"-- round {rnd + 1} of {args.repeats}")
-        rounds.append(run_round(args, loaded, prompts, max_tokens, methods))
+        rounds.append(run_round(args, loaded, prompts, max_tokens, methods,
+                                [t.kind for t in tasks]))
     results = rounds[0]
     if args.repeats > 1:  # the machine's speed drifts between cells: the median round decides
         results = {f"round{i}/{key}": v for i, r in enumerate(rounds) for key, v in r.items()}
