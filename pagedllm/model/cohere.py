@@ -46,6 +46,7 @@ class CohereForCausalLM(LayerNormDecoderForCausalLM):
     gguf_tensor_names: ClassVar[dict[str, str]] = {}  # llama.cpp keeps q, k and v apart
     # q/k rows are permuted at load time: --quantization gguf keeps them float.
     folded_projections: ClassVar[tuple[str, ...]] = ("self_attn.qkv_proj",)
+    default_rope_theta: ClassVar[float] = 500000.0
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -187,13 +187,15 @@ class ModelArchConfig:
 
 
 def hf_rope_parameters(
-    cfg: dict[str, Any], rope_params: dict[str, Any] | None = None
+    cfg: dict[str, Any], rope_params: dict[str, Any] | None = None, default_theta: float = 10000.0
 ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from a ``config.json`` dict: the transformers 4 keys
     ``rope_theta`` / ``rope_scaling``, else ``rope_params`` (default: the transformers 5
-    ``rope_parameters`` dict). A "default" scaling is None; ``type`` is renamed ``rope_type``."""
+    ``rope_parameters`` dict); ``default_theta`` where neither names a base (the
+    architecture's ``default_rope_theta``). A "default" scaling is None; ``type`` is renamed
+    ``rope_type``."""
     params = rope_params if rope_params is not None else (cfg.get("rope_parameters") or {})
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = cfg.get("rope_theta", params.get("rope_theta", default_theta))
     scaling = cfg.get("rope_scaling") if rope_params is None else None
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}

@@ -109,6 +109,9 @@ class DecoderForCausalLM(nn.Module):
         folded_projections: projections (name suffixes, ``"mlp.down_proj"``) whose weights
             ``load_weights`` changes after reading them (Granite folds a multiplier in), so
             ``quantization="gguf"`` keeps them float instead of rebuilding them from the file.
+        default_rope_theta: the RoPE base of a ``config.json`` that names none: transformers'
+            default for the architecture's config class (``Config().rope_theta``), which
+            ``tests/model/test_rope_theta_default.py`` checks for every registry entry.
         unused_checkpoint_tensors: regular expressions (searched in the pagedllm checkpoint
             names) of tensors a checkpoint may hold that the model legitimately ignores;
             ``load_weights`` refuses any other tensor no parameter reads
@@ -122,6 +125,7 @@ class DecoderForCausalLM(nn.Module):
     gguf_permute_qk: ClassVar[bool] = False
     splits_hf_weights: ClassVar[bool] = False
     folded_projections: ClassVar[tuple[str, ...]] = ()
+    default_rope_theta: ClassVar[float] = 10000.0
     # Older transformers (before 4.31) saved each layer's RoPE inverse frequencies as a
     # persistent buffer, and some trainers (ColossalAI) its cos / sin caches: pagedllm
     # recomputes them from the config.

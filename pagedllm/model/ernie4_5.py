@@ -30,22 +30,20 @@ import torch
 from pagedllm.model.layers.interleaved_rope import permute_interleaved_qk
 from pagedllm.model.llama import LlamaForCausalLM
 
-# transformers' Ernie4_5Config.default_theta: the RoPE base of a config.json that names none.
-ERNIE_DEFAULT_ROPE_THETA = 500000.0
-
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 (the Hugging Face class name)
     """ERNIE 4.5 dense: Llama layers with interleaved RoPE (a load-time row reorder) and
     ``use_bias`` on every projection."""
 
     gguf_permute_qk: ClassVar[bool] = False  # llama.cpp keeps the checkpoint's q/k rows
+    default_rope_theta: ClassVar[float] = 500000.0
     # q/k rows are reordered at load time: --quantization gguf keeps them float.
     folded_projections: ClassVar[tuple[str, ...]] = ("self_attn.qkv_proj",)
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         """Reads ``use_bias`` (biases on q, k, v, o, gate, up and down), the tied head (true by
-        default) and the RoPE base (500000 when the config names none).
+        default).
 
         Raises:
             ValueError: naming ``hidden_act`` when it is not SiLU (the model's only one).
@@ -60,9 +58,6 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 (the Hugging Face cla
             "mlp_bias": bias,
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
         }
-        params = cfg.get("rope_parameters") or {}
-        if "rope_theta" not in cfg and "rope_theta" not in params:
-            fields["rope_theta"] = ERNIE_DEFAULT_ROPE_THETA
         return fields
 
     @classmethod

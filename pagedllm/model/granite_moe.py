@@ -55,6 +55,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM, MixtralForCausalLM):
 
     moe_names: ClassVar[MoeCheckpointNames] = MIXTRAL_NAMES
     splits_hf_weights: ClassVar[bool] = True
+    default_rope_theta: ClassVar[float] = 10000.0  # (Mixtral's is 1e6)
     # Under --quantization gguf these keep the multiplier folded into their float weights.
     folded_projections: ClassVar[tuple[str, ...]] = (
         "self_attn.o_proj",

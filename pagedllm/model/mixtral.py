@@ -40,6 +40,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """
 
     moe_names: ClassVar[MoeCheckpointNames] = MIXTRAL_NAMES
+    default_rope_theta: ClassVar[float] = 1e6
 
     def make_layer(
         self,

@@ -17,6 +17,7 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
 
     gguf_permute_qk: ClassVar[bool] = False
     moe_names: ClassVar[MoeCheckpointNames] = QWEN_MOE_NAMES
+    default_rope_theta: ClassVar[float] = 10000.0  # (Mixtral's is 1e6)
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:

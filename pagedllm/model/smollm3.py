@@ -22,7 +22,7 @@ loader fixes the interval at 4, and so does this file for a GGUF file.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedllm.model.llama import LlamaForCausalLM
 
@@ -38,6 +38,8 @@ def nope_layers_by_interval(num_layers: int, interval: int) -> list[int]:
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3: Llama layers, some of them without RoPE (``nope_layers``)."""
+
+    default_rope_theta: ClassVar[float] = 2e6
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,8 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
     from pagedllm.model.registry import entry_for_hf_config
 
     entry = entry_for_hf_config(cfg, str(folder))
-    cfg = entry.load().standardize_hf_config(cfg)
+    model_cls = entry.load()
+    cfg = model_cls.standardize_hf_config(cfg)
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -68,7 +69,7 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
 
-    rope_theta, rope_scaling = hf_rope_parameters(cfg)
+    rope_theta, rope_scaling = hf_rope_parameters(cfg, default_theta=model_cls.default_rope_theta)
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     layer_types = cfg.get("layer_types") if window else None
 
@@ -98,7 +99,7 @@ def hf_arch_config(cfg: dict[str, Any], folder: str | os.PathLike[str] = "<hf>")
         layer_types=list(layer_types) if layer_types else None,
         partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
     )
-    fields.update(entry.load().hf_config_fields(cfg))
+    fields.update(model_cls.hf_config_fields(cfg))
     return ModelArchConfig(**fields)
 
 
