@@ -6,6 +6,7 @@ import copy
 import enum
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,8 +14,12 @@ from pagedllm.pooling_params import PoolingParams
 
 #: Temperatures below this are treated as greedy decoding (argmax).
 GREEDY_TEMPERATURE_EPS = 1e-5
-#: OpenAI clamps ``logit_bias`` values to this range.
+#: ``logit_bias`` values must lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
 LOGIT_BIAS_LIMIT = 100.0
+#: A ``logit_bias`` string key: a decimal integer in ASCII digits (no sign, space, ``_`` or
+#: other scripts' digits, which ``int()`` would take; at most 64 digits, far past any
+#: vocabulary); a leading ``-`` gets the ">= 0" message.
+_DECIMAL = re.compile(r"-?[0-9]{1,64}")
 
 
 class SamplingType(enum.IntEnum):
@@ -163,8 +168,9 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: put spaces between special tokens when detokenizing
             (slow tokenizers only).
-        logit_bias: ``{token_id: bias}`` added to the raw logits. String keys such as ``"123"``
-            are converted to int; values must be finite and are clamped to [-100, 100].
+        logit_bias: ``{token_id: bias}`` added to the raw logits. String keys must be decimal
+            token ids such as ``"123"`` (ASCII digits only) and are converted to int; values
+            must be numbers in [-100, 100] (OpenAI's range; never clamped).
         use_beam_search: beam search instead of sampling.
         length_penalty: beam-search length penalty exponent (finite).
         early_stopping: beam-search stopping rule: True, False or ``"never"``.
@@ -306,13 +312,8 @@ class SamplingParams:
             for key, val in dict(self.logit_bias).items():
                 if _is_int(key):
                     tid = key
-                elif isinstance(key, str):
-                    try:
-                        tid = int(key.strip())
-                    except ValueError:
-                        raise ValueError(
-                            f"logit_bias keys must be token ids (integers), got {key!r}"
-                        ) from None
+                elif isinstance(key, str) and _DECIMAL.fullmatch(key):
+                    tid = int(key)
                 else:
                     raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}")
                 if tid < 0:
@@ -327,7 +328,12 @@ class SamplingParams:
                     raise ValueError(
                         f"logit_bias values must be finite numbers, got {val!r} for {key!r}"
                     )
-                bias[tid] = min(max(b, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+                if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+                    raise ValueError(
+                        f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                        f"{LOGIT_BIAS_LIMIT:g}], got {val!r} for {key!r}"
+                    )
+                bias[tid] = b
             self.logit_bias = bias
 
         # ---- beam search --------------------------------------------------------------------

@@ -272,6 +272,13 @@ class AsyncLLMEngine(ModelFactsMixin):
         """
         return self.engine.validate_request(prompt_token_ids, params)
 
+    async def validate_request_async(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> int:
+        """``validate_request``, awaitable like the data-parallel front's (whose replicas
+        validate). Raises: as ``validate_request``."""
+        return self.validate_request(prompt_token_ids, params)
+
     async def compile_structured(self, spec: StructuredOutputsParams | None) -> None:
         """Compile a structured-output constraint in the grammar threads (cached), without
         blocking the event loop or the engine thread; no-op for None.

@@ -222,6 +222,35 @@ class DataParallelEngine(ModelFactsMixin):
         comes back unchanged from ``add_request``. Returns ``params.max_tokens`` (or 0)."""
         return params.max_tokens or 0
 
+    async def validate_request_async(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> int:
+        """``validate_request`` as one engine does it, by a replica in rotation (they are alike):
+        the effective ``max_tokens`` (``None``: cut to the room the KV pool leaves), for the
+        serving layer's defaults. ``validate_request``'s answer when no replica answers within
+        ``PING_TIMEOUT_S`` (the request itself then gets the failure).
+
+        Raises:
+            ValueError / ContextLengthExceededError: the replica refused it (naming the field).
+        """
+        import ray
+
+        for replica in self.replicas:
+            if not replica.in_rotation:
+                continue
+            ref = replica.actor.validate.remote(list(prompt_token_ids), params)
+            try:
+                kind, item = await asyncio.wait_for(ref, PING_TIMEOUT_S)
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                continue  # the monitor takes a dead one out of rotation
+            if kind == "ok":
+                return int(item)
+            err = item.exception()
+            if isinstance(err, ValueError):
+                raise err
+            break
+        return self.validate_request(prompt_token_ids, params)
+
     async def compile_structured(self, spec: Any) -> None:
         """No-op: the replica compiles structured-output grammars when it takes the request."""
 

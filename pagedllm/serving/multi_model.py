@@ -6,13 +6,15 @@ Every model gets a complete single-model app (``app.build_app``: its own engine,
 data-parallel replicas, serving layer, metrics and ``/v1/responses`` store), so every endpoint and
 streaming behave exactly as with one model. The front is a thin ASGI layer:
 
-- ``POST``: the body is read, its ``model`` looked up (absent: the first model), and the request
-  replayed to that model's app; an unknown name is 404 ``model_not_found`` with ``param: model``
-  (OpenAI's envelope).
-- ``GET /v1/models``: every configured model, loaded or not; ``GET /v1/models/{name}``: one of
-  them (404 ``model_not_found`` for another name). ``GET /health``: 200 (the models load
-  on demand). Other ``GET`` paths (``/metrics``, ``/version``, ``/v1/responses/{id}``...): the
-  app named by the ``model`` query parameter, else the first model's.
+- ``POST``: the body is read, its ``model`` looked up (a model's name or one of its aliases;
+  absent: the first model), and the request replayed to that model's app; an unknown name is 404
+  ``model_not_found`` with ``param: model`` (OpenAI's envelope).
+- ``GET /v1/models``: a card per served name (each model's name, then its aliases), loaded or
+  not, with the fields of one model's cards (``routes.model_cards``) plus ``loaded``; ``GET
+  /v1/models/{name}``: that name's entry, unchanged (404 ``model_not_found`` for a name not
+  served). ``GET /health``: 200 (the models load on demand). Other ``GET`` paths
+  (``/metrics``, ``/version``, ``/v1/responses/{id}``...): the app named by the ``model`` query
+  parameter, else the first model's.
 - Budget: at most ``max_loaded`` models at once and/or at most ``memory_budget`` bytes, each
   loaded model counted as its engine's weights + KV pools (``ModelFacts.memory_bytes``, measured
   at its first load; an estimate stands in before). Loading one more first unloads the least
@@ -41,6 +43,7 @@ from typing import Any
 from pagedllm.engine.async_engine import call_soon_threadsafe
 from pagedllm.entrypoints.openai.errors import APIError, overloaded
 from pagedllm.entrypoints.openai.middleware import DRAIN_OPEN_PATHS, ServerLifecycle, send_draining
+from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.entrypoints.openai.shutdown import drain_in_flight
 
 MODEL_PATH_PREFIX = "/v1/models/"  # GET /v1/models/{name}
@@ -58,11 +61,14 @@ class _Slot:
 
     ``memory_bytes`` is measured at its first load (the engine's weights + KV pools) and kept
     after an unload, so a reload makes room for the real size; ``estimate_bytes`` stands in for
-    it before the first load.
+    it before the first load. ``root`` and ``max_model_len`` (its cards') are read at its first
+    load too (None before).
     """
 
     name: str
     factory: Callable[[], Any]
+    root: str | None = None
+    max_model_len: int | None = None
     app: Any = None
     lifespan: Any = None
     in_flight: int = 0
@@ -76,6 +82,24 @@ def _engine_memory(app: Any) -> int:
     state = getattr(app, "state", None)
     engine = getattr(state, "async_engine", None)
     return int(getattr(engine, "memory_bytes", 0))
+
+
+def _served_names(slots: dict[str, _Slot], aliases: dict[str, list[str]]) -> dict[str, _Slot]:
+    """Every served name -> its slot: each model's name, then its aliases.
+
+    Raises:
+        ValueError: naming ``aliases`` for an unknown model or a name served twice.
+    """
+    unknown = sorted(set(aliases) - set(slots))
+    if unknown:
+        raise ValueError(f"aliases names unknown model(s) {unknown}")
+    names: dict[str, _Slot] = {}
+    for slot in slots.values():
+        for name in (slot.name, *aliases.get(slot.name, ())):
+            if name in names:
+                raise ValueError(f"aliases: the name {name!r} is served twice")
+            names[name] = slot
+    return names
 
 
 class MultiModelApp:
@@ -94,11 +118,14 @@ class MultiModelApp:
             engine's weights + KV pools (``memory_bytes``) (None: no limit).
         memory_estimates: model name -> bytes expected before its first load (see
             ``multi_model_cli.estimate_model_bytes``); a model without one counts 0 until loaded.
+        aliases: model name -> further names it is served under (``--served-model-name``'s
+            other names); its factory's app must accept them in ``model`` too
+            (``served_model_name=[name, *aliases]``).
 
     Raises:
         ValueError: naming ``factories`` when empty, ``max_loaded`` / ``idle_unload_s`` /
             ``memory_budget`` when not positive, ``memory_estimates`` when it names an unknown
-            model.
+            model, ``aliases`` when it names an unknown model or a name served twice.
     """
 
     def __init__(
@@ -110,6 +137,7 @@ class MultiModelApp:
         api_key: str | None = None,
         memory_budget: int | None = None,
         memory_estimates: dict[str, int] | None = None,
+        aliases: dict[str, list[str]] | None = None,
     ) -> None:
         if not factories:
             raise ValueError("factories must name at least one model")
@@ -125,6 +153,10 @@ class MultiModelApp:
         self.slots = {name: _Slot(name, f) for name, f in factories.items()}
         for name, estimate in (memory_estimates or {}).items():
             self.slots[name].estimate_bytes = estimate
+        #: Every served name (each model's, then its aliases) -> its slot.
+        self.names = _served_names(self.slots, aliases or {})
+        #: The ``created`` time of the model cards.
+        self.created = int(time.time())
         self.default = next(iter(self.slots))
         self.idle_unload_s = idle_unload_s
         self.max_loaded = max_loaded
@@ -186,6 +218,8 @@ class MultiModelApp:
         slot.app, slot.lifespan = app, lifespan
         slot.last_used = time.monotonic()
         slot.memory_bytes = _engine_memory(app)
+        engine = app.state.async_engine
+        slot.root, slot.max_model_len = str(engine.model or slot.name), engine.max_model_len
         self.num_loads += 1
         logger.info(
             "model %s loaded: %.1f MiB (weights + KV); %.1f MiB loaded in all%s",
@@ -333,7 +367,7 @@ class MultiModelApp:
                 name = self._model_of_body(body)
             else:
                 name = self._model_of_query(scope) or self.default
-            slot = self.slots.get(name)
+            slot = self.names.get(name)
             if slot is None:
                 raise self._unknown_model(name)
             slot.in_flight += 1
@@ -379,17 +413,21 @@ class MultiModelApp:
             raise APIError(401, "missing or wrong API key", code="invalid_api_key")
 
     def _model_list(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._card(n) for n in self.slots]}
+        return {"object": "list", "data": [self._card(n) for n in self.names]}
 
     def _card(self, name: str) -> dict[str, Any]:
-        loaded = self.slots[name].app is not None
-        return {"id": name, "object": "model", "owned_by": "pagedllm", "loaded": loaded}
+        """The card of served name ``name`` (a model's or an alias)."""
+        slot = self.names[name]
+        card = ModelCard(
+            id=name, created=self.created, root=slot.root, max_model_len=slot.max_model_len
+        )
+        return {**card.model_dump(), "loaded": slot.app is not None}
 
     def _model_card(self, path: str) -> dict[str, Any]:
-        """``GET /v1/models/{name}``: the model's card. Raises: APIError 404 for a name not
-        served."""
+        """``GET /v1/models/{name}``: that name's ``GET /v1/models`` entry. Raises: APIError
+        404 for a name not served."""
         name = path.removeprefix(MODEL_PATH_PREFIX)
-        if name not in self.slots:
+        if name not in self.names:
             raise self._unknown_model(name)
         return self._card(name)
 
@@ -397,7 +435,7 @@ class MultiModelApp:
         """The 404 ``model_not_found`` for a name this server does not serve."""
         return APIError(
             404,
-            f"The model `{name}` does not exist; this server serves {list(self.slots)}.",
+            f"The model `{name}` does not exist; this server serves {list(self.names)}.",
             param="model",
             code="model_not_found",
         )

@@ -12,7 +12,13 @@ from typing import Any
 
 from pagedllm.config import served_model_name
 
-__all__ = ["check_model_paths", "estimate_model_bytes", "model_paths", "serve_multi_model"]
+__all__ = [
+    "check_model_paths",
+    "estimate_model_bytes",
+    "model_aliases",
+    "model_paths",
+    "serve_multi_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,20 @@ def model_paths(args: Any) -> dict[str, str | None]:
             raise ValueError(f"--model: two models are named {name!r} ({paths[name]}, {path})")
         paths[name] = path
     return paths
+
+
+def model_aliases(args: Any, paths: dict[str, str | None]) -> dict[str, list[str]]:
+    """Served name -> its further names: ``--served-model-name``'s names after the first, for
+    the first model (as with one model, every name is accepted in ``model``).
+
+    Raises:
+        ValueError: naming ``--served-model-name`` when one of them is another model's name.
+    """
+    first, *rest = args.served_model_name or [served_model_name(args.model)]
+    clash = sorted(set(rest) & (set(paths) - {first}))
+    if clash:
+        raise ValueError(f"--served-model-name: {clash} also name(s) another --model")
+    return {first: list(dict.fromkeys(n for n in rest if n != first))} if rest else {}
 
 
 def check_model_paths(paths: dict[str, str | None]) -> None:
@@ -97,6 +117,7 @@ def serve_multi_model(args: Any, engine_args: dict[str, Any]) -> int:
     replicas = max(1, getattr(args, "data_parallel_size", 1))
     try:
         paths = model_paths(args)
+        aliases = model_aliases(args, paths)
         check_model_paths(paths)
         estimates = {
             n: estimate_model_bytes(p, {**engine_args, "model": p}, replicas)
@@ -104,7 +125,9 @@ def serve_multi_model(args: Any, engine_args: dict[str, Any]) -> int:
         }
         app = MultiModelApp(
             {
-                name: _factory(build_app, engine_args, app_options(args), name, path)
+                name: _factory(
+                    build_app, engine_args, app_options(args), [name, *aliases.get(name, [])], path
+                )
                 for name, path in paths.items()
             },
             idle_unload_s=getattr(args, "model_idle_unload_s", None),
@@ -113,6 +136,7 @@ def serve_multi_model(args: Any, engine_args: dict[str, Any]) -> int:
             api_key=args.api_key,
             memory_budget=getattr(args, "models_memory_budget", None),
             memory_estimates=estimates,
+            aliases=aliases,
         )
     except ValueError as e:
         logger.error("%s", e)
@@ -129,10 +153,11 @@ def _factory(
     build_app: Callable[..., Any],
     engine_args: dict[str, Any],
     options: dict[str, Any],
-    name: str,
+    names: list[str],
     path: str | None,
 ) -> Callable[[], Any]:
-    """A function building model ``name``'s app (the same flags, its own path and name)."""
+    """A function building the app of the model served as ``names`` (its name, then its
+    aliases): the same flags, its own path and names."""
     return lambda: build_app(
-        {**engine_args, "model": path}, **{**options, "served_model_name": name}
+        {**engine_args, "model": path}, **{**options, "served_model_name": names}
     )

@@ -126,6 +126,15 @@ class EngineReplica:
         self._ensure_started()
         return self.engine.counters
 
+    async def validate(self, prompt: list[int], params: SamplingParams) -> tuple[str, Any]:
+        """The engine's ``validate_request``, nothing queued: ``("ok", max_tokens)`` (the
+        effective one: ``max_tokens=None`` is cut to what the KV pool holds) or
+        ``("error", WireError)``."""
+        try:
+            return "ok", self.engine.validate_request(prompt, params)
+        except Exception as e:  # noqa: BLE001 - sent back as data
+            return "error", WireError.of(e)
+
     async def generate(
         self,
         request_id: str,

@@ -38,7 +38,7 @@ def server(tiny_loaded):
     app = build_app(
         dict(ENGINE_ARGS),
         loaded=tiny_loaded,
-        served_model_name="tiny",
+        served_model_name=["tiny", "tiny-alias"],
         trust_request_chat_template=True,
     )
     srv = ServerThread(app).start()
@@ -215,13 +215,26 @@ def test_a_request_template_needs_a_trusting_server(client, server):
 
 
 def test_retrieve_model(client, server):
-    r = client.get("/v1/models/tiny")
-    assert r.status_code == 200, r.text
-    card = r.json()
-    assert card["id"] == "tiny" and card["object"] == "model"
-    assert_error(client.get("/v1/models/other"), 404, "model")
+    """Each served name's card is its /v1/models entry, unchanged: the alias's too, whose root
+    is the model it serves (was the alias itself), with vLLM's ``parent`` (was missing) and
+    the time the server started as ``created`` (was the time of each call)."""
+    created = server.app.state.serving.created
+    listed = client.get("/v1/models").json()["data"]
+    assert listed == [
+        {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+         "root": "tiny", "parent": None, "max_model_len": 128}
+        for name in ("tiny", "tiny-alias")
+    ]
+    for entry in listed:
+        r = client.get(f"/v1/models/{entry['id']}")
+        assert r.status_code == 200, r.text
+        assert r.json() == entry
+    err = assert_error(client.get("/v1/models/other"), 404, "model", "model_not_found")
+    assert "`other`" in err["message"]
     oai = official_client(server)
-    assert oai.models.retrieve("tiny").id == "tiny"
+    assert oai.models.retrieve("tiny-alias").id == "tiny-alias"
+    r = client.post(CMPL, json={"model": "tiny-alias", "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
 
 
 # ---- /v1/responses -------------------------------------------------------------------------------

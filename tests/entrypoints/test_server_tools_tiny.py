@@ -6,6 +6,7 @@ and the official-client round trip run on the bundled model (test_server_tools_s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -317,4 +318,63 @@ def test_required_accepts_parameters_with_local_refs(client, server):
     assert choice["finish_reason"] == "tool_calls", choice
     args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
     assert args == {"s": 1} or args == {"s": 2}
+    healthy(server, client)
+
+
+# The random model writes no call on its own under "auto": this regex (structured outputs are
+# allowed with "auto") makes it write a Hermes call with a 40-letter argument.
+CALL_REGEX = r'<tool_call>\{"name": "w", "arguments": \{"c": "[a-z]{40}"\}\}</tool_call>'
+IN_ARGS = re.compile(r'<tool_call>\{"name": "w", "arguments": \{"c": "[a-z]{1,39}')
+BEFORE_ARGS = re.compile(r'<tool_call>\{"name": "w", "[a-z]*')
+
+
+def _streamed(client, body):
+    """(content, {index: [name, arguments]}, finish reasons) assembled from a stream."""
+    content, calls, reasons = "", {}, []
+    for e in sse_events(client, CH, {**body, "stream": True})[:-1]:
+        for ch in e["choices"]:
+            content += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], [tc["function"].get("name"), ""])
+                call[1] += tc["function"].get("arguments", "")
+            if ch["finish_reason"]:
+                reasons.append(ch["finish_reason"])
+    return content, calls, reasons
+
+
+def test_auto_call_cut_by_max_tokens_is_length_and_no_broken_call(client, server, tiny_tokenizer):
+    """A call max_tokens cuts under "auto" finishes "length" (never "tool_calls"), and the
+    non-streamed message holds its text as content, not a call with arguments that do not parse
+    (was: tool_calls [{"name": "w", "arguments": '{"c": "uesy'}]). A stream that sent part of
+    the call keeps it (unfinished) with "length"; cut before its arguments start, the stream
+    gives the same content as the non-streamed answer."""
+    tools = [{"type": "function", "function": {"name": "w"}}]
+    body = {"messages": MSG, "tools": tools, "tool_choice": "auto", "temperature": 0,
+            "guided_regex": CALL_REGEX, "return_token_ids": True,
+            "chat_template": "{{ messages[0]['content'] }}"}
+    whole = client.post(CH, json={**body, "max_tokens": 200}).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls", whole
+    (call,) = whole["message"]["tool_calls"]
+    assert len(json.loads(call["function"]["arguments"])["c"]) == 40
+    ids = whole["token_ids"]
+    prefixes = [tiny_tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    in_args = max(k for k, t in enumerate(prefixes) if IN_ARGS.fullmatch(t))
+    before_args = max(k for k, t in enumerate(prefixes) if BEFORE_ARGS.fullmatch(t))
+    for k in (in_args, before_args):
+        cut = {**body, "max_tokens": k}
+        r = client.post(CH, json=cut)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length", choice
+        assert "tool_calls" not in choice["message"], choice
+        assert choice["message"]["content"] == prefixes[k]
+        content, calls, reasons = _streamed(client, cut)
+        assert reasons == ["length"]
+        if k == before_args:
+            assert (content, calls) == (prefixes[k], {})
+        else:
+            args = prefixes[k][prefixes[k].index('{"c"'):]
+            assert content == "" and calls == {0: ["w", args]}
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(args)
     healthy(server, client)

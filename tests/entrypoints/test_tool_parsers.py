@@ -234,20 +234,59 @@ def test_parallel_false_keeps_the_first_call():
     )
 
 
-def test_unfinished_call_at_the_end_keeps_what_was_sent():
-    # A call cut by max_tokens: the name and the arguments so far (streamed == non-streamed).
+# Outputs an "auto" call is cut in (max_tokens, EOS, a stop string): the cut call is no call
+# (its arguments would not parse) but content, after the complete calls before it.
+AUTO_CUT_CASES = [
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {"city": "Par', None, []),
+    (_declared(HermesToolParser, "f"), 'Hi <tool_call>{"name": "f", "argu', None, []),
+    (Llama3ToolParser(), '{"name": "f", "parameters": {"x": [1, 2', None, []),
+    (
+        MistralToolParser(),
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1',
+        ', {"name": "b", "arguments": {"x": 1',
+        [("a", "{}")],
+    ),
+    (
+        HermesToolParser(),
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "a',
+        '\n<tool_call>{"name": "b", "a',
+        [("a", "{}")],
+    ),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", AUTO_CUT_CASES, ids=range(5))
+def test_auto_call_cut_at_the_end_is_content_not_a_call(parser, text, content, calls):
+    """Was a tool call with the arguments so far ('{"city": "Par'), which no client can run."""
+    s = ToolCallStream(parser)
+    got_content, got_calls = s.message(text)
+    assert got_content == (text if content is None else content)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
+    assert not s.calls_complete  # the finish reason is never "tool_calls"
+    for c in got_calls:
+        json.loads(c["function"]["arguments"])
+    # Streamed with nothing of the cut call sent before the end: the same answer.
+    assert _assemble(parser, text, [len(text)]) == (got_content or None, calls)
+
+
+def test_auto_call_cut_after_it_was_streamed_stays_a_call():
+    """A stream cannot take back the fragments it sent: the cut call stays, unfinished, and
+    its finish reason is not "tool_calls" (the caller keeps "length" / "stop")."""
     text = '<tool_call>{"name": "f", "arguments": {"city": "Par'
-    _, calls = ToolCallStream(HermesToolParser()).message(text)
-    assert calls[0]["function"] == {"name": "f", "arguments": '{"city": "Par'}
+    s = ToolCallStream(HermesToolParser())
+    _, sent = s.delta(text[:-3], final=False)
+    assert sent[0]["function"] == {"name": "f", "arguments": '{"city": "'}
+    content, more = s.delta(text, final=True)
+    assert content == "" and more == [{"index": 0, "function": {"arguments": "Par"}}]
+    assert s.called and not s.calls_ended
 
 
-# Outputs cut short (max_tokens) before a call's arguments start: the name, with empty
-# arguments; cut before any name is complete, a forced array is returned as content.
+# Forced outputs cut short (max_tokens) before a call's arguments start: the name, with empty
+# arguments; cut before any name is complete, the array is returned as content.
 CUT_CASES = [
     (RequiredToolParser(), '[\n{\n "name": "get_weather",\n "arguments', None, [("get_weather", "")]),
     (RequiredToolParser(), '[{"name": "a", "arguments": {}}, {"name": "b"', None, [("a", "{}"), ("b", "")]),
     (RequiredToolParser(), '[\n{\n "na', '[\n{\n "na', []),
-    (_declared(HermesToolParser, "f"), 'Hi <tool_call>{"name": "f", "argu', "Hi", [("f", "")]),
 ]
 
 

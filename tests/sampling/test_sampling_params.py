@@ -78,10 +78,18 @@ def test_defaults_and_normalisation():
     assert SamplingParams(early_stopping="never").early_stopping == "never"
 
 
-def test_logit_bias_keys_and_clamping():
-    p = SamplingParams(logit_bias={"123": 5, 7: -250.0, "8": 300})
-    assert p.logit_bias == {123: 5.0, 7: -100.0, 8: 100.0}
+def test_logit_bias_keys_and_range():
+    p = SamplingParams(logit_bias={"123": 5, 7: -100.0, "8": 100, "0042": 0.5})
+    assert p.logit_bias == {123: 5.0, 7: -100.0, 8: 100.0, 42: 0.5}
     assert all(isinstance(k, int) for k in p.logit_bias)
+    # Out of OpenAI's [-100, 100]: refused, never clamped (was clamped to +-100 silently).
+    for bad in ({7: -250.0}, {"8": 300}, {"1": 100.001}, {"1": -100.5}):
+        with pytest.raises(ValueError, match=r"^logit_bias values must be in \[-100, 100\]"):
+            SamplingParams(logit_bias=bad)
+    # Keys are ASCII decimal token ids: int() would also take these (was accepted).
+    for key in (" 1", "+1", "1_0", "\u0665", "1" * 65):
+        with pytest.raises(ValueError, match=r"^logit_bias keys must be token ids \(integers\)"):
+            SamplingParams(logit_bias={key: 1.0})
 
 
 def test_verify_token_ids():

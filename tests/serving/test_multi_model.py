@@ -12,7 +12,7 @@ import pytest
 from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving.multi_model import MultiModelApp
-from tests.entrypoints.server_utils import ServerThread, sse_events
+from tests.entrypoints.server_utils import ServerThread, assert_error, sse_events
 
 ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory": 1 << 21, "num_threads": 1}
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -32,17 +32,23 @@ def reference(models):
     return out
 
 
+ALIASES = {"tiny-a": ["a2"]}  # tiny-a is also served as "a2"
+
+
 @pytest.fixture(scope="module")
 def server(models):
     factories = {
         name: (
             lambda name=name, loaded=loaded: build_app(
-                dict(ENGINE_ARGS), loaded=loaded, served_model_name=name, log_stats_interval=0
+                dict(ENGINE_ARGS),
+                loaded=loaded,
+                served_model_name=[name, *ALIASES.get(name, [])],
+                log_stats_interval=0,
             )
         )
         for name, loaded in models.items()
     }
-    front = MultiModelApp(factories, idle_unload_s=4.0, max_loaded=2)
+    front = MultiModelApp(factories, idle_unload_s=4.0, max_loaded=2, aliases=ALIASES)
     srv = ServerThread(front).start()
     yield srv
     srv.stop()
@@ -56,12 +62,16 @@ def client(server):
 
 def test_models_listed_and_loaded_lazily(server, client):
     front = server.app
-    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
-    assert ids == ["tiny-a", "tiny-b"]
-    card = client.get("/v1/models/tiny-b").json()
-    assert card == {"id": "tiny-b", "object": "model", "owned_by": "pagedllm", "loaded": False}
-    r = client.get("/v1/models/tiny-c")
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    listed = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == ["tiny-a", "a2", "tiny-b"]
+    # the fields of one model's cards; what the first load tells (root, max_model_len) is null
+    want = {"object": "model", "created": front.created, "owned_by": "pagedllm", "root": None,
+            "parent": None, "max_model_len": None, "loaded": False}
+    assert listed[2] == {"id": "tiny-b", **want}
+    for entry in listed:
+        assert client.get(f"/v1/models/{entry['id']}").json() == entry
+    err = assert_error(client.get("/v1/models/tiny-c"), 404, "model", "model_not_found")
+    assert "`tiny-c`" in err["message"]
     assert front.loaded == []  # nothing loaded before the first request
 
 
@@ -82,6 +92,35 @@ def test_each_request_answered_by_its_model(server, client, reference):
         text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
         assert text == reference[name]
     assert sorted(server.app.loaded) == ["tiny-a", "tiny-b"]
+
+
+def test_alias_is_served_and_cards_equal_the_list(server, client, reference):
+    """An alias (--served-model-name's further names) is answered by its model, reported under
+    the model's first name as with one model (was 404 at the front, for POST and GET), and
+    every card equals its /v1/models entry, with the loaded model's root and max_model_len
+    (were missing: only id, object, owned_by, loaded)."""
+    for name in ("a2", "tiny-b"):  # both loaded, and used just now (no idle unload meanwhile)
+        body = {"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        want = "tiny-a" if name == "a2" else name
+        assert r.json()["model"] == want and r.json()["choices"][0]["text"] == reference[want]
+    listed = client.get("/v1/models").json()["data"]
+    for entry in listed:
+        assert client.get(f"/v1/models/{entry['id']}").json() == entry
+    assert [(m["id"], m["root"], m["max_model_len"], m["loaded"]) for m in listed] == [
+        ("tiny-a", "tiny-a", 128, True),
+        ("a2", "tiny-a", 128, True),
+        ("tiny-b", "tiny-b", 128, True),
+    ]
+    assert client.get("/metrics", params={"model": "a2"}).status_code == 200
+
+
+def test_aliases_are_checked():
+    with pytest.raises(ValueError, match="aliases names unknown model"):
+        MultiModelApp({"a": lambda: None}, aliases={"b": ["c"]})
+    with pytest.raises(ValueError, match="'b' is served twice"):
+        MultiModelApp({"a": lambda: None, "b": lambda: None}, aliases={"a": ["b"]})
 
 
 def test_unknown_model_is_404_naming_model(client):

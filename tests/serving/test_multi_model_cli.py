@@ -8,7 +8,13 @@ import argparse
 import pytest
 
 from pagedllm.entrypoints.openai.cli_serve import add_serve_parser
-from pagedllm.serving.multi_model_cli import check_model_paths, estimate_model_bytes, model_paths
+from pagedllm.serving.multi_model_cli import (
+    _factory,
+    check_model_paths,
+    estimate_model_bytes,
+    model_aliases,
+    model_paths,
+)
 
 
 def parse(argv):
@@ -53,6 +59,22 @@ def test_repeated_model_flag_serves_several_models():
     assert model_paths(args) == {"first": "/m/a", "b": "/m/b"}
     with pytest.raises(ValueError, match="two models are named 'a'"):
         model_paths(parse(["--model", "/p/a", "--model", "/q/a"]))
+
+
+def test_served_model_name_aliases_name_the_first_model():
+    """``--served-model-name first alias``: the first model is served under both names (the
+    alias was dropped with several models, and 404 at the front)."""
+    args = parse(["/m/a", "--model", "/m/b", "--served-model-name", "first", "alias", "first"])
+    paths = model_paths(args)
+    assert paths == {"first": "/m/a", "b": "/m/b"}
+    assert model_aliases(args, paths) == {"first": ["alias"]}
+    assert model_aliases(parse(["/m/a", "--model", "/m/b"]), {"a": "/m/a", "b": "/m/b"}) == {}
+    args = parse(["/m/a", "--model", "/m/b", "--served-model-name", "first", "b"])
+    with pytest.raises(ValueError, match=r"^--served-model-name: \['b'\] also name"):
+        model_aliases(args, model_paths(args))
+    seen = {}
+    _factory(lambda args, **kw: seen.update(kw), {}, {"api_key": None}, ["first", "alias"], "/m/a")()
+    assert seen == {"api_key": None, "served_model_name": ["first", "alias"]}
 
 
 def test_memory_budget_flag(capsys):

@@ -250,13 +250,16 @@ class ChatCompletionRequest(SamplingExtensions):
 
 # ---- models, tokenizer, version --------------------------------------------------------------
 class ModelCard(OpenAIBaseModel):
-    """One served model in ``GET /v1/models`` (``max_model_len`` in tokens)."""
+    """One served name in ``GET /v1/models`` and ``GET /v1/models/{id}`` (vLLM's card): ``root``
+    the model it serves (its path, or its first served name), ``parent`` always null (no
+    adapters), ``max_model_len`` in tokens."""
 
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

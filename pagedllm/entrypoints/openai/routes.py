@@ -105,26 +105,31 @@ async def get_response(response_id: str, raw: Request) -> dict[str, Any]:
     return serving_responses.get_response(raw.app.state.responses_store, response_id)
 
 
+def model_cards(serving: OpenAIServing) -> list[ModelCard]:
+    """One card per served name (aliases too), all of the same model: the list of ``GET
+    /v1/models``, whose entries ``GET /v1/models/{id}`` answers unchanged."""
+    engine = serving.async_engine
+    root = str(engine.model or serving.model_name)
+    return [
+        ModelCard(
+            id=name, created=serving.created, root=root, max_model_len=engine.max_model_len
+        )
+        for name in serving.model_names
+    ]
+
+
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(raw: Request) -> ModelList:
-    serving = _serving(raw)
-    engine = serving.async_engine
-    return ModelList(
-        data=[
-            ModelCard(id=name, root=str(engine.model or name), max_model_len=engine.max_model_len)
-            for name in serving.model_names
-        ]
-    )
+    return ModelList(data=model_cards(_serving(raw)))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
 async def retrieve_model(model_id: str, raw: Request) -> ModelCard:
-    """One served model's card (OpenAI's "retrieve model"); 404 ``model_not_found`` for a
-    name this server does not serve."""
+    """One served name's card (OpenAI's "retrieve model"), the same as its ``GET /v1/models``
+    entry; 404 ``model_not_found`` for a name this server does not serve."""
     serving = _serving(raw)
     serving.check_model(model_id)
-    engine = serving.async_engine
-    return ModelCard(id=model_id, root=str(engine.model or model_id), max_model_len=engine.max_model_len)
+    return next(card for card in model_cards(serving) if card.id == model_id)
 
 
 @router.get(

@@ -104,6 +104,8 @@ class OpenAIServing:
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         self.model_names = list(names)
         self.model_name = self.model_names[0]
+        #: The ``created`` time of the model cards (when the server started serving).
+        self.created = int(time.time())
         self.tokenizer = async_engine.tokenizer
         self.tokens = TokenFormatter(self.tokenizer)
         self.metrics = ServerMetrics(async_engine, self.model_name)

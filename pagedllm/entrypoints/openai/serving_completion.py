@@ -32,16 +32,16 @@ from pagedllm.sampling_params import SamplingParams
 DEFAULT_MAX_TOKENS = 16
 
 
-def _pool_room(serving: OpenAIServing, ids: list[int], params: SamplingParams) -> int:
+async def _pool_room(serving: OpenAIServing, ids: list[int], params: SamplingParams) -> int:
     """The most output tokens the engine would give ``ids`` with ``params`` and no
-    ``max_tokens`` (the KV pool may hold less than ``max_model_len``); a large number when the
-    engine cannot tell here (a data-parallel replica checks on arrival), 1 when it refuses the
-    request (the request itself then fails with the engine's reason, e.g. ``n`` samples that do
-    not fit, not with a ``max_tokens`` the client never sent)."""
+    ``max_tokens`` (the KV pool may hold less than ``max_model_len``; under data parallel a
+    replica tells), a large number when no engine can tell (no replica answers), 1 when it
+    refuses the request (the request itself then fails with the engine's reason, e.g. ``n``
+    samples that do not fit, not with a ``max_tokens`` the client never sent)."""
     probe = params.clone()
     probe.max_tokens = None
     try:
-        room = serving.async_engine.validate_request(ids, probe)
+        room = await serving.async_engine.validate_request_async(ids, probe)
     except ValueError:
         return 1
     return room or sys.maxsize
@@ -118,7 +118,7 @@ async def create_completion(
         if "max_tokens" not in req.model_fields_set:
             # The default, cut to the room the prompt leaves in the context and in the KV pool
             # (at least 1, so that a prompt that fills either still gets its error).
-            room = min(max_model_len - len(ids), _pool_room(serving, ids, sp))
+            room = min(max_model_len - len(ids), await _pool_room(serving, ids, sp))
             sp.max_tokens = max(1, min(sp.max_tokens or DEFAULT_MAX_TOKENS, room))
         per_prompt.append(sp)
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -12,6 +12,11 @@ sends the difference between two answers, and the non-streamed answer is ``parse
 so the streamed deltas concatenate to exactly the non-streamed call whatever the chunking.
 Arguments are the model's own JSON text of the value (not re-serialized), which is what makes
 that possible while the value is still arriving.
+
+One exception: a call the end of the output cuts (``max_tokens``, EOS or a stop string inside
+it). The non-streamed answer returns its text as content, never as a call whose arguments do not
+parse (``cut_calls=False``); a stream does the same unless it already sent part of that call,
+which it cannot take back (see ``ToolCallStream.delta``).
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ class ParsedCall:
 
 @dataclass
 class ParseResult:
-    """``content``: the text outside tool calls; ``calls``: the calls found, in order."""
+    """``content``: the text outside tool calls; ``calls``: the calls found, in order; ``cut``:
+    a call the end of the text cut was returned as content (``parse(..., cut_calls=False)``)."""
 
     content: str
     calls: list[ParsedCall] = field(default_factory=list)
+    cut: bool = False
 
 
 class _Unfinished(Exception):
@@ -156,13 +163,22 @@ class ToolParser:
         return best
 
     def _scan_region(
-        self, text: str, start: int, body: int, final: bool, parts: list[str], calls: list
+        self,
+        text: str,
+        start: int,
+        body: int,
+        final: bool,
+        parts: list[str],
+        res: ParseResult,
+        cut_calls: bool,
     ) -> int | None:
-        """Scan one region (marker at ``start``, body at ``body``); the index to go on from, or
-        None to stop. A region without a named call is content after all. Where a region stops
-        parsing (malformed text, or a call that may not be sent), the calls before that point
-        are kept and the text from there on is read again as ordinary output (content, and any
-        later regions): model output never vanishes."""
+        """Scan one region (marker at ``start``, body at ``body``) into ``res.calls`` and
+        ``parts`` (content); the index to go on from, or None to stop. A region without a named
+        call is content after all. Where a region stops parsing (malformed text, a call that may
+        not be sent, or, unless ``cut_calls``, a call the end of the text cuts), the calls before
+        that point are kept and the text from there on is read again as ordinary output
+        (content, and any later regions): model output never vanishes."""
+        calls = res.calls
         found: list[ParsedCall] = []
         try:
             end: int | None = self.region(text, body, found, final)
@@ -181,6 +197,10 @@ class ToolParser:
         if unfinished and not final:
             calls.extend(found)
             return None
+        if unfinished and not cut_calls and any(c.name is not None for c in found):
+            # A call cut by the end of the output (max_tokens, EOS, a stop string): its
+            # arguments do not parse, so it is no call; read as text like a malformed one.
+            res.cut = malformed = True
         if malformed:
             kept = [c for c in found if c.complete and c.end is not None]
             if kept:
@@ -200,21 +220,26 @@ class ToolParser:
             return True  # not known yet
         return c.valid and (self.declared is None or c.name in self.declared)
 
-    def parse(self, text: str, final: bool) -> ParseResult:
+    def parse(self, text: str, final: bool, cut_calls: bool = True) -> ParseResult:
         """Content and calls of ``text``; ``final`` when no more text will come.
 
         Args:
             text: the generated text so far (a later call passes this text extended).
+            cut_calls: with ``final``, whether a call the end of the text cuts is returned as
+                far as it goes (unfinished arguments); False returns its text as content
+                instead (``ParseResult.cut``).
         """
         parts: list[str] = []
-        calls: list[ParsedCall] = []
+        res = ParseResult("")
+        calls = res.calls
+        cut_calls = cut_calls or not final
         i: int | None = 0
         if self.bare_json:
             j = skip_ws(text, 0)
             if j == len(text) and not final:
-                return ParseResult("")
+                return res
             if j < len(text) and text[j] == "{":
-                i = self._scan_region(text, 0, j, final, parts, calls)
+                i = self._scan_region(text, 0, j, final, parts, res, cut_calls)
         while i is not None:
             hit = self._find_marker(text, i)
             if hit is None:
@@ -225,11 +250,12 @@ class ToolParser:
                 break
             pos, marker = hit
             parts.append(text[i:pos])
-            i = self._scan_region(text, pos, pos + len(marker), final, parts, calls)
+            i = self._scan_region(text, pos, pos + len(marker), final, parts, res, cut_calls)
         content = "".join(parts)
         if calls or not final:  # whitespace around calls is no content
             content = content.rstrip()
-        return ParseResult(content, calls)
+        res.content = content
+        return res
 
 
 class HermesToolParser(ToolParser):
@@ -282,7 +308,9 @@ class RequiredToolParser(ToolParser):
     """The output forced by ``tool_choice="required"``: a JSON array of ``{"name",
     "arguments"}`` objects (see ``schema.required_schema``)."""
 
-    def parse(self, text: str, final: bool) -> ParseResult:
+    def parse(self, text: str, final: bool, cut_calls: bool = True) -> ParseResult:
+        """The forced array as far as it goes: the grammar makes the output a call whatever cut
+        it (``cut_calls`` is not used); only a cut before any name is content."""
         calls: list[ParsedCall] = []
         with contextlib.suppress(_Unfinished, Malformed):
             _call_array(text, skip_ws(text, 0), calls, final)
@@ -298,7 +326,9 @@ class NamedToolParser(ToolParser):
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def parse(self, text: str, final: bool) -> ParseResult:
+    def parse(self, text: str, final: bool, cut_calls: bool = True) -> ParseResult:
+        """The forced arguments as far as they go (the grammar makes the output this call
+        whatever cut it: ``cut_calls`` is not used)."""
         v = skip_ws(text, 0)
         try:
             end = value_end(text, v)
@@ -358,15 +388,17 @@ class ToolCallStream:
         self.ids: list[str] = []
         self.args_sent: list[int] = []
         self._scans: dict[int, tuple[int, list[str]]] = {}
-        #: Whether every call parsed so far has ended (a stop string may cut one).
+        #: Whether every call parsed so far has ended (max_tokens or a stop string may cut one,
+        #: which then stays a call when streamed, or becomes content).
         self.calls_complete = True
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The non-streamed ``content`` (None when empty and there are calls) and ``tool_calls``
-        of the finished ``text``."""
-        res = self.parser.parse(text, final=True)
+        of the finished ``text``; a call the end of ``text`` cut is content, not a call (its
+        arguments would not parse)."""
+        res = self.parser.parse(text, final=True, cut_calls=False)
         named = named_calls(res.calls, self.parallel)
-        self.calls_complete = all(c.complete for c in named)
+        self.calls_complete = all(c.complete for c in named) and not res.cut
         calls = [
             {
                 "id": new_call_id(),
@@ -379,17 +411,25 @@ class ToolCallStream:
 
     def delta(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """What ``text`` (everything generated so far) adds to what was sent: a content piece and
-        ``tool_calls`` delta entries (id, type and name once, then argument fragments)."""
+        ``tool_calls`` delta entries (id, type and name once, then argument fragments).
+
+        A call the end of the output cuts goes out as content, as in ``message``, unless part
+        of it was sent already: a stream cannot take back what it sent, so that call stays
+        (with unfinished arguments) and only the finish reason (``length`` / ``stop``, never
+        ``tool_calls``: ``calls_ended``) tells it was cut, as OpenAI's streams do."""
         token = container_memo.set(self._scans)  # text only grows: resume container scans
         try:
             res = self.parser.parse(text, final)
+            cut = final and bool(res.calls) and not res.calls[-1].complete
+            if cut and len(res.calls) > len(self.ids):  # the cut call was not sent: content
+                res = self.parser.parse(text, final, cut_calls=False)
         finally:
             container_memo.reset(token)
         content = res.content[self.content_sent :]
         self.content_sent = max(self.content_sent, len(res.content))
         out: list[dict[str, Any]] = []
         named = named_calls(res.calls, self.parallel)
-        self.calls_complete = all(c.complete for c in named)
+        self.calls_complete = all(c.complete for c in named) and not res.cut
         for idx, c in enumerate(named):
             if idx == len(self.ids):
                 self.ids.append(new_call_id())

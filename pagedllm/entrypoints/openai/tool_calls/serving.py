@@ -91,13 +91,19 @@ class ToolOutput:
 
     @staticmethod
     def _finish(reason: str | None, called: bool) -> str | None:
+        # Output cut by max_tokens keeps "length" (OpenAI's and vLLM's answer), even after
+        # complete calls: the client must not take a cut answer for a finished turn. A call
+        # the cut left unfinished is never a call with arguments that do not parse: under
+        # "auto" its text is content (what vLLM answers too, and no client runs a broken call);
+        # a stream that already sent part of it keeps it (see ToolCallStream.delta).
         return "tool_calls" if called and reason == "stop" else reason
 
     def message(self, text: str, prefix: str, reason: str | None) -> tuple[dict[str, Any], Any]:
         """The non-streamed ``message`` of a finished choice (``prefix``: echoed text) and its
         finish reason (``tool_calls`` when it called tools, every call ended, and it stopped on
-        its own; a call cut by a stop string keeps ``stop``, as one cut by max_tokens keeps
-        ``length``)."""
+        its own). Under ``auto``, a call cut by max_tokens (finish ``length``) or a stop string
+        (``stop``) is returned as content; a forced call stays a call whose arguments end where
+        the output was cut, with that finish reason."""
         ts = ToolCallStream(self.parser, self.parallel)
         content, calls = ts.message(text)
         msg: dict[str, Any] = {"role": "assistant", "content": (prefix + (content or "")) or None}
