@@ -172,10 +172,9 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     the folder, whole and as one tensor-parallel rank's slices, and the engine on it gives
     transformers' greedy tokens."""
     from pagedllm.model.loader import load_gguf_weights, load_hf_weights, load_model
-    from pagedllm.model.loader.sharded import load_weight_shard
     from pagedllm.model.registry import model_class
-    from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
     from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
+    from tests.model.gguf_files import assert_rank_slices_equal
 
     arch, folder, prompts, refs = arch_case
     if arch in GGUF_UNSUPPORTED:
@@ -204,13 +203,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     assert [cfg_g.layer_is_moe(i) for i in range(cfg_h.num_hidden_layers)] == [
         cfg_h.layer_is_moe(i) for i in range(cfg_h.num_hidden_layers)
     ]
-    # A tensor-parallel rank's slices read from the file equal the sliced full load.
-    shard = TensorParallelShard.for_rank(cfg_h, 1, 2)
-    mine = load_weight_shard(path, "gguf", cfg_h, shard)
-    ref = shard_state_dict(sd_h, shard, cfg_h.head_dim)
-    assert mine.keys() == ref.keys()
-    for name, t in ref.items():
-        torch.testing.assert_close(mine[name], t, atol=1e-6, rtol=0, msg=name)
+    assert_rank_slices_equal(path, cfg_h, sd_h)  # a rank's slices read from the file
     if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
         # Granite MoE Shared files say "granitemoe": the same model class serves both.
         assert model_class(cfg_g.architecture) is model_class(cfg_h.architecture)
