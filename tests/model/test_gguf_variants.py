@@ -1,7 +1,8 @@
 """GGUF files beyond what llama.cpp's current converters write for the tiny models of
 ``test_architectures.py``: q, k and v fused into one ``attn_qkv`` (older Phi-2 files, converted
-from the original ``Wqkv``; llama.cpp's ``build_qkv`` reads one in any architecture). Each loads
-the folder's weights and gives transformers' greedy tokens."""
+from the original ``Wqkv``; llama.cpp's ``build_qkv`` reads one in any architecture), and a
+sliding window recorded for StarCoder2 / Qwen2-MoE, whose converters write none. Each loads the
+folder's weights and gives transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 from tests.model.arch_utils import (
+    WINDOW,
     build_tiny_hf_model,
     compare_to_reference,
     greedy_reference,
     write_gguf_like_llama_cpp,
 )
-from tests.model.gguf_files import assert_rank_slices_equal
+from tests.model.gguf_files import assert_rank_slices_equal, rewrite_gguf
 
 STEPS = 12
 KW: dict[str, Any] = dict(dtype="float32", max_model_len=128, kv_cache_memory=1 << 22)
@@ -112,3 +114,56 @@ def test_quantized_fused_qkv_loads_and_shards(arch, tmp_path):
     for name, t in sd_h.items():
         torch.testing.assert_close(sd_g[name], t, atol=float(t.abs().max()) / 127, rtol=0)
     assert_rank_slices_equal(path, cfg, sd_g)
+
+
+def test_starcoder2_gguf_window_equals_transformers(tmp_path):
+    """llama.cpp's starcoder2 converter records no window (such a file runs with full attention);
+    a file with ``attention.sliding_window`` windows every layer, as the checkpoint does, and
+    gives transformers' tokens past the 8-token window."""
+    from pagedllm.model.loader import load_gguf_weights
+
+    hf = build_tiny_hf_model("starcoder2", tmp_path / "hf")
+    plain = tmp_path / "starcoder2.gguf"
+    write_gguf_like_llama_cpp(hf, plain, "starcoder2")
+    assert load_gguf_weights(plain)[0].sliding_window is None
+    path = tmp_path / "starcoder2-window.gguf"
+    rewrite_gguf(plain, path, add_keys=lambda w: w.add_sliding_window(WINDOW))
+    loaded = _loaded_from_gguf(tmp_path / "hf", path)
+    config = loaded.config
+    assert config.sliding_window == WINDOW and config.layer_types is None
+    _assert_greedy_matches(hf, tmp_path / "hf", loaded)
+
+
+def test_qwen2_moe_gguf_window_equals_transformers(tmp_path):
+    """A qwen2moe file with ``attention.sliding_window`` and one sliding flag per layer (as
+    transformers' ``layer_types`` of ``use_sliding_window`` with ``max_window_layers`` 1: layer 0
+    windowed, layer 1 full) gives transformers' tokens; the window without the flags is refused
+    naming ``sliding_window_pattern``; without the window (llama.cpp's converter) none is used."""
+    from pagedllm.model.loader import load_gguf_weights
+
+    hf = build_tiny_hf_model(
+        "qwen2_moe",
+        tmp_path / "hf",
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    )
+    assert hf.config.layer_types == ["sliding_attention", "full_attention"]
+    plain = tmp_path / "qwen2moe.gguf"
+    write_gguf_like_llama_cpp(hf, plain, "qwen2_moe")
+    assert load_gguf_weights(plain)[0].sliding_window is None
+    flags = [t == "sliding_attention" for t in hf.config.layer_types]
+
+    def window_and_flags(w: Any) -> None:
+        w.add_sliding_window(WINDOW)
+        w.add_sliding_window_pattern(flags)
+
+    path = tmp_path / "qwen2moe-window.gguf"
+    rewrite_gguf(plain, path, add_keys=window_and_flags)
+    loaded = _loaded_from_gguf(tmp_path / "hf", path)
+    assert [loaded.config.layer_window(i) for i in range(2)] == [WINDOW, None]
+    _assert_greedy_matches(hf, tmp_path / "hf", loaded)
+    no_flags = tmp_path / "qwen2moe-window-only.gguf"
+    rewrite_gguf(plain, no_flags, add_keys=lambda w: w.add_sliding_window(WINDOW))
+    with pytest.raises(ValueError, match="sliding_window_pattern"):
+        load_gguf_weights(no_flags)
