@@ -27,7 +27,7 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt"
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
 ARCHS += ["granitemoe", "granitemoe_shared"]
-ARCHS += ["smollm3", "cohere", "ernie4_5", "exaone4"]
+ARCHS += ["smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4"]
 ARCHS += ["glm", "glm4"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
@@ -153,7 +153,7 @@ def test_cpu_fast_path_is_used(arch_case):
             assert isinstance(layer.input_layernorm, LayerNorm)
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
-            norm_cls = LayerNorm if arch in ("stablelm", "cohere") else RMSNorm
+            norm_cls = LayerNorm if arch.startswith(("stablelm", "cohere")) else RMSNorm
             # OLMo 2 and EXAONE 4.0 have post-norms only.
             post_only = arch in ("olmo2", "exaone4")
             norm = layer.post_attention_layernorm if post_only else layer.input_layernorm
@@ -195,7 +195,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     same += ["embedding_scale", "attention_scale", "residual_multiplier", "logits_scaling"]
     same += ["nope_layers", "layer_norm_bias", "logit_scale", "shared_input_norm"]
     same += ["qk_norm_full_width", "clip_qkv", "shared_expert_intermediate_size"]
-    same += ["shared_expert_gated", "router_top_k_then_softmax"]
+    same += ["shared_expert_gated", "router_top_k_then_softmax", "qk_layer_norm"]
     if arch in ("mixtral", "starcoder2"):  # llama.cpp's converters record no window
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:

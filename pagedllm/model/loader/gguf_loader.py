@@ -304,8 +304,8 @@ def _longrope_scaling(
 
 def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> ModelArchConfig:
     """Build a :class:`ModelArchConfig` from GGUF ``<arch>.*`` metadata (``general.architecture``
-    picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` adds the
-    architecture's own fields).
+    picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` and
+    ``gguf_tensor_fields`` add the architecture's own fields).
 
     ``head_dim`` comes from ``<arch>.attention.key_length``, else ``<arch>.rope.dimension_count``,
     else ``hidden / heads``; ``vocab_size`` from the length of ``tokenizer.ggml.tokens``, else
@@ -406,6 +406,7 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         fields["moe_layers"] = None if len(moe) == n_layers else moe
     cls = entry.load()
     fields.update(cls.gguf_config_fields(lambda key: gguf_metadata(reader, f"{arch}.{key}")))
+    fields.update(cls.gguf_tensor_fields(tensors.keys()))
     return ModelArchConfig(**fields)
 
 
