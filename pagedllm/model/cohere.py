@@ -11,17 +11,21 @@ What differs from Llama:
 * the logits are multiplied by ``logit_scale`` (0.0625 in Command-R), after the tied LM head;
 * RoPE rotates interleaved pairs of each head's dimensions, (2i, 2i + 1) at frequency i (GPT-J
   style): the q and k projection rows are permuted once at load time so that the rotate-half
-  kernels compute it (``layers.interleaved_rope``).
+  kernels compute it (``layers.interleaved_rope``);
+* with ``use_qk_norm`` (Command R+ 08-2024) every query and key head goes through a bias-free
+  LayerNorm over its dimensions before RoPE, with a weight row per head ([heads, head_dim]:
+  ``layers.layer_norm.HeadLayerNorm``; permuted with the q/k rows, cut with the heads under
+  tensor parallelism).
 
 The SwiGLU MLP and the projections have no biases (``attention_bias`` adds them to q, k, v and
-o). Refused with an error naming the field: ``use_qk_norm`` (Command R+ 08-2024's per-head
-LayerNorms, whose weights differ per head). llama.cpp's converter keeps the checkpoint's q/k rows
-(its command-r graph rotates interleaved pairs itself) and writes ``logit_scale``.
+o). llama.cpp's converter keeps the checkpoint's q/k rows (its command-r graph rotates
+interleaved pairs itself), writes ``logit_scale``, and stores the q/k norms as ``attn_q_norm`` /
+``attn_k_norm`` ([heads, head_dim]; no metadata key: their presence is the switch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, ClassVar
 
 import numpy as np
@@ -38,9 +42,9 @@ def _gguf_float(value: Any) -> float | None:
 
 
 class CohereForCausalLM(LayerNormDecoderForCausalLM):
-    """Command-R, Command R+ (without q/k norms), Aya 23 / Expanse: parallel-residual layers over
-    one bias-free LayerNorm, a SwiGLU MLP, interleaved RoPE (by a load-time row permutation) and
-    scaled logits."""
+    """Command-R, Command R+ (with or without q/k norms), Aya 23 / Expanse: parallel-residual
+    layers over one bias-free LayerNorm, a SwiGLU MLP, interleaved RoPE (by a load-time row
+    permutation) and scaled logits."""
 
     layer_class = StableLmDecoderLayer  # LayerNorm layer with a bias-free SwiGLU MLP
     gguf_tensor_names: ClassVar[dict[str, str]] = {}  # llama.cpp keeps q, k and v apart
@@ -50,20 +54,14 @@ class CohereForCausalLM(LayerNormDecoderForCausalLM):
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        """Reads ``logit_scale`` (transformers' default 0.0625), ``layer_norm_eps``,
-        ``attention_bias`` and the tied head (true by default, as transformers).
-
-        Raises:
-            ValueError: naming ``use_qk_norm`` when true.
-        """
-        if cfg.get("use_qk_norm"):
-            raise ValueError(
-                "Cohere with use_qk_norm=true (per-head q/k LayerNorms) is not supported"
-            )
+        """Reads ``logit_scale`` (transformers' default 0.0625), ``layer_norm_eps`` (also the
+        q/k norms'), ``use_qk_norm``, ``attention_bias`` and the tied head (true by default, as
+        transformers)."""
         bias = bool(cfg.get("attention_bias", False))
         scale = cfg.get("logit_scale", 0.0625)
         return {
             **_cohere_fields(None if scale is None else float(scale)),
+            "qk_layer_norm": bool(cfg.get("use_qk_norm", False)),
             "attention_bias": bias,
             "o_proj_bias": bias,
             "layer_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
@@ -72,19 +70,23 @@ class CohereForCausalLM(LayerNormDecoderForCausalLM):
 
     @classmethod
     def gguf_config_fields(cls, meta: Callable[[str], Any]) -> dict[str, Any]:
-        """llama.cpp's command-r keys: ``logit_scale``, ``attention.layer_norm_epsilon`` (a file
-        with ``attn_q_norm`` / ``attn_k_norm`` tensors fails to load: the model has no q/k
-        norms)."""
+        """llama.cpp's command-r keys: ``logit_scale``, ``attention.layer_norm_epsilon`` (also
+        the q/k norms', as llama.cpp's graph uses it)."""
         eps = meta("attention.layer_norm_epsilon")
         return {
             **_cohere_fields(_gguf_float(meta("logit_scale"))),
             "layer_norm_eps": 1e-5 if eps is None else float(str(np.float32(eps))),
         }
 
+    @classmethod
+    def gguf_tensor_fields(cls, tensor_names: Collection[str]) -> dict[str, Any]:
+        """``qk_layer_norm`` when the file has ``attn_q_norm`` tensors (no key records it)."""
+        return {"qk_layer_norm": "blk.0.attn_q_norm.weight" in tensor_names}
+
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """``DecoderForCausalLM.load_weights``, then the q and k rows (weights and biases; this
-        rank's heads under tensor parallelism) of every head reordered for rotate-half RoPE
-        (module docstring), before any packing or quantization reads them."""
+        rank's heads under tensor parallelism) of every head, and the q/k norm weights, reordered
+        for rotate-half RoPE (module docstring), before any packing or quantization reads them."""
         super().load_weights(state_dict)
         permute_interleaved_qk(self.layers)
 

@@ -40,6 +40,9 @@ class ModelArchConfig:
         qk_norm: RMSNorm over each query / key head before RoPE (Qwen3, Gemma 3).
         qk_norm_full_width: the q/k RMSNorms span the whole projection (width heads * head_dim
             for q, kv_heads * head_dim for k; OLMo 2) instead of one head.
+        qk_layer_norm: a LayerNorm (mean-subtracting, weight only) over each query / key head
+            before RoPE, with one weight row per head ([heads, head_dim]; Cohere's
+            ``use_qk_norm``), instead of the RMSNorms of ``qk_norm``.
         sliding_window: tokens a windowed layer sees (its own included), or None.
         layer_types: per layer "full_attention" or "sliding_attention"; None = every layer is
             windowed when ``sliding_window`` is set (Mistral), else full.
@@ -111,6 +114,7 @@ class ModelArchConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False
     qk_norm_full_width: bool = False
+    qk_layer_norm: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None

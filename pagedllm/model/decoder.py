@@ -17,7 +17,7 @@ all-reduce and the logits are gathered to rank 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -240,6 +240,13 @@ class DecoderForCausalLM(nn.Module):
     def gguf_config_fields(cls, meta: Callable[[str], Any]) -> dict[str, Any]:
         """``ModelArchConfig`` fields this architecture reads from GGUF metadata beyond the
         common ones; ``meta(key)`` returns ``<arch>.<key>`` or None."""
+        return {}
+
+    @classmethod
+    def gguf_tensor_fields(cls, tensor_names: Collection[str]) -> dict[str, Any]:
+        """``ModelArchConfig`` fields this architecture reads from which tensors a GGUF file
+        holds, where no metadata key records a variant (Cohere's q/k norms); applied after
+        :meth:`gguf_config_fields`."""
         return {}
 
     @classmethod

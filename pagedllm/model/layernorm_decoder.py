@@ -171,18 +171,13 @@ class LayerNormDecoderForCausalLM(DecoderForCausalLM):
             return h
         return h.add_(self.embed_positions(positions))
 
-    # llama.cpp's per-layer names (``gguf.constants.MODEL_TENSOR``): fused QKV as ``attn_qkv``.
-    gguf_tensor_names: ClassVar[dict[str, str]] = {"attn_qkv": "self_attn.qkv_proj"}
-
     @classmethod
     def split_gguf_weight(
         cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
     ) -> dict[str, torch.Tensor]:
-        """llama.cpp's ``attn_qkv`` ([3 H D, ...]) is [all q; all k; all v] for GPT-2 and
-        GPT-NeoX alike (its converter de-interleaves NeoX's per-head rows and transposes GPT-2's
-        Conv1D weights), so it is split in three blocks; anything else is unchanged."""
-        if ".qkv_proj." in name:
-            return split_fused_qkv(name, tensor, config.num_attention_heads, per_head=False)
+        """``{name: tensor}``: llama.cpp's converter already undid what ``split_hf_weight``
+        undoes (it transposes GPT-2's Conv1D weights and de-interleaves NeoX's per-head QKV
+        rows), and the loader splits the fused ``attn_qkv`` itself (``loader.gguf_expand``)."""
         return {name: tensor}
 
     @classmethod

@@ -8,6 +8,10 @@ MLP in parallel, x + attn(ln(x)) + mlp(ln(x)); partial rotary (the first
 the output projection (``dense``) and the non-gated GELU-tanh MLP (``fc1`` / ``fc2``); a final
 LayerNorm (``final_layernorm``) and an LM head with a bias. The per-head q/k LayerNorms of
 ``qk_layernorm`` (no released checkpoint sets it) are refused.
+
+llama.cpp's ``phi2`` GGUF files converted from the transformers layout keep q, k and v apart;
+older ones, converted from the original ``Wqkv``, hold one ``attn_qkv`` [q; k; v] per layer,
+which the loader splits (``loader.gguf_expand``) before any tensor-parallel slicing.
 """
 
 from __future__ import annotations
@@ -47,9 +51,6 @@ class PhiForCausalLM(LayerNormDecoderForCausalLM):
         (r"\.mlp\.fc1\.", ".mlp.up_proj."),
         (r"\.mlp\.fc2\.", ".mlp.down_proj."),
     )
-    # llama.cpp's phi2 files from the transformers layout keep q, k and v apart (older files
-    # converted from the original fused ``Wqkv`` layout are not read).
-    gguf_tensor_names: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def standardize_hf_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:

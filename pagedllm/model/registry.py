@@ -85,7 +85,8 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("SmolLM3ForCausalLM", "smollm3", "SmolLM3ForCausalLM", ("smollm3",),
                ("smollm3",), "SmolLM3 (NoPE layers: no RoPE on every fourth)"),
     ModelEntry("CohereForCausalLM", "cohere", "CohereForCausalLM", ("cohere",), ("command-r",),
-               "Command-R, Aya 23 (parallel residual, interleaved RoPE, logit scale)"),
+               "Command-R / R+, Aya 23 (parallel residual, interleaved RoPE, logit scale, "
+               "q/k LayerNorms)"),
     ModelEntry("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), ("olmoe",),
                "OLMoE (sparse MoE, full-width q/k norm)"),
     ModelEntry("GraniteMoeForCausalLM", "granite_moe", "GraniteMoeForCausalLM", ("granitemoe",),

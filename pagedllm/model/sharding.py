@@ -41,6 +41,8 @@ class TensorParallelShard:
             (Qwen2-MoE; split like the dense MLP, its [1, d] sigmoid gate stays whole).
         qk_norm_full_width: the q/k norm weights span all heads (OLMo 2), so they are cut with
             the rank's heads; per-head norms (Qwen3, Gemma 3) stay whole.
+        qk_layer_norm: the q/k norm weights have one row per head (Cohere's per-head
+            LayerNorms), so their rows are cut with the rank's heads.
     """
 
     rank: int
@@ -53,6 +55,7 @@ class TensorParallelShard:
     expert_intermediate: tuple[int, int] = (0, 0)
     shared_expert_intermediate: tuple[int, int] = (0, 0)
     qk_norm_full_width: bool = False
+    qk_layer_norm: bool = False
 
     @property
     def num_heads(self) -> int:
@@ -130,6 +133,7 @@ class TensorParallelShard:
                 (rank + 1) * shared_inter // tp,
             ),
             qk_norm_full_width=config.qk_norm_full_width,
+            qk_layer_norm=config.qk_layer_norm,
         )
 
     def weight_slice(self, name: str, head_dim: int) -> tuple[int, int, int] | None:
@@ -138,7 +142,8 @@ class TensorParallelShard:
         Linear weights are [out, in]: column-parallel layers (and their biases) are cut along
         dim 0, row-parallel ones along dim 1 (their biases stay whole); the embedding and LM head
         (its bias too) along the vocabulary (dim 0); norms stay whole (per-head q/k norms
-        included), except full-width q/k norms (OLMo 2), cut with the rank's heads.
+        included), except full-width q/k norms (OLMo 2), cut with the rank's heads, and q/k
+        norms with a weight row per head (Cohere), whose rows are cut with the heads.
         """
         d = head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
@@ -155,6 +160,10 @@ class TensorParallelShard:
             return (0, self.q_heads[0] * d, self.q_heads[1] * d)
         if self.qk_norm_full_width and stem.endswith("self_attn.k_norm"):
             return (0, self.kv_heads[0] * d, self.kv_heads[1] * d)
+        if self.qk_layer_norm and stem.endswith("self_attn.q_norm"):  # [heads, head_dim]
+            return (0, *self.q_heads)
+        if self.qk_layer_norm and stem.endswith("self_attn.k_norm"):
+            return (0, *self.kv_heads)
         if ".shared_expert." in stem:  # Qwen2-MoE's shared expert: a dense MLP of its own width
             if stem.endswith((".gate_proj", ".up_proj")):
                 return (0, *self.shared_expert_intermediate)

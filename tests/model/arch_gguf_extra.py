@@ -1,6 +1,7 @@
 """Tiny-model settings and llama.cpp-style GGUF writers of the architectures added after
 ``tests/model/arch_utils.py`` reached its size limit: SmolLM3 (NoPE layers) and Cohere
-Command-R (interleaved RoPE, bias-free LayerNorm, parallel residual, logit scale).
+Command-R (interleaved RoPE, bias-free LayerNorm, parallel residual, logit scale; with and
+without the per-head q/k LayerNorms of ``use_qk_norm``).
 
 ``arch_utils._arch_kwargs`` and ``write_gguf_like_llama_cpp`` dispatch here for the names in
 ``EXTRA_ARCHS`` / ``EXTRA_GGUF_WRITERS``.
@@ -24,7 +25,7 @@ COHERE_LOGIT_SCALE = 0.25
 # EXAONE 4.0: one sliding layer (RoPE) and one full-attention layer (NoPE), window 8 (shorter than
 # the test prompts).
 EXAONE4_LAYER_TYPES = ["sliding_attention", "full_attention"]
-EXTRA_ARCHS = ("smollm3", "cohere", "ernie4_5", "exaone4", *GLM_ARCHS)
+EXTRA_ARCHS = ("smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4", *GLM_ARCHS)
 
 
 def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -44,11 +45,14 @@ def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "tie_word_embeddings": True,
             "rope_parameters": rope,
         }
-    if arch == "cohere":  # tied head, as released; no q/k norms (Command-R v01)
+    if arch in ("cohere", "cohere_qk_norm"):  # tied head, as released
+        # cohere: no q/k norms (Command-R v01); cohere_qk_norm: per-head q/k LayerNorms
+        # (Command R+ 08-2024), their weights perturbed per head by build_tiny_hf_model.
         return tf.CohereForCausalLM, {
             "config": tf.CohereConfig,
             "logit_scale": COHERE_LOGIT_SCALE,
             "tie_word_embeddings": True,
+            "use_qk_norm": arch == "cohere_qk_norm",
             "rope_parameters": rope,
         }
     if arch == "ernie4_5":  # tied head and no biases, as released; RoPE base 10000 (not 5e5)
@@ -137,7 +141,8 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     """A tiny Cohere model as llama.cpp's Command-R converter writes it (architecture
     ``command-r``): the common keys with the LayerNorm epsilon, ``logit_scale``, q/k rows as in
     the checkpoint (not permuted: llama.cpp's command-r graph rotates interleaved pairs, as
-    transformers), no ``output`` tensor (tied), no norm biases, no ``ffn_norm``."""
+    transformers), no ``output`` tensor (tied), no norm biases, no ``ffn_norm``; with
+    ``use_qk_norm`` the q/k norms as ``attn_q_norm`` / ``attn_k_norm`` [heads, head_dim]."""
     import gguf
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
@@ -169,6 +174,7 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
 
 EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {
     "cohere": write_cohere_gguf,
+    "cohere_qk_norm": write_cohere_gguf,
     "ernie4_5": write_ernie4_5_gguf,
     "exaone4": write_exaone4_gguf,
     **GLM_GGUF_WRITERS,

@@ -321,13 +321,24 @@ def compare_to_reference(
     return counted
 
 
-def write_gguf_like_llama_cpp(hf_model: Any, path: Path, arch: str, qtype: Any = None) -> None:
+def write_gguf_like_llama_cpp(
+    hf_model: Any, path: Path, arch: str, qtype: Any = None, fused_qkv: bool = False
+) -> None:
     """Write ``hf_model`` (a tiny model from :func:`build_tiny_hf_model`) as a GGUF file the way
     llama.cpp's converter does: its tensor names, Llama's q/k rows permuted per head, Gemma's
     norms stored as ``1 + w``, stacked experts, fused tensors; no tokenizer. Float32, or with
     ``qtype`` (a ``gguf.GGMLQuantizationType``) every matrix whose rows fit its blocks quantized.
-    Granite's multipliers go to llama.cpp's ``*_scale`` keys."""
+    Granite's multipliers go to llama.cpp's ``*_scale`` keys. ``fused_qkv``: each layer's q, k
+    and v as one ``attn_qkv`` (``gguf_files``; older Phi-2 files)."""
     import gguf
+
+    if fused_qkv:
+        from tests.model.gguf_files import rewrite_gguf
+
+        separate = path.with_name(f"{path.stem}-separate-qkv.gguf")
+        write_gguf_like_llama_cpp(hf_model, separate, arch, qtype)
+        rewrite_gguf(separate, path, fuse_qkv=True)
+        return
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
     from tests.model.arch_gguf_moe import MOE_GGUF_ARCH, add_moe_gguf_keys, llama_cpp_moe_tensors

@@ -27,7 +27,7 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "opt"
 ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_tied"]
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
 ARCHS += ["granitemoe", "granitemoe_shared"]
-ARCHS += ["smollm3", "cohere", "ernie4_5", "exaone4"]
+ARCHS += ["smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4"]
 ARCHS += ["glm", "glm4"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
@@ -153,7 +153,7 @@ def test_cpu_fast_path_is_used(arch_case):
             assert isinstance(layer.input_layernorm, LayerNorm)
         else:
             assert isinstance(mlp.gate_up_proj, (PackedLinear, PackedSwiGLU))
-            norm_cls = LayerNorm if arch in ("stablelm", "cohere") else RMSNorm
+            norm_cls = LayerNorm if arch.startswith(("stablelm", "cohere")) else RMSNorm
             # OLMo 2 and EXAONE 4.0 have post-norms only.
             post_only = arch in ("olmo2", "exaone4")
             norm = layer.post_attention_layernorm if post_only else layer.input_layernorm
@@ -172,10 +172,9 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     the folder, whole and as one tensor-parallel rank's slices, and the engine on it gives
     transformers' greedy tokens."""
     from pagedllm.model.loader import load_gguf_weights, load_hf_weights, load_model
-    from pagedllm.model.loader.sharded import load_weight_shard
     from pagedllm.model.registry import model_class
-    from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
     from tests.model.arch_utils import build_tiny_hf_model, write_gguf_like_llama_cpp
+    from tests.model.gguf_files import assert_rank_slices_equal
 
     arch, folder, prompts, refs = arch_case
     if arch in GGUF_UNSUPPORTED:
@@ -196,7 +195,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     same += ["embedding_scale", "attention_scale", "residual_multiplier", "logits_scaling"]
     same += ["nope_layers", "layer_norm_bias", "logit_scale", "shared_input_norm"]
     same += ["qk_norm_full_width", "clip_qkv", "shared_expert_intermediate_size"]
-    same += ["shared_expert_gated", "router_top_k_then_softmax"]
+    same += ["shared_expert_gated", "router_top_k_then_softmax", "qk_layer_norm"]
     if arch in ("mixtral", "starcoder2"):  # llama.cpp's converters record no window
         same.remove("sliding_window")
     for f in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]:
@@ -204,13 +203,7 @@ def test_gguf_file_loads_the_same_weights(arch_case, tmp_path):
     assert [cfg_g.layer_is_moe(i) for i in range(cfg_h.num_hidden_layers)] == [
         cfg_h.layer_is_moe(i) for i in range(cfg_h.num_hidden_layers)
     ]
-    # A tensor-parallel rank's slices read from the file equal the sliced full load.
-    shard = TensorParallelShard.for_rank(cfg_h, 1, 2)
-    mine = load_weight_shard(path, "gguf", cfg_h, shard)
-    ref = shard_state_dict(sd_h, shard, cfg_h.head_dim)
-    assert mine.keys() == ref.keys()
-    for name, t in ref.items():
-        torch.testing.assert_close(mine[name], t, atol=1e-6, rtol=0, msg=name)
+    assert_rank_slices_equal(path, cfg_h, sd_h)  # a rank's slices read from the file
     if arch != "mistral":  # Mistral GGUF files say "llama" (no window recorded)
         # Granite MoE Shared files say "granitemoe": the same model class serves both.
         assert model_class(cfg_g.architecture) is model_class(cfg_h.architecture)

@@ -1,6 +1,7 @@
 """Cohere Command-R beyond the token-exact comparison of ``test_architectures.py`` (``cohere``):
 the load-time q/k row permutation turns rotate-half RoPE into transformers' interleaved RoPE
-with the same attention scores, the bias-free LayerNorm is mean-subtracting, and what is refused.
+with the same attention scores, the bias-free LayerNorm is mean-subtracting, and the per-head
+q/k LayerNorms of ``use_qk_norm`` equal transformers'.
 """
 
 from __future__ import annotations
@@ -72,8 +73,21 @@ def test_logit_scale_default_and_identity(cfg: dict[str, Any], expect: float | N
     assert fields["layer_norm_bias"] is False and fields["shared_input_norm"] is True
 
 
-def test_use_qk_norm_is_refused() -> None:
-    from pagedllm.model.cohere import CohereForCausalLM
+def test_use_qk_norm_reads_per_head_layer_norms() -> None:
+    """``use_qk_norm`` switches on the per-head q/k LayerNorms, which equal transformers'
+    ``CohereLayerNorm`` of shape (heads, head_dim): mean-subtracting, one weight row per head."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 
-    with pytest.raises(ValueError, match="use_qk_norm"):
-        CohereForCausalLM.hf_config_fields({"use_qk_norm": True})
+    from pagedllm.model.cohere import CohereForCausalLM
+    from pagedllm.model.layers.layer_norm import HeadLayerNorm
+
+    assert CohereForCausalLM.hf_config_fields({"use_qk_norm": True})["qk_layer_norm"] is True
+    assert CohereForCausalLM.hf_config_fields({})["qk_layer_norm"] is False
+    g = torch.Generator().manual_seed(2)
+    ref = CohereLayerNorm((3, 16), eps=1e-5)
+    ours = HeadLayerNorm(3, 16, 1e-5, torch.float32)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(3, 16, generator=g))
+        ours.weight.copy_(ref.weight)
+    x = 2.0 + torch.randn(5, 3, 16, generator=g)  # [tokens, heads, head_dim], far from zero mean
+    torch.testing.assert_close(ours(x), ref(x))

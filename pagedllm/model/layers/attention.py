@@ -2,7 +2,8 @@
 
 One fused QKV projection (optionally with bias: Qwen2), optional RMSNorms of queries and keys
 before RoPE (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2, OLMoE, whose mean square
-spans every rank's heads under tensor parallelism), an optional clamp of q, k and v (``clip_qkv``:
+spans every rank's heads under tensor parallelism) or per-head LayerNorms with a weight row per
+head (Cohere's ``use_qk_norm``), an optional clamp of q, k and v (``clip_qkv``:
 OLMoE; after the q/k norms), the rotary embedding (none on a NoPE layer: SmolLM3), the attention
 backend (with the layer's sliding window when it has one: Mistral, Gemma local layers; the
 attention-logit soft cap of Gemma 2, on torch_native) and the output projection.
@@ -18,6 +19,7 @@ from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.attention.torch_native import TorchNativeAttention
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.layers.layer_norm import HeadLayerNorm
 from pagedllm.model.layers.linear import column_linear, row_linear
 from pagedllm.model.layers.norm import RMSNorm, norm_heads, rms_norm_across_ranks
 from pagedllm.model.layers.rotary import Rotate
@@ -82,12 +84,16 @@ class PagedSelfAttention(nn.Module):
             hidden, self.q_size + 2 * self.kv_size, dtype, bias=config.attention_bias
         )
         self.o_proj = row_linear(self.q_size, hidden, group, dtype, bias=config.o_proj_bias)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm: RMSNorm | HeadLayerNorm | None = None
+        self.k_norm: RMSNorm | HeadLayerNorm | None = None
         self.qk_norm_full_width = config.qk_norm_full_width
         self.clip_qkv = config.clip_qkv
         self.group = group
-        if config.qk_norm:
+        if config.qk_layer_norm:  # this rank's heads' weight rows (Cohere)
+            eps, d = config.layer_norm_eps, self.head_dim
+            self.q_norm = HeadLayerNorm(self.num_heads, d, eps, dtype)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, d, eps, dtype)
+        elif config.qk_norm:
             eps, off = config.rms_norm_eps, config.norm_weight_offset
             full = config.qk_norm_full_width  # this rank's heads' slice of the weight
             self.q_norm = RMSNorm(self.q_size if full else self.head_dim, eps, dtype, off)
@@ -113,19 +119,18 @@ class PagedSelfAttention(nn.Module):
             rotate = _no_rotation
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         qs, kvs, d = self.q_size, self.kv_size, self.head_dim
-        if self.qk_norm_full_width and self.q_norm is not None and self.k_norm is not None:
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.qk_norm_full_width and isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm):
             q_in, k_in = qkv[:, :qs], qkv[:, qs : qs + kvs]
             if self.group is None:
-                q_out, k_out = self.q_norm(q_in), self.k_norm(k_in)
+                q_out, k_out = q_norm(q_in), k_norm(k_in)
             else:
-                q_out, k_out = rms_norm_across_ranks(
-                    [self.q_norm, self.k_norm], [q_in, k_in], self.group
-                )
+                q_out, k_out = rms_norm_across_ranks([q_norm, k_norm], [q_in, k_in], self.group)
             q = rotate(self.clip(q_out).view(t, self.num_heads, d))
             k = rotate(self.clip(k_out).view(t, self.num_kv_heads, d))
-        elif self.q_norm is not None and self.k_norm is not None:
-            q_heads = norm_heads(self.q_norm, qkv[:, :qs].view(t, self.num_heads, d))
-            k_heads = norm_heads(self.k_norm, qkv[:, qs : qs + kvs].view(t, -1, d))
+        elif q_norm is not None and k_norm is not None:
+            q_heads = norm_heads(q_norm, qkv[:, :qs].view(t, self.num_heads, d))
+            k_heads = norm_heads(k_norm, qkv[:, qs : qs + kvs].view(t, -1, d))
             q, k = rotate(self.clip(q_heads)), rotate(self.clip(k_heads))
         else:
             # Q and K heads are rotated together: one rotary op per layer.

@@ -6,6 +6,8 @@ Permuting the first R rows of every q and k head once at load time, the even dim
 then the odd ones, makes rotate-half RoPE on the permuted rows equal the interleaved rotation of
 the original ones; q and k share the permutation, so their dot products, hence the attention,
 are unchanged (v and o are untouched). The rotary stays the C++ kernel and the fused layer op.
+A q/k norm before RoPE (Cohere's per-head LayerNorms) has its weight's dimensions permuted the
+same way: its mean and variance over a head do not depend on the order of the dimensions.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def permute_head_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int | None 
 
 def permute_interleaved_qk(layers: Iterable[nn.Module], rotary_dim: int | None = None) -> None:
     """Reorder, in place, the q and k rows (weights and biases of each ``self_attn.qkv_proj``;
-    this rank's heads under tensor parallelism) of every head of ``layers`` by
-    :func:`interleaved_to_half_order`. Call after the weights are loaded, before packing or
-    quantization; layers without ``self_attn`` (another pipeline stage's) are skipped."""
+    this rank's heads under tensor parallelism) of every head of ``layers``, and the weights of
+    their q/k norms when they have any (a multiple of head_dim: one row per head, or one shared
+    by the heads), by :func:`interleaved_to_half_order`. Call after the weights are loaded,
+    before packing or quantization; layers without ``self_attn`` (another pipeline stage's) are
+    skipped."""
     with torch.no_grad():
         for layer in layers:
             attn = getattr(layer, "self_attn", None)
@@ -46,3 +50,6 @@ def permute_interleaved_qk(layers: Iterable[nn.Module], rotary_dim: int | None =
             qk_rows = attn.q_size + attn.kv_size
             for param in attn.qkv_proj.parameters(recurse=False):
                 permute_head_rows(param[:qk_rows], attn.head_dim, rotary_dim)
+            for norm in (attn.q_norm, attn.k_norm):
+                if norm is not None:  # the norm runs before RoPE, on the permuted rows
+                    permute_head_rows(norm.weight.view(-1), attn.head_dim, rotary_dim)

@@ -1,5 +1,6 @@
-"""RMSNorm (Zhang & Sennrich 2019), plain, Gemma's ``1 + w`` form, per-head q/k norms, and norms
-over a width split across tensor-parallel ranks (OLMo 2's full-width q/k norms)."""
+"""RMSNorm (Zhang & Sennrich 2019), plain, Gemma's ``1 + w`` form, per-head q/k norms (and
+Cohere's per-head LayerNorms, ``layer_norm.HeadLayerNorm``), and norms over a width split across
+tensor-parallel ranks (OLMo 2's full-width q/k norms)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from pagedllm.model.layers.layer_norm import HeadLayerNorm
 
 if TYPE_CHECKING:
     from pagedllm.distributed import TensorParallelGroup
@@ -57,9 +60,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """Apply ``norm`` (width D) to every head of ``x`` [T, heads, D] (a strided view is fine):
-    the q/k norms of Qwen3 and Gemma 3. Returns a new contiguous [T, heads, D] tensor."""
+def norm_heads(norm: RMSNorm | HeadLayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``norm`` to every head of ``x`` [T, heads, D] (a strided view is fine): an RMSNorm
+    of width D shared by the heads (the q/k norms of Qwen3 and Gemma 3), or a
+    :class:`HeadLayerNorm` with a weight row per head (Cohere). Returns a new contiguous
+    [T, heads, D] tensor."""
+    if isinstance(norm, HeadLayerNorm):
+        return norm(x)
     t, heads, d = x.shape
     return norm(x.reshape(t * heads, d)).view(t, heads, d)
 

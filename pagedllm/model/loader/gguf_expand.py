@@ -6,9 +6,14 @@ renaming): llama.cpp's stacked MoE experts and fused projections.
   (``gguf.constants.MODEL_TENSOR.FFN_*_EXP``); pagedllm's checkpoint names are per expert, as the
   model class's ``moe_names`` say (Mixtral ``block_sparse_moe.experts.e.w1``, Qwen3-MoE
   ``mlp.experts.e.gate_proj``), so each stacked tensor is cut into E views.
-* a model class with ``splits_hf_weights`` (fused QKV, fused gate/up) splits the renamed tensor
-  with its ``split_gguf_weight`` hook (llama.cpp's layout of the fused tensor can differ from
-  the Hugging Face checkpoint's: GPT-NeoX's QKV rows are de-interleaved by its converter).
+* a fused ``attn_qkv`` is [all q; all k; all v] in every architecture, as llama.cpp's
+  ``build_qkv`` views it (its converters de-interleave GPT-NeoX's per-head rows and transpose
+  GPT-2's Conv1D weights; Phi-2 files converted from the original ``Wqkv`` hold one too): it is
+  cut by the config's sizes, each part then converted as the separate tensor would be (Llama's
+  q/k rows un-permuted). A tensor-parallel rank reads it whole and cuts its slices from the parts.
+* a model class with ``splits_hf_weights`` (fused gate/up) splits any other renamed tensor with
+  its ``split_gguf_weight`` hook (llama.cpp's layout of a fused tensor can differ from the
+  Hugging Face checkpoint's).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from pagedllm.model.loader.gguf_loader import (
     gguf_tensor_to_hf,
     gguf_to_hf_name,
 )
-from pagedllm.model.weight_map import unused_tensors_error
+from pagedllm.model.weight_map import split_fused_tensor, unused_tensors_error
 
 # llama.cpp stacked-expert tensor -> which projection of ``MoeCheckpointNames`` it holds.
 _EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _ROUTER = "ffn_gate_inp"
+_FUSED_QKV = "attn_qkv"
 
 
 def gguf_tensor_to_hf_parts(
@@ -74,22 +80,38 @@ def gguf_tensor_to_hf_parts(
             f"{prefix}.experts.{e}.{proj}.{m.group(3)}": weight[e]
             for e in range(config.num_experts)
         }
+    if _is_fused_qkv(gguf_name):
+        # Split before any per-part conversion: Llama's q/k permutation is per projection.
+        fused = gguf_to_hf_name(gguf_name, cls.gguf_tensor_names)
+        parts = split_fused_tensor(fused, weight, config)
+        return dict(
+            gguf_tensor_to_hf(gguf_name, part, config, num_heads, num_kv_heads, name)
+            for name, part in parts.items()
+        )
     hf_name, weight = gguf_tensor_to_hf(gguf_name, weight, config, num_heads, num_kv_heads)
     if cls.splits_hf_weights:
         return cls.split_gguf_weight(hf_name, weight, config)
     return {hf_name: weight}
 
 
+def _is_fused_qkv(gguf_name: str) -> bool:
+    """Whether ``gguf_name`` is a fused ``attn_qkv`` (weight or bias), which the loader splits
+    itself in every architecture."""
+    m = _LAYER_RE.match(gguf_name)
+    return m is not None and m.group(2) == _FUSED_QKV
+
+
 def needs_whole_tensor(gguf_name: str, config: ModelArchConfig) -> bool:
     """Whether a tensor-parallel rank must read ``gguf_name`` whole and split it
-    (:func:`gguf_tensor_to_hf_parts`) before taking its slice: stacked experts, the router, and
-    every tensor of a model whose class splits fused tensors (``split_gguf_weight``)."""
+    (:func:`gguf_tensor_to_hf_parts`) before taking its slice: stacked experts, the router, a
+    fused ``attn_qkv``, and every tensor of a model whose class splits fused tensors
+    (``split_gguf_weight``)."""
     from pagedllm.model.registry import model_class
 
     m = _LAYER_RE.match(gguf_name)
     if m is not None and (m.group(2) in _EXPERT_PARTS or m.group(2) == _ROUTER):
         return True
-    return model_class(config.architecture).splits_hf_weights
+    return model_class(config.architecture).splits_hf_weights or _is_fused_qkv(gguf_name)
 
 
 def check_gguf_tensor_names(names: list[str], config: ModelArchConfig) -> None:

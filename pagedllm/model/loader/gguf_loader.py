@@ -40,6 +40,9 @@ GGUF_LAYER_NAMES: dict[str, str] = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    # [all q; all k; all v], as llama.cpp's build_qkv reads any architecture's optional fused
+    # tensor (older Phi-2 files, from the original Wqkv); split at load (``gguf_expand``).
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
@@ -103,6 +106,7 @@ def gguf_tensor_to_hf(
     config: ModelArchConfig,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
+    hf_name: str | None = None,
 ) -> tuple[str, torch.Tensor]:
     """One dequantized GGUF tensor as (Hugging Face name, tensor in Hugging Face convention):
     renamed for ``config.architecture``, q/k rows un-permuted where llama.cpp permuted them, the
@@ -114,6 +118,8 @@ def gguf_tensor_to_hf(
         config: the model's config.
         num_heads / num_kv_heads: heads in ``weight`` (this rank's under tensor parallelism);
             default: the config's.
+        hf_name: the Hugging Face name when the caller has it already (one part of a fused
+            ``attn_qkv``, ``gguf_expand``); default: ``gguf_name`` renamed.
 
     Raises:
         ValueError: unknown name, or a q/k tensor whose rows do not fit the heads.
@@ -121,7 +127,8 @@ def gguf_tensor_to_hf(
     from pagedllm.model.registry import model_class
 
     cls = model_class(config.architecture)
-    hf_name = gguf_to_hf_name(gguf_name, cls.gguf_tensor_names)
+    if hf_name is None:
+        hf_name = gguf_to_hf_name(gguf_name, cls.gguf_tensor_names)
     if cls.gguf_permute_qk:
         if ".self_attn.q_proj." in hf_name:
             heads = num_heads or config.num_attention_heads
@@ -297,15 +304,15 @@ def _longrope_scaling(
 
 def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> ModelArchConfig:
     """Build a :class:`ModelArchConfig` from GGUF ``<arch>.*`` metadata (``general.architecture``
-    picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` adds the
-    architecture's own fields).
+    picks the model class in ``pagedllm.model.registry``; its ``gguf_config_fields`` and
+    ``gguf_tensor_fields`` add the architecture's own fields).
 
     ``head_dim`` comes from ``<arch>.attention.key_length``, else ``<arch>.rope.dimension_count``,
     else ``hidden / heads``; ``vocab_size`` from the length of ``tokenizer.ggml.tokens``, else
     ``<arch>.vocab_size``, else the embedding rows. ``tie_word_embeddings`` is True when the file
     has no ``output.weight``; ``attention_bias`` / ``o_proj_bias`` / ``mlp_bias`` when it has
-    ``attn_q`` / ``attn_output`` / ``ffn_up`` biases (no metadata key records them; an
-    architecture's own fields may override them). ``bos_token_id`` is
+    ``attn_q`` (or fused ``attn_qkv``) / ``attn_output`` / ``ffn_up`` biases (no metadata key
+    records them; an architecture's own fields may override them). ``bos_token_id`` is
     ``tokenizer.ggml.bos_token_id`` and ``eos_token_ids`` holds ``tokenizer.ggml.eos_token_id``
     (the tokenizer/chat-template ids are added by :func:`pagedllm.model.loader.load_model`).
 
@@ -388,7 +395,7 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         eos_token_ids=[] if eos is None else [int(eos)],
         architecture=entry.architecture,
         # llama.cpp keys no attention or MLP bias: a Llama-named file has the tensors or not.
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         o_proj_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors,
     )
@@ -399,6 +406,7 @@ def gguf_arch_config(reader: Any, path: str | os.PathLike[str] = "<gguf>") -> Mo
         fields["moe_layers"] = None if len(moe) == n_layers else moe
     cls = entry.load()
     fields.update(cls.gguf_config_fields(lambda key: gguf_metadata(reader, f"{arch}.{key}")))
+    fields.update(cls.gguf_tensor_fields(tensors.keys()))
     return ModelArchConfig(**fields)
 
 

@@ -1,0 +1,93 @@
+"""Helpers for the tiny GGUF files that ``arch_utils.write_gguf_like_llama_cpp`` writes: the check
+that one tensor-parallel rank's slices read from a file equal the sliced full load, and variants
+made by rewriting such a file: q, k and v fused into one ``attn_qkv`` per layer ([all q; all k; all v]
+rows, weights and biases; llama.cpp's older Phi-2 files, converted from the original ``Wqkv``,
+store them so, and its ``build_qkv`` reads one in any architecture), and metadata keys that
+llama.cpp's converters do not write for an architecture (a sliding window).
+
+Every other key and tensor is copied as it is, quantized blocks included: a fused tensor's rows
+are its parts' rows, and a quantized row is a whole number of blocks, so the rows concatenate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+QKV = ("attn_q", "attn_k", "attn_v")
+
+
+def assert_rank_slices_equal(path: Path, config: Any, state: dict[str, Any]) -> None:
+    """Rank 1 of 2's slices read from the GGUF file ``path`` (``load_weight_shard``: fused and
+    stacked tensors read whole and split first) equal ``state`` (a full load) sliced."""
+    import torch
+
+    from pagedllm.model.loader.sharded import load_weight_shard
+    from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
+
+    shard = TensorParallelShard.for_rank(config, 1, 2)
+    mine = load_weight_shard(path, "gguf", config, shard)
+    ref = shard_state_dict(state, shard, config.head_dim)
+    assert mine.keys() == ref.keys()
+    for name, t in ref.items():
+        torch.testing.assert_close(mine[name], t, atol=1e-6, rtol=0, msg=name)
+
+
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    fuse_qkv: bool = False,
+    add_keys: Callable[[Any], None] | None = None,
+) -> None:
+    """Write ``dst``: the GGUF file ``src`` with, when ``fuse_qkv``, each layer's ``attn_q`` /
+    ``attn_k`` / ``attn_v`` (weight, and bias when present) replaced by one ``attn_qkv`` of their
+    rows in that order, and the keys ``add_keys(writer)`` adds (a ``gguf.GGUFWriter`` of the same
+    architecture).
+
+    Raises:
+        ValueError: ``fuse_qkv`` and ``src`` has no ``attn_q`` tensor, or a layer's three parts
+            differ in type.
+    """
+    import gguf
+    import numpy as np
+
+    from tests.model.arch_utils import close_gguf
+
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the header, and what the writer adds itself
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), kind, sub)
+    if add_keys is not None:
+        add_keys(w)
+    tensors = {t.name: t for t in reader.tensors}
+    fused = 0
+    for t in reader.tensors:
+        stem, _, kind_name = t.name.rpartition(".")
+        block, _, part = stem.rpartition(".")
+        if not fuse_qkv or part not in QKV:
+            _copy(w, t.name, np.asarray(t.data), t.tensor_type)
+        elif part == QKV[0]:  # k and v join q's
+            parts = [tensors[f"{block}.{p}.{kind_name}"] for p in QKV]
+            if len({p.tensor_type for p in parts}) != 1:
+                raise ValueError(f"{block}: q / k / v of different types")
+            data = np.concatenate([np.asarray(p.data) for p in parts], axis=0)
+            _copy(w, f"{block}.attn_qkv.{kind_name}", data, t.tensor_type)
+            fused += 1
+    if fuse_qkv and not fused:
+        raise ValueError(f"{src} has no attn_q tensor to fuse")
+    close_gguf(w)
+
+
+def _copy(w: Any, name: str, data: Any, qtype: Any) -> None:
+    """Add ``data`` as the reader returned it: float32 as it is, quantized blocks as raw rows."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, data)
+    else:
+        w.add_tensor(name, data, raw_dtype=qtype)
