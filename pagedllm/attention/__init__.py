@@ -1,10 +1,12 @@
 """Attention backends behind one interface, chosen per device from a small registry.
 
-A backend has ``forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window=None)
--> out``: it writes the new tokens' K/V into their slots, then attends over each sequence's paged
-context (only its last ``sliding_window`` positions when set: every backend honours it, and the
-C++ and Triton kernels never read keys before a query's window, so the block manager may free
-those blocks; docs/sliding_window.md). Every
+A backend has ``forward(query, key, value, key_cache, value_cache, meta, scale, sliding_window=None,
+sinks=None) -> out``: it writes the new tokens' K/V into their slots, then attends over each
+sequence's paged context (only its last ``sliding_window`` positions when set: every backend
+honours it, and the C++ and Triton kernels never read keys before a query's window, so the block
+manager may free those blocks; docs/sliding_window.md). ``sinks`` ([H] attention-sink logits,
+gpt-oss) join each head's softmax denominator as keys of value zero; every backend implements
+them (the C++ kernels in the same order of arithmetic for decode and prefill). Every
 tensor it gets (activations, KV cache, ``AttentionMetadata`` index tensors) is on the engine's
 device.
 
@@ -51,6 +53,8 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

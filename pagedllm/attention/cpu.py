@@ -81,11 +81,15 @@ class CpuPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens into their slots, then attend (see
         ``reference.paged_attention_reference`` for the contract). ``sliding_window``: the
         kernels read only the keys inside each query's window, so table entries of blocks
-        wholly before it (freed by the block manager) are never dereferenced."""
+        wholly before it (freed by the block manager) are never dereferenced. ``sinks``: [H]
+        attention-sink logits (gpt-oss), or None; both kernels fold them in the same way, so
+        a query's decode and prefill outputs stay bit-identical."""
         ops = self.ops
         if (
             ops is None
@@ -94,14 +98,17 @@ class CpuPagedAttention:
             or key_cache.dtype not in _CACHE_DTYPES
         ):
             return self._fallback.forward(
-                query, key, value, key_cache, value_cache, meta, scale, sliding_window
-            )
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window,
+                sinks=sinks,
+            )  # fmt: skip
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty_like(query)
         tables, seq_lens, starts = self.plan(meta)
         window = sliding_window or 0  # the kernels' "no window"
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         nd, ns = meta.num_decodes, meta.num_seqs
         if nd:
             ops.paged_attention_decode(
@@ -115,11 +122,12 @@ class CpuPagedAttention:
                 scale,
                 self.partition_size,
                 window,
+                sinks,
             )
         if nd < ns:
             ops.paged_attention_prefill(
                 out, query, key_cache, value_cache, tables, seq_lens, starts, nd, ns, scale,
-                self.partition_size, window,
+                self.partition_size, window, sinks,
             )  # fmt: skip
         return out
 

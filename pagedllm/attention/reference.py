@@ -59,6 +59,8 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
@@ -75,6 +77,10 @@ def paged_attention_reference(
             (Mistral / Gemma local layers; Beltagy et al. 2020, Longformer); None = all.
         logits_soft_cap: when set, scaled scores become ``cap * tanh(scores / cap)`` before the
             softmax (Gemma 2's attention-logit soft-capping).
+        sinks: [num_heads] attention-sink logits (gpt-oss), or None: each head's softmax runs
+            over its scaled scores plus its sink, whose column is then dropped (it only adds
+            ``e^sink`` to the denominator; Xiao et al. 2023, "Efficient Streaming Language
+            Models with Attention Sinks").
 
     Returns:
         [T, num_heads, head_dim], dtype of ``query``.
@@ -99,7 +105,11 @@ def paged_attention_reference(
             scores = torch.einsum("hd,lhd->hl", q, k[lo : pos + 1]) * scale
             if logits_soft_cap is not None:
                 scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.float()[:, None]], dim=-1)
             probs = torch.softmax(scores, dim=-1)
+            if sinks is not None:
+                probs = probs[:, :-1]  # the sink's column: it has no value
             out[t] = torch.einsum("hl,lhd->hd", probs, v[lo : pos + 1]).to(query.dtype)
     return out
 
@@ -120,8 +130,10 @@ class ReferenceAttention:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         return paged_attention_reference(
-            query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap
+            query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap, sinks=sinks
         )

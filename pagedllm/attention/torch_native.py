@@ -8,7 +8,9 @@ Decodes (one new token per sequence) are done together: their blocks are gathere
 block tables with one ``index_select`` per layer into a padded [KVH, S, L, D] tensor (contiguous
 thanks to the head-first cache layout), then two batched matmuls with an additive padding mask.
 Prefill sequences are done one at a time with ``scaled_dot_product_attention`` over the gathered
-context with a causal mask offset by the cached length (so prefix hits and chunks work).
+context with a causal mask offset by the cached length (so prefix hits and chunks work). SDPA has
+neither a soft cap (Gemma 2) nor attention sinks (gpt-oss): prefills with either materialize the
+scores (``_explicit_attention``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class TorchNativeAttention:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens, then attend.
 
@@ -50,6 +54,9 @@ class TorchNativeAttention:
             sliding_window: when set, position p attends to keys p - window + 1 .. p only.
             logits_soft_cap: when set, scaled scores become ``cap * tanh(scores / cap)`` before
                 the mask and softmax (Gemma 2); prefills then take the explicit-softmax path.
+            sinks: [H] attention-sink logits (gpt-oss), or None: each head's softmax also runs
+                over its sink, a key of value zero (``reference.paged_attention_reference``);
+                prefills then take the explicit-softmax path.
 
         Returns:
             [T, H, D], dtype and device of ``query``.
@@ -60,15 +67,17 @@ class TorchNativeAttention:
         nd = meta.num_decodes
         w, cap = sliding_window, logits_soft_cap
         if nd == meta.num_seqs:
-            return self._decode(query, key_cache, value_cache, meta, scale, w, cap)
+            return self._decode(query, key_cache, value_cache, meta, scale, w, cap, sinks)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta, scale, w, cap)
+            out[:nd] = self._decode(
+                query[:nd], key_cache, value_cache, meta, scale, w, cap, sinks
+            )
         starts = meta.query_start_loc_list
         for i in range(nd, meta.num_seqs):
             lo, hi = starts[i], starts[i + 1]
             q = query[lo:hi]
-            out[lo:hi] = self._prefill(q, key_cache, value_cache, meta, i, scale, w, cap)
+            out[lo:hi] = self._prefill(q, key_cache, value_cache, meta, i, scale, w, cap, sinks)
         return out
 
     @staticmethod
@@ -104,6 +113,7 @@ class TorchNativeAttention:
         scale: float,
         window: int | None = None,
         cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         nd, h, d = q.shape
         kvh = key_cache.shape[0]
@@ -118,7 +128,12 @@ class TorchNativeAttention:
         if cap is not None:
             scores = scores.div_(cap).tanh_().mul_(cap)
         scores = scores.add_(bias)
-        probs = torch.softmax(scores, dim=-1).view(kvh * nd, g, length)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1).view(kvh * nd, g, length)
+        else:  # one more column per head, the sink's; dropped after the softmax (no value)
+            sink = sinks.to(scores.dtype).view(kvh, 1, g, 1).expand(kvh, nd, g, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+            probs = probs[..., :length].reshape(kvh * nd, g, length)
         o = torch.bmm(probs, v).view(kvh, nd, g, d)  # [KVH, S, G, D]
         return o.transpose(0, 1).reshape(nd, h, d)
 
@@ -132,6 +147,7 @@ class TorchNativeAttention:
         scale: float,
         window: int | None = None,
         cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ctx = meta.seq_lens_list[i]
         ql = q.shape[0]
@@ -142,7 +158,7 @@ class TorchNativeAttention:
         k = gather_blocks(key_cache, index, q.dtype).view(1, kvh, length, d)[:, :, :ctx]
         v = gather_blocks(value_cache, index, q.dtype).view(1, kvh, length, d)[:, :, :ctx]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if ql == ctx and window is None and cap is None:
+        if ql == ctx and window is None and cap is None and sinks is None:
             o = F.scaled_dot_product_attention(
                 qh, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
@@ -154,29 +170,38 @@ class TorchNativeAttention:
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-            if cap is None:
+            if cap is None and sinks is None:
                 o = F.scaled_dot_product_attention(
                     qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True
                 )
             else:
-                o = _soft_capped_attention(qh, k, v, mask, scale, cap)
+                o = _explicit_attention(qh, k, v, mask, scale, cap, sinks)
         return o[0].transpose(0, 1)
 
 
-def _soft_capped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    cap: float,
+    cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(mask(cap * tanh(q k^T * scale / cap))) v with GQA: ``q`` [1, H, Q, D], ``k``
-    and ``v`` [1, KVH, L, D], ``mask`` [Q, L] bool (True = attend) -> [1, H, Q, D]. SDPA has no
-    soft cap, so the scores are materialized (Gemma 2, Gemma Team 2024, section 2)."""
+    and ``v`` [1, KVH, L, D], ``mask`` [Q, L] bool (True = attend) -> [1, H, Q, D]; without
+    ``cap`` the scores are not capped. ``sinks`` [H]: each head's softmax also runs over its
+    sink logit, whose column is then dropped. SDPA has neither (Gemma 2, Gemma Team 2024,
+    section 2; gpt-oss's sinks), so the scores are materialized."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).div_(cap).tanh_().mul_(cap)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if cap is not None:
+        scores = scores.div_(cap).tanh_().mul_(cap)
     scores = scores.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)

@@ -12,6 +12,9 @@ This is the backend the registry (``pagedllm.attention``) picks for ``device="cu
 * ``_prefill_kernel``: one program per (sequence, tile of ``BLOCK_M`` query tokens, query head),
   ``tl.dot`` score tiles with a causal mask offset by the cached context length.
 
+Attention sinks (gpt-oss; ``HAS_SINKS``): after the last tile each query's (max, sum, acc) state
+takes its head's sink logit as one more key of value zero, before the division by the sum.
+
 Without a CUDA device the kernels are defined in Triton's interpreter mode (``TRITON_INTERPRET=1``
 is set before Triton is imported, unless the caller chose a value), so the tests can run them on
 CPU tensors; that is slow (tens of ms per launch) and only meant for testing.
@@ -86,10 +89,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        out, query, key_cache, value_cache, block_tables, seq_lens, scale, window,
+        out, query, key_cache, value_cache, block_tables, seq_lens, sinks, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_bt,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        BS: tl.constexpr, BLOCK_N: tl.constexpr,
+        BS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         kh = tl.program_id(1)
@@ -127,6 +130,12 @@ if triton is not None:
             v = tl.load(value_cache + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
+        if HAS_SINKS:  # one more key per head: score = its sink, value 0
+            sk = tl.load(sinks + heads, mask=gmask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_i, sk)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.exp(sk - m_new)
+            acc = acc * alpha[:, None]
         acc = acc / l_i[:, None]
         tl.store(
             out + s * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -136,11 +145,11 @@ if triton is not None:
 
     @triton.jit
     def _prefill_kernel(
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks,
         seq_begin, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_bt,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         s = seq_begin + tl.program_id(0)
         mt = tl.program_id(1)
@@ -188,6 +197,12 @@ if triton is not None:
                 v = tl.load(value_cache + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
                 m_i = m_new
+            if HAS_SINKS:  # one more key: score = the head's sink, value 0
+                sk = tl.load(sinks + h).to(tl.float32)
+                m_new = tl.maximum(m_i, sk)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.exp(sk - m_new)
+                acc = acc * alpha[:, None]
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(
                 out + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -254,6 +269,8 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write K/V of the new tokens, then attend.
 
@@ -264,6 +281,7 @@ class TritonPagedAttention:
             scale: softmax scale.
             sliding_window: attend to the last ``sliding_window`` positions only; keys before
                 each query's window are not read (freed blocks behind the window are safe).
+            sinks: [H] attention-sink logits (gpt-oss), or None.
 
         Returns:
             [T, H, D], dtype and device of ``query``.
@@ -282,8 +300,9 @@ class TritonPagedAttention:
             from pagedllm.attention.torch_native import TorchNativeAttention
 
             return TorchNativeAttention().forward(
-                query, key, value, key_cache, value_cache, meta, scale, sliding_window
-            )
+                query, key, value, key_cache, value_cache, meta, scale, sliding_window,
+                sinks=sinks,
+            )  # fmt: skip
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -295,21 +314,26 @@ class TritonPagedAttention:
         block_d = _next_pow2(d, 16)
         nd, ns = meta.num_decodes, meta.num_seqs
         window = sliding_window or _NO_WINDOW
+        has_sinks = sinks is not None
+        # Without sinks the kernels never read the pointer: any tensor stands in.
+        sink_ptr = sinks.float().contiguous() if sinks is not None else query
         if nd:
             _decode_kernel[(nd, kvh)](
-                out, query, key_cache, value_cache, tables, meta.seq_lens, scale, window,
-                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                out, query, key_cache, value_cache, tables, meta.seq_lens, sink_ptr, scale,
+                window, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), tables.stride(0),
                 G=g, GP=_next_pow2(g), D=d, BLOCK_D=block_d, BS=bs, BLOCK_N=self.block_n,
+                HAS_SINKS=has_sinks,
             )  # fmt: skip
         if nd < ns:
             max_q = max(meta.query_lens_list[nd:])
             grid = (ns - nd, triton.cdiv(max_q, self.block_m), h)
             _prefill_kernel[grid](
                 out, query, key_cache, value_cache, tables, meta.seq_lens,
-                meta.query_start_loc, nd, scale, window,
+                meta.query_start_loc, sink_ptr, nd, scale, window,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), tables.stride(0),
                 G=g, D=d, BLOCK_D=block_d, BS=bs, BLOCK_M=self.block_m, BLOCK_N=32,
+                HAS_SINKS=has_sinks,
             )  # fmt: skip
         return out

@@ -92,6 +92,15 @@ class ModelArchConfig:
             experts; the k weights then sum to 1 (equal to renormalising, up to rounding).
         clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections (and
             after the q/k norms when there are any; OLMoE), or None.
+        attention_sinks: every attention layer has a learned sink logit per query head that
+            joins its softmax's denominator as a key of value zero (GPT-OSS,
+            ``self_attn.sinks``).
+        moe_bias: the MoE router and every expert's gate, up and down projections have biases
+            (GPT-OSS).
+        swiglu_limit: the experts' gated activation is GPT-OSS's clamped SwiGLU,
+            ``(clamp(up, -L, L) + 1) * g * sigmoid(swiglu_alpha * g)`` with
+            ``g = clamp(gate, max=L)``, L = swiglu_limit; None = ``hidden_act`` as usual.
+        swiglu_alpha: the sigmoid's gain in that activation (GPT-OSS: 1.702).
     """
 
     vocab_size: int
@@ -147,6 +156,10 @@ class ModelArchConfig:
     shared_expert_gated: bool = True
     router_top_k_then_softmax: bool = False
     clip_qkv: float | None = None
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:

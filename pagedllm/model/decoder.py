@@ -273,6 +273,23 @@ class DecoderForCausalLM(nn.Module):
         return {name: tensor}
 
     @classmethod
+    def dequantize_mxfp4(
+        cls, name: str, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The tensor ``name`` of a checkpoint that stores it as an MXFP4 pair
+        (``<name>_blocks`` / ``<name>_scales``, ``model.quant.mxfp4``), in ``dtype`` and in the
+        layout of the unquantized tensor of that name; called before ``hf_weight_name``.
+
+        Raises:
+            ValueError: here (the default), naming the tensor and the architecture: only
+                architectures whose checkpoints come so (GPT-OSS) know their layout.
+        """
+        raise ValueError(
+            f"checkpoint tensor {name!r} is stored as MXFP4 ({name}_blocks / {name}_scales), "
+            f"which {cls.__name__} does not read"
+        )
+
+    @classmethod
     def split_gguf_weight(
         cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
     ) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ split over the ranks (``model.sharding``), the router is replicated.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import ModelArchConfig
+from pagedllm.model.layers.activation import clamped_swiglu
 from pagedllm.model.layers.moe import (
     MIXTRAL_NAMES,
     MoeCheckpointNames,
@@ -65,7 +67,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """One layer's MoE block (this rank's expert slices under tensor parallelism); a
         :class:`SharedExpertMoeBlock` when ``config.shared_expert_intermediate_size`` is set
         (gated as ``config.shared_expert_gated`` says); routed as
-        ``config.router_top_k_then_softmax`` says."""
+        ``config.router_top_k_then_softmax`` says; with biases (``config.moe_bias``) and
+        GPT-OSS's clamped SwiGLU (``config.swiglu_limit``) when the config says so (a shared
+        expert is never combined with them)."""
         inter = config.moe_intermediate_size or config.intermediate_size
         shared = config.shared_expert_intermediate_size
         if shard is not None:
@@ -74,6 +78,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
             shared = hi - lo if shared else None
         routed = (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
         order = config.router_top_k_then_softmax
+        glu = None
+        if config.swiglu_limit is not None:  # GPT-OSS's clamped SwiGLU
+            glu = partial(
+                clamped_swiglu, inter=inter, alpha=config.swiglu_alpha, limit=config.swiglu_limit
+            )
         if shared:
             return SharedExpertMoeBlock(
                 config.hidden_size,
@@ -96,6 +105,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
             self.moe_names,
             group,
             softmax_after_top_k=order,
+            bias=config.moe_bias,
+            glu=glu,
         )
 
     @classmethod

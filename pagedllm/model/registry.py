@@ -101,11 +101,19 @@ MODELS: tuple[ModelEntry, ...] = (
                "GLM-4 (glm-4-9b-chat-hf: partial interleaved RoPE, q/k/v biases)"),
     ModelEntry("Glm4ForCausalLM", "glm", "Glm4ForCausalLM", ("glm4",), ("glm4",),
                "GLM-4-0414, GLM-Z1 (GLM with post-attention / post-MLP norms)"),
+    ModelEntry("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", ("gpt_oss",), (),
+               "GPT-OSS (attention sinks, local / global layers, biased MoE, MXFP4 experts)"),
 )  # fmt: skip
 
 
 # GGUF architectures llama.cpp also uses for a MoE model -> that model's architecture.
 GGUF_MOE_VARIANTS = {"llama": "MixtralForCausalLM"}
+# GGUF architectures of supported models whose llama.cpp files are not read -> why.
+GGUF_REFUSED = {
+    "gpt-oss": "llama.cpp's GPT-OSS files (MXFP4 experts in ggml's block layout) are not read; "
+    "load the Hugging Face folder (config.json + safetensors: its MXFP4 experts are "
+    "dequantized at load)",
+}
 
 
 def supported_architectures() -> list[str]:
@@ -144,8 +152,11 @@ def entry_for_gguf(arch: str | None, source: str = "<gguf>", num_experts: int = 
     ``llama`` with experts, ``GGUF_MOE_VARIANTS``).
 
     Raises:
-        ValueError: it is not supported; the message names it and lists what is.
+        ValueError: it is not supported; the message names it and lists what is (or, for a
+            supported model whose GGUF files are not read, ``GGUF_REFUSED``, says why).
     """
+    if arch in GGUF_REFUSED:
+        raise ValueError(f"general.architecture={arch!r} in {source}: {GGUF_REFUSED[arch]}")
     variant = GGUF_MOE_VARIANTS.get(arch or "") if num_experts else None
     for e in MODELS:
         if (arch in e.gguf_architectures and variant is None) or e.architecture == variant:

@@ -143,13 +143,18 @@ class TensorParallelShard:
         dim 0, row-parallel ones along dim 1 (their biases stay whole); the embedding and LM head
         (its bias too) along the vocabulary (dim 0); norms stay whole (per-head q/k norms
         included), except full-width q/k norms (OLMo 2), cut with the rank's heads, and q/k
-        norms with a weight row per head (Cohere), whose rows are cut with the heads.
+        norms with a weight row per head (Cohere), whose rows are cut with the heads; attention
+        sinks (GPT-OSS's ``self_attn.sinks``, one per query head) with the rank's query heads.
+        MoE experts' biases follow their projections: gate / up biases are cut with the rows,
+        a down bias stays whole (``layers.moe.StackedExperts`` adds it on rank 0 only).
         """
         d = head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
             return (0, *self.vocab)
         stem, _, kind = name.rpartition(".")  # kind: "weight" or "bias"
         row_parallel = kind == "weight"  # a row-parallel bias is whole (added after the reduce)
+        if kind == "sinks" and stem.endswith("self_attn"):
+            return (0, *self.q_heads)
         if stem.endswith("self_attn.q_proj"):
             return (0, self.q_heads[0] * d, self.q_heads[1] * d)
         if stem.endswith(("self_attn.k_proj", "self_attn.v_proj")):

@@ -76,14 +76,18 @@ class CpuOps:
         scale: float,
         partition_size: int = 512,
         window: int = 0,
+        sinks: Tensor | None = None,
     ) -> None:
         """Decode attention of sequences ``[0, num_seqs)`` (one query token each, ``query[s]``)
         into ``out``; a context is cut at the multiples of ``partition_size`` (0: never) into
-        partitions that may run on different threads and are merged (flash-decoding). ``window`` > 0: each query sees its last ``window`` positions only (sliding
-        window); blocks before them are never read."""
+        partitions that may run on different threads and are merged (flash-decoding).
+        ``window`` > 0: each query sees its last ``window`` positions only (sliding window);
+        blocks before them are never read. ``sinks``: None, or ``[H]`` float32 contiguous, one
+        attention-sink logit per query head (gpt-oss): it joins the softmax's denominator as a
+        key of value zero, in the units of the scaled scores."""
         self._decode(
             out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, scale,
-            partition_size, window,
+            partition_size, window, sinks,
         )  # fmt: skip
 
     def paged_attention_prefill(
@@ -100,16 +104,18 @@ class CpuOps:
         scale: float,
         partition_size: int = 512,
         window: int = 0,
+        sinks: Tensor | None = None,
     ) -> None:
         """Causal attention of sequences ``[seq_begin, seq_end)`` whose new tokens are
         ``query[query_start_loc[s] : query_start_loc[s + 1]]``, the last of ``seq_lens[s]``.
-        ``window`` > 0: the token at position p sees keys ``p - window + 1 .. p`` only. Every
-        query's output equals :meth:`paged_attention_decode`'s for that query (same
-        ``partition_size``) bit for bit, so a token's attention does not depend on whether it
-        is decoded, prefilled again after recompute preemption, or verified with others."""
+        ``window`` > 0: the token at position p sees keys ``p - window + 1 .. p`` only;
+        ``sinks`` as for :meth:`paged_attention_decode`. Every query's output equals
+        :meth:`paged_attention_decode`'s for that query (same ``partition_size`` and ``sinks``)
+        bit for bit, so a token's attention does not depend on whether it is decoded, prefilled
+        again after recompute preemption, or verified with others."""
         self._prefill(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            seq_begin, seq_end, scale, partition_size, window,
+            seq_begin, seq_end, scale, partition_size, window, sinks,
         )  # fmt: skip
 
     def reshape_and_cache(

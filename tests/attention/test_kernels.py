@@ -296,6 +296,9 @@ def run_triton_checks_interpreted() -> None:
         test_triton_backend_matches_reference(*case)
     test_triton_bf16_matches_reference()
     test_triton_window_matches_reference()
+    from tests.attention.test_sinks import test_triton_sinks_match_reference
+
+    test_triton_sinks_match_reference()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the in-process tests run on the GPU")

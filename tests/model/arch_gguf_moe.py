@@ -1,4 +1,4 @@
-"""The tiny MoE models of OLMoE and Granite MoE (plain and with a shared expert) for the
+"""The tiny MoE models of OLMoE, Granite MoE (plain and with a shared expert) and GPT-OSS for the
 architecture tests, and how llama.cpp's converters write every tiny MoE model's experts and
 MoE keys to GGUF (``arch_utils.write_gguf_like_llama_cpp`` calls these)."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.model.arch_utils import GRANITE_MULTIPLIERS
+from tests.model.arch_utils import GRANITE_MULTIPLIERS, WINDOW
 
 # Test arch name -> llama.cpp's GGUF architecture.
 MOE_GGUF_ARCH = {
@@ -44,6 +44,28 @@ def moe_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]] | None:
             "intermediate_size": 32,
             "norm_topk_prob": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    if arch == "gpt_oss":  # 8 experts of width 32, top-2; window 8 on the even layers
+        return tf.GptOssForCausalLM, {
+            "config": tf.GptOssConfig,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": WINDOW,
+            # 7 in the released models; 1 clamps a good share of the tiny model's gate / up
+            # values (tests/model/test_gpt_oss.py checks that it matters).
+            "swiglu_limit": 1.0,
+            # The released YaRN (factor 32 over 4096 tokens, truncate false), scaled to the tiny
+            # model's 256 positions: the ramp ends at a fractional dimension.
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
         }
     if arch == "granitemoe":
         return tf.GraniteMoeForCausalLM, {"config": tf.GraniteMoeConfig, **GRANITE_MOE_TINY}

@@ -238,8 +238,10 @@ def build_tiny_hf_model(
         for name, p in model.named_parameters():
             if "norm" in name or ".ln_" in name:  # ones / zeros at init: make norms matter
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # GPT-OSS's experts: gate_up_proj_bias
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):  # GPT-OSS: initializer_range at init; about the scores' size
+                p.copy_(torch.randn(p.shape, generator=g))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return model

@@ -28,17 +28,21 @@ ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_ti
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
 ARCHS += ["granitemoe", "granitemoe_shared"]
 ARCHS += ["smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4"]
-ARCHS += ["glm", "glm4"]
+ARCHS += ["glm", "glm4", "gpt_oss"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).
-QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "stablelm", "granite_tied", "glm", "glm4")
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "stablelm", "granite_tied", "glm", "glm4", "gpt_oss")
 QKV_BIAS_ARCHS += LAYER_NORM_ARCHS
 SHARED_EXPERT_ARCHS = ("qwen2_moe", "granitemoe_shared")
 GGUF_UNSUPPORTED = {
     "opt": "llama.cpp has no OPT architecture: Hugging Face folders only",
     "glm": "llama.cpp converts glm-4-9b-chat as chatglm from the original checkpoint; not read",
+    "gpt_oss": "llama.cpp's gpt-oss files are refused (registry.GGUF_REFUSED)",
 }
+# MoE experts with biases and GPT-OSS's clamped SwiGLU: gate/up packed with its bias, no
+# SwiGLU epilogue.
+BIASED_EXPERT_ARCHS = ("gpt_oss",)
 PROMPT_LENS = [3, 11, 20, 37]
 STEPS = 16
 
@@ -138,9 +142,13 @@ def test_cpu_fast_path_is_used(arch_case):
             assert mlp.experts.packed
             # The SwiGLU epilogue is the own GEMM's; oneDNN packs gate/up plain.
             own = cpu_gemm_ops(load_cpu_ops(), torch.float32) is not None
-            gate_up_kind = PackedSwiGLU if own else PackedLinear
+            biased = arch in BIASED_EXPERT_ARCHS
+            gate_up_kind = PackedSwiGLU if own and not biased else PackedLinear
             assert all(type(m) is gate_up_kind for m in mlp.experts.packed_gate_up)
             assert all(isinstance(m, PackedLinear) for m in mlp.experts.packed_down)
+            if biased:
+                assert all(m.bias is not None for m in mlp.experts.packed_gate_up)
+                assert all(m.bias is not None for m in mlp.experts.packed_down)
             # Qwen2-MoE, Granite MoE Shared: packed as a dense MLP.
             shared = getattr(mlp, "shared_expert", None)
             assert (shared is not None) == (arch in SHARED_EXPERT_ARCHS)

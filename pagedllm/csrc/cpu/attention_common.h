@@ -14,7 +14,8 @@
 //     (max, rescale, exp_sub_sum), and V is accumulated over the tile's keys in position order
 //     (masked keys of a prefill tile add exact zeros); with the bf16 tiles (attention_bf16.h),
 //     scores and V sums are theirs, over keys paired at even absolute positions;
-//   - the partitions' (max, sum, acc) states are merged by merge_partition in position order.
+//   - the partitions' (max, sum, acc) states are merged by merge_partition in position order;
+//   - with attention sinks (gpt-oss), fold_sink folds the head's sink into the merged state last.
 // How the work is split over threads does not enter: decode may run a sequence's partitions on
 // different threads, prefill runs them in one work item; both merge the same states.
 #pragma once
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "kv_quant.h"
 #include "vec.h"
@@ -151,6 +153,36 @@ inline void merge_partition(float m, float l, const float* acc, float& M, float&
     L = vec::madd(l, w, L);
     for (int d = 0; d < D; ++d) A[d] = vec::madd(acc[d], w, A[d]);
   }
+}
+
+// An attention sink (gpt-oss; Xiao et al. 2023): a learned logit per query head that joins the
+// softmax's denominator as one more key of score `sink` (in the units of the scaled scores) and
+// value zero, so it takes probability from the real keys and adds nothing to the output. Folded
+// into a query's finished (max m, sum l, acc[D]) state as merge_partition folds one more
+// partition (m = sink, l = 1, acc = 0), once, after every partition, right before the output is
+// normalised by 1 / l: the decode kernel (whichever partition path it took) and the prefill
+// kernel call it on the same state, so a query keeps one order of arithmetic. The acc rescale is
+// elementwise, so it may run on the bf16 tiles' permuted accumulator order too. sink = -inf adds
+// nothing (e^-inf = 0).
+inline void fold_sink(float sink, float m, float& l, float* acc, int D) {
+  if (sink > m) {  // the sink is the new max: rescale what the keys summed
+    const float c = std::exp(m - sink);
+    l = vec::madd(l, c, 1.f);
+    vec::scale_row(acc, c, D);
+  } else {
+    l += std::exp(sink - m);
+  }
+}
+
+// The sink logits of a call: null, or sinks [H] float32 contiguous on the CPU (one per query
+// head of `query` [T, H, D]; TORCH_CHECK errors otherwise).
+inline const float* sink_logits(const std::optional<at::Tensor>& sinks, const at::Tensor& query) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& s = *sinks;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 1 &&
+                  s.size(0) == query.size(1) && s.device().is_cpu(),
+              "sinks must be a contiguous float32 CPU tensor [num_heads]");
+  return s.data_ptr<float>();
 }
 
 // One online-softmax step of a query row over a tile (Milakov & Gimelshein 2018): s[0, n) are

@@ -23,6 +23,10 @@
 // blocks wholly outside every query's window may hold anything (the block manager frees them and
 // leaves a sentinel id in the table).
 //
+// Attention sinks (gpt-oss): an optional logit per query head joins each query's softmax
+// denominator as a key of value zero (attention_common.h fold_sink), folded into the merged
+// state once, after every partition and whichever tiles (fp32, bf16, AMX) summed it.
+//
 // Query/output fp32 or bf16; caches fp32, bf16, or int8 / fp8 e4m3 with one scale per block and kv
 // head (kv_quant.h): codes are widened in registers, the K scale multiplies each score and the V
 // scale each probability, so a block's scale costs one multiply per row. Arithmetic and
@@ -213,7 +217,7 @@ template <typename T, typename C>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, int64_t num_seqs, double scale,
-                 int64_t partition_size, int64_t window) {
+                 int64_t partition_size, int64_t window, const float* sinks) {
   const AttentionOperands<T, C> a(out, query, key_cache, value_cache, block_tables, seq_lens);
   const int H = a.H, D = a.D, KVH = a.KVH, G = a.G;
   const int64_t* sl = a.seq_lens;
@@ -263,8 +267,9 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
     std::vector<float> M(G), L(G), A(G * D);
     std::vector<vec::bf16> qb(bf16_dot ? G * D : 0);
     std::vector<uint32_t> pairs(bf16_dot ? static_cast<size_t>(G) * (kTile / 2 + 1) : 0);
-    // The output row of head g from an unnormalised accumulator with sum l.
-    auto store_out = [&](int64_t s, int h, float* acc_row, float l) {
+    // The output row of head h from its merged state: max m, sum l, unnormalised accumulator.
+    auto store_out = [&](int64_t s, int h, float m, float* acc_row, float l) {
+      if (sinks) fold_sink(sinks[h], m, l, acc_row, D);
       if (bf16_dot) unpermute_row(acc_row, D);
       vec::store_row(acc_row, 1.f / l, D, a.out_row(s, h));
     };
@@ -296,7 +301,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         continue;
       }
       run(0, m.data(), l.data(), acc.data());
-      float *lo = l.data(), *ao = acc.data();
+      float *mo = m.data(), *lo = l.data(), *ao = acc.data();
       if (parts.count() > 1) {
         std::fill(M.begin(), M.end(), kNegInf);
         for (int64_t p = 0;;) {
@@ -305,10 +310,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           if (++p == parts.count()) break;
           run(p, m.data(), l.data(), acc.data());
         }
+        mo = M.data();
         lo = L.data();
         ao = A.data();
       }
-      for (int g = 0; g < G; ++g) store_out(s, kh * G + g, ao + g * D, lo[g]);
+      for (int g = 0; g < G; ++g) store_out(s, kh * G + g, mo[g], ao + g * D, lo[g]);
     }
     if (slots > 0) {
 #pragma omp for schedule(static)
@@ -324,7 +330,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           merge_partition(pm[slot * G + g], pl[slot * G + g], pacc.data() + (slot * G + g) * D,
                           Ms, Ls, A.data(), D);
         }
-        store_out(s, h, A.data(), Ls);
+        store_out(s, h, Ms, A.data(), Ls);
       }
     }
   }
@@ -333,17 +339,20 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 }  // namespace
 
 // Decode attention for sequences [0, num_seqs): sequence s's single query is query[s];
-// window > 0: only its last `window` positions.
+// window > 0: only its last `window` positions; sinks: one logit per query head (fold_sink).
 void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t num_seqs, double scale,
-                            int64_t partition_size, int64_t window) {
+                            int64_t partition_size, int64_t window,
+                            const std::optional<at::Tensor>& sinks) {
   check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query.size(0) >= num_seqs, "fewer queries than decode sequences");
+  const float* sink = sink_logits(sinks, query);
   if (num_seqs == 0) return;
   dispatch_types(query, key_cache, "paged_attention_decode", [&](auto t, auto c) {
     decode_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
-                                          seq_lens, num_seqs, scale, partition_size, window);
+                                          seq_lens, num_seqs, scale, partition_size, window,
+                                          sink);
   });
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,21 +13,25 @@ namespace pagedllm {
 // out, query [T, H, D]; caches [KVH, NB, BS, D]; block_tables [S, MB] and seq_lens [S] int64.
 // window > 0: attend to the last `window` positions only (keys before them are never read).
 // partition_size > 0: keys are cut at its multiples (flash-decoding partitions, merged).
+// sinks: none, or [H] float32 contiguous, one attention-sink logit per query head (gpt-oss): it
+// joins each query's softmax denominator as a key of value zero (attention_common.h fold_sink).
 void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t num_seqs, double scale,
-                            int64_t partition_size, int64_t window);
+                            int64_t partition_size, int64_t window,
+                            const std::optional<at::Tensor>& sinks = std::nullopt);
 // Causal attention for sequences [seq_begin, seq_end) whose new tokens are
 // query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens;
-// window > 0: the token at position p sees keys p - window + 1 .. p only. Each query's output
-// equals, bit for bit, paged_attention_decode's for that query with the same partition_size
-// (attention_common.h).
+// window > 0: the token at position p sees keys p - window + 1 .. p only; sinks as for decode.
+// Each query's output equals, bit for bit, paged_attention_decode's for that query with the same
+// partition_size and sinks (attention_common.h).
 void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t seq_begin,
                              int64_t seq_end, double scale, int64_t partition_size,
-                             int64_t window);
+                             int64_t window,
+                             const std::optional<at::Tensor>& sinks = std::nullopt);
 // key/value [T, KVH, D] (rows contiguous) into their slots; negative slots are skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
                        at::Tensor value_cache, const at::Tensor& slot_mapping);

@@ -11,9 +11,10 @@
 // Query token j of a sequence with q new tokens and context c sits at position c - q + j; with a
 // window, a tile walks keys from its first query's window start, so blocks wholly outside every
 // query's window are never read. Quantized caches: the K scale multiplies each score, the V
-// scale each probability (as in decode). bf16 caches on AVX512-BF16 CPUs: the decode kernel's
-// bf16 tiles (attention_bf16.h) instead of the fp32 loops. Threads: OpenMP over work items,
-// longest first.
+// scale each probability (as in decode). Attention sinks: folded into each query's merged state
+// last, as the decode kernel does (attention_common.h fold_sink). bf16 caches on AVX512-BF16
+// CPUs: the decode kernel's bf16 tiles (attention_bf16.h) instead of the fp32 loops. Threads:
+// OpenMP over work items, longest first.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -155,8 +156,8 @@ inline void close_partition(PrefillScratch& ws, int rows, int D) {
 // online softmax run per row on its visible keys, and the probabilities multiply V in tile_pv
 // (masked entries are exact zeros there). window > 0: query j sees keys pos0 + j - window + 1
 // .. pos0 + j only. bf16_dot (T is bf16): the scores and p . V are the bf16 tiles of
-// attention_bf16.h on ws.qb, the decode kernel's. Leaves each row's unnormalised result in
-// ws.acc (in the bf16 tiles' permuted order with bf16_dot) / ws.l.
+// attention_bf16.h on ws.qb, the decode kernel's. Leaves each row's merged state in ws.m /
+// ws.l / ws.acc (unnormalised; in the bf16 tiles' permuted order with bf16_dot).
 template <typename T>
 void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t window,
                   int64_t partition_size, const T* kbase, const T* vbase, const int64_t* table,
@@ -257,6 +258,7 @@ void prefill_tile(PrefillScratch& ws, int G, int nq, int64_t pos0, int64_t windo
   }
   if (split) {  // the last partition too, then the merge is the result
     close_partition(ws, rows, D);
+    std::copy(ws.M.begin(), ws.M.begin() + rows, ws.m.begin());
     std::copy(ws.L.begin(), ws.L.begin() + rows, ws.l.begin());
     std::copy(ws.A.begin(), ws.A.begin() + static_cast<size_t>(rows) * D, ws.acc.begin());
   }
@@ -267,7 +269,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   int64_t seq_begin, int64_t seq_end, double scale, int64_t partition_size,
-                  int64_t window) {
+                  int64_t window, const float* sinks) {
   const AttentionOperands<T, C> a(out, query, key_cache, value_cache, block_tables, seq_lens);
   const int D = a.D, KVH = a.KVH, G = a.G;
   const int64_t* sl = a.seq_lens;
@@ -345,7 +347,10 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       for (int j = 0; j < w.nq; ++j)
         for (int g = 0; g < G; ++g) {
           const int r = j * G + g;
-          T* dst = a.out_row(w.tok0 + j, w.kh * G + g);
+          const int h = w.kh * G + g;
+          T* dst = a.out_row(w.tok0 + j, h);
+          // The decode kernel's last steps, on the same state: the sink, then 1 / l.
+          if (sinks) fold_sink(sinks[h], ws.m[r], ws.l[r], ws.acc.data() + r * D, D);
           if (bf16_dot) unpermute_row(ws.acc.data() + r * D, D);
           vec::store_row(ws.acc.data() + r * D, 1.f / ws.l[r], D, dst);
         }
@@ -357,21 +362,23 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 // Causal attention for sequences [seq_begin, seq_end) whose new tokens are
 // query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of seq_lens[s] tokens;
-// window > 0: token at position p sees keys p - window + 1 .. p.
+// window > 0: token at position p sees keys p - window + 1 .. p; sinks: one logit per query
+// head (fold_sink).
 void paged_attention_prefill(at::Tensor out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t seq_begin,
                              int64_t seq_end, double scale, int64_t partition_size,
-                             int64_t window) {
+                             int64_t window, const std::optional<at::Tensor>& sinks) {
   check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
               "query_start_loc must be contiguous int64");
+  const float* sink = sink_logits(sinks, query);
   if (seq_end <= seq_begin) return;
   dispatch_types(query, key_cache, "paged_attention_prefill", [&](auto t, auto c) {
     prefill_impl<decltype(t), decltype(c)>(out, query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, seq_begin, seq_end, scale,
-                                           partition_size, window);
+                                           partition_size, window, sink);
   });
 }
 

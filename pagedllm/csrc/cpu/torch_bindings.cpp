@@ -23,11 +23,12 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, int num_seqs, float scale, int partition_size=512, "
-      "int window=0) -> ()");
+      "int window=0, Tensor? sinks=None) -> ()");
   m.def(
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "int seq_begin, int seq_end, float scale, int partition_size=512, int window=0) -> ()");
+      "int seq_begin, int seq_end, float scale, int partition_size=512, int window=0, "
+      "Tensor? sinks=None) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");

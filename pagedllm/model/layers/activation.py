@@ -1,7 +1,8 @@
 """Gated MLP activations: act(gate) * up over a fused [T, 2I] gate/up product.
 
 SwiGLU (SiLU gate, Shazeer 2020 "GLU Variants Improve Transformer") for Llama, Qwen and Mistral;
-GeGLU with the tanh approximation of GELU (Hendrycks & Gimpel 2016) for Gemma.
+GeGLU with the tanh approximation of GELU (Hendrycks & Gimpel 2016) for Gemma; GPT-OSS's
+clamped SwiGLU (:func:`clamped_swiglu`) for its experts.
 """
 
 from __future__ import annotations
@@ -58,3 +59,24 @@ def gated_activation(
         return act
     gate, up = gate_up.split(inter, dim=-1)
     return activation_fn(name)(gate) * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, inter: int, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert activation (OpenAI 2025, gpt-oss model card, section 2.1): with
+    ``g = clamp(gate, max=limit)`` and ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)``, in that order of operations (transformers').
+
+    Args:
+        gate_up: [T, 2I], the gate columns first, then the up columns (a checkpoint's
+            interleaved gate / up columns are separated at load time).
+        inter: I.
+        alpha: the sigmoid's gain (1.702).
+        limit: the clamp (``swiglu_limit``, 7.0).
+
+    Returns:
+        [T, I], gate_up's dtype.
+    """
+    gate, up = gate_up.split(inter, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

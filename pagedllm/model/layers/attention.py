@@ -6,7 +6,8 @@ spans every rank's heads under tensor parallelism) or per-head LayerNorms with a
 head (Cohere's ``use_qk_norm``), an optional clamp of q, k and v (``clip_qkv``:
 OLMoE; after the q/k norms), the rotary embedding (none on a NoPE layer: SmolLM3), the attention
 backend (with the layer's sliding window when it has one: Mistral, Gemma local layers; the
-attention-logit soft cap of Gemma 2, on torch_native) and the output projection.
+attention-logit soft cap of Gemma 2, on torch_native; GPT-OSS's attention sinks, on every
+backend) and the output projection.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class PagedSelfAttention(nn.Module):
         shard: this rank's heads under tensor parallelism, or None.
         group: the tensor-parallel group, or None.
 
+    Attributes:
+        sinks: [this rank's query heads] attention-sink logits (``config.attention_sinks``:
+            GPT-OSS's ``self_attn.sinks``; cut with the query heads under tensor parallelism),
+            or None.
+
     Forward: x [T, d] -> [T, d] (same dtype), writing the step's K/V into ``kv_cache``.
     """
 
@@ -89,6 +95,11 @@ class PagedSelfAttention(nn.Module):
         self.qk_norm_full_width = config.qk_norm_full_width
         self.clip_qkv = config.clip_qkv
         self.group = group
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(self.num_heads, dtype=dtype), requires_grad=False
+            )
         if config.qk_layer_norm:  # this rank's heads' weight rows (Cohere)
             eps, d = config.layer_norm_eps, self.head_dim
             self.q_norm = HeadLayerNorm(self.num_heads, d, eps, dtype)
@@ -141,7 +152,12 @@ class PagedSelfAttention(nn.Module):
         if self.logits_soft_cap is not None:
             capped = soft_cap_backend(backend)
             o = capped.forward(
-                q, k, v, kc, vc, meta, self.scale, self.sliding_window, self.logits_soft_cap
+                q, k, v, kc, vc, meta, self.scale, self.sliding_window, self.logits_soft_cap,
+                sinks=self.sinks,
+            )  # fmt: skip
+        elif self.sinks is not None:
+            o = backend.forward(
+                q, k, v, kc, vc, meta, self.scale, self.sliding_window, sinks=self.sinks
             )
         elif self.sliding_window is None:
             o = backend.forward(q, k, v, kc, vc, meta, self.scale)  # [T, H, D]

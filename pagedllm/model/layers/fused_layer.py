@@ -130,6 +130,8 @@ class FusedDecoderLayer:
             return None
         if attn.q_norm is not None or attn.logits_soft_cap is not None:
             return None
+        if attn.sinks is not None:  # the op's attention calls take no sinks
+            return None
         if attn.clip_qkv is not None:  # the op has no clamp of q / k / v
             return None
         if input_norm.eps != post_norm.eps:

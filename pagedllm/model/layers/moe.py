@@ -11,7 +11,9 @@ the block sorts the step's (token, expert) assignments by expert id and runs eve
 ONCE over all of its rows (one gate/up GEMM and one down GEMM per expert and step); experts that
 no token picked are not run. The weighted outputs are scatter-added back to their tokens.
 Qwen2-MoE adds a shared expert that every token runs, scaled by a sigmoid gate, Granite MoE Shared
-one without a gate (:class:`SharedExpertMoeBlock`).
+one without a gate (:class:`SharedExpertMoeBlock`). GPT-OSS adds biases to the router and to every
+expert's projections and its own clamped SwiGLU (``moe_bias`` / ``glu`` arguments); an expert's
+down bias is added once across tensor-parallel ranks (on rank 0).
 
 Shapes: T = tokens in the step, d = hidden size, E = experts, k = experts per token,
 I = one expert's intermediate width.
@@ -19,6 +21,7 @@ I = one expert's intermediate width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,8 +65,9 @@ def _layer_prefix(param_name: str) -> str:
 
 
 class MoeRouter(nn.Module):
-    """The router ("gate"): logits = x W^T, W [E, d]; kept as a plain parameter (not an
-    ``nn.Linear``) so that CPU packing leaves it on ``F.linear``, bit-equal to the reference.
+    """The router ("gate"): logits = x W^T (+ b), W [E, d], b [E] when ``bias`` (GPT-OSS);
+    kept as plain parameters (not an ``nn.Linear``) so that CPU packing leaves it on
+    ``F.linear``, bit-equal to the reference.
 
     Forward: x [T, d] -> (weights [T, k] float32, expert ids [T, k] int64), see
     :func:`route_top_k`.
@@ -78,22 +82,27 @@ class MoeRouter(nn.Module):
         dtype: torch.dtype,
         names: MoeCheckpointNames,
         softmax_after_top_k: bool = False,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
         )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
         self.top_k = top_k
         self.normalize = normalize
         self.softmax_after_top_k = softmax_after_top_k
         self.names = names
 
     def checkpoint_names(self, param_name: str) -> list[str]:
-        """The checkpoint tensor of the router weight (``model.weight_map`` hook)."""
-        return [f"{_layer_prefix(param_name)}{self.names.block}.gate.weight"]
+        """The checkpoint tensor of the router weight or bias (``model.weight_map`` hook)."""
+        kind = param_name.rpartition(".")[2]
+        return [f"{_layer_prefix(param_name)}{self.names.block}.gate.{kind}"]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
         return route_top_k(logits, self.top_k, self.normalize, self.softmax_after_top_k)
 
 
@@ -131,9 +140,16 @@ class StackedExperts(nn.Module):
     :meth:`load_weight` from the per-expert checkpoint tensors):
         gate_up_weight: [E, 2I, d] (each expert's gate rows, then its up rows).
         down_weight: [E, d, I].
+        gate_up_bias: [E, 2I], down_bias: [E, d]: only with ``bias`` (GPT-OSS).
+
+    Args (beyond the shapes): ``glu``, the gated activation of one expert's [n, 2I] gate/up
+    product (gate columns first) -> [n, I], instead of ``act(gate) * up`` (GPT-OSS's
+    ``activation.clamped_swiglu``); ``add_down_bias``: False on tensor-parallel ranks other
+    than 0, so that the sum over the ranks adds each expert's (whole) down bias once.
 
     After :meth:`pack` on the CPU (fp32) each expert runs on prepacked GEMMs (the own GEMM with
-    the SwiGLU epilogue when available, else oneDNN) and the stacked parameters are dropped.
+    the SwiGLU epilogue when available: plain SiLU, no bias; else with the bias added after the
+    GEMM, or oneDNN) and the stacked parameters are dropped.
 
     Raises:
         ValueError: naming ``hidden_act`` for an activation the experts do not know.
@@ -147,6 +163,9 @@ class StackedExperts(nn.Module):
         act: str,
         dtype: torch.dtype,
         names: MoeCheckpointNames,
+        bias: bool = False,
+        glu: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        add_down_bias: bool = True,
     ) -> None:
         super().__init__()
         activation_fn(act)  # validate early
@@ -154,12 +173,23 @@ class StackedExperts(nn.Module):
         self.inter = inter
         self.act = act
         self.names = names
+        self.glu = glu
+        self.add_down_bias = add_down_bias
         self.gate_up_weight = nn.Parameter(
             torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False
         )
         self.down_weight = nn.Parameter(
             torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False
         )
+        self.gate_up_bias: nn.Parameter | None = None
+        self.down_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(
+                torch.empty(num_experts, 2 * inter, dtype=dtype), requires_grad=False
+            )
+            self.down_bias = nn.Parameter(
+                torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+            )
         self.packed_gate_up: nn.ModuleList | None = None
         self.packed_down: nn.ModuleList | None = None
         self.cpu_ops: CpuOps | None = None  # fused SiLU-and-mul when fused ops are on
@@ -167,15 +197,19 @@ class StackedExperts(nn.Module):
     def checkpoint_names(self, param_name: str) -> list[str]:
         """Per-expert checkpoint tensors of a stacked parameter, expert by expert
         (``model.weight_map`` hook): gate_up_weight <- experts.e.{gate, up}.weight, down_weight
-        <- experts.e.down.weight, e = 0 .. E-1."""
+        <- experts.e.down.weight, e = 0 .. E-1; the biases likewise (``.bias``)."""
         n = self.names
         base = f"{_layer_prefix(param_name)}{n.block}.experts."
-        parts = (n.gate, n.up) if param_name.endswith("gate_up_weight") else (n.down,)
-        return [f"{base}{e}.{p}.weight" for e in range(self.num_experts) for p in parts]
+        leaf = param_name.rpartition(".")[2]  # gate_up_weight, down_bias, ...
+        parts = (n.gate, n.up) if leaf.startswith("gate_up") else (n.down,)
+        suffix = "bias" if leaf.endswith("_bias") else "weight"
+        return [f"{base}{e}.{p}.{suffix}" for e in range(self.num_experts) for p in parts]
 
     def load_weight(self, value: torch.Tensor) -> torch.Tensor:
         """The stacked parameter from the concatenated per-expert tensors ([E * rows, cols] ->
-        [E, rows, cols])."""
+        [E, rows, cols]; a bias [E * rows] -> [E, rows])."""
+        if value.dim() == 1:
+            return value.view(self.num_experts, -1)
         return value.view(self.num_experts, -1, value.shape[-1])
 
     @property
@@ -187,18 +221,31 @@ class StackedExperts(nn.Module):
         """Prepack every expert (``model.packed_linear``; call after loading, fp32 CPU only).
         Returns the number of packed matrices."""
         gemm = cpu_gemm_ops(cpu_ops, self.gate_up_weight.dtype)
-        fuse = gemm is not None and self.act == "silu" and self.inter % 8 == 0
+        plain = self.glu is None and self.gate_up_bias is None
+        fuse = gemm is not None and plain and self.act == "silu" and self.inter % 8 == 0
         gate_up: list[nn.Module] = [
-            PackedSwiGLU(w, gemm) if fuse and gemm is not None else PackedLinear(w, cpu_ops)
-            for w in self.gate_up_weight
+            PackedSwiGLU(w, gemm)
+            if fuse and gemm is not None
+            else PackedLinear(w, cpu_ops, self._bias(self.gate_up_bias, e))
+            for e, w in enumerate(self.gate_up_weight)
         ]
         self.packed_gate_up = nn.ModuleList(gate_up)
-        self.packed_down = nn.ModuleList(PackedLinear(w, cpu_ops) for w in self.down_weight)
-        del self.gate_up_weight, self.down_weight  # the packed copies replace them
+        down = self.down_bias if self.add_down_bias else None
+        self.packed_down = nn.ModuleList(
+            PackedLinear(w, cpu_ops, self._bias(down, e)) for e, w in enumerate(self.down_weight)
+        )
+        # The packed copies replace them (a packed bias keeps its row of the stacked one).
+        del self.gate_up_weight, self.down_weight
+        self.gate_up_bias = self.down_bias = None
         return 2 * self.num_experts
 
+    @staticmethod
+    def _bias(stacked: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+        return None if stacked is None else stacked[expert]
+
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``expert`` over its rows: down(act(gate(x)) * up(x)).
+        """Expert ``expert`` over its rows: down(act(gate(x)) * up(x)), or with biases and
+        ``glu``: down(glu(gate_up(x) + b_gu)) + b_down.
 
         Args:
             expert: expert index in [0, E).
@@ -211,13 +258,20 @@ class StackedExperts(nn.Module):
             gate_up = self.packed_gate_up[expert]
             h = gate_up(x)
             if not getattr(gate_up, "fused_activation", False):
-                h = gated_activation(h, self.inter, self.act, self.cpu_ops)
+                h = self._activation(h)
             out: torch.Tensor = self.packed_down[expert](h)
             return out
-        h = gated_activation(
-            F.linear(x, self.gate_up_weight[expert]), self.inter, self.act, self.cpu_ops
+        h = self._activation(
+            F.linear(x, self.gate_up_weight[expert], self._bias(self.gate_up_bias, expert))
         )
-        return F.linear(h, self.down_weight[expert])
+        down = self.down_bias if self.add_down_bias else None
+        return F.linear(h, self.down_weight[expert], self._bias(down, expert))
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] -> [n, I]: ``glu`` when set, else act(gate) * up."""
+        if self.glu is not None:
+            return self.glu(gate_up)
+        return gated_activation(gate_up, self.inter, self.act, self.cpu_ops)
 
 
 class SparseMoeBlock(nn.Module):
@@ -238,6 +292,9 @@ class SparseMoeBlock(nn.Module):
             Megatron-LM column / row split per expert), routes all tokens itself (the router is
             replicated) and the partial outputs are summed by one all-reduce.
         softmax_after_top_k: route as Granite MoE (:func:`route_top_k`).
+        bias: the router and every expert's projections have biases (GPT-OSS); an expert's
+            down bias is added on tensor-parallel rank 0 only (:class:`StackedExperts`).
+        glu: the experts' gated activation instead of ``act`` (:class:`StackedExperts`).
 
     Forward: x [T, d] -> [T, d]; with ``residual`` ([T, d], this step's own activation) the
     result is added into it in place and ``residual`` is returned (as ``GatedMLP``).
@@ -258,6 +315,8 @@ class SparseMoeBlock(nn.Module):
         names: MoeCheckpointNames,
         group: TensorParallelGroup | None = None,
         softmax_after_top_k: bool = False,
+        bias: bool = False,
+        glu: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.group = group
@@ -266,9 +325,12 @@ class SparseMoeBlock(nn.Module):
                 f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]"
             )
         self.gate = MoeRouter(
-            hidden, num_experts, top_k, normalize, dtype, names, softmax_after_top_k
+            hidden, num_experts, top_k, normalize, dtype, names, softmax_after_top_k, bias
         )
-        self.experts = StackedExperts(hidden, inter, num_experts, act, dtype, names)
+        first_rank = group is None or group.rank == 0
+        self.experts = StackedExperts(
+            hidden, inter, num_experts, act, dtype, names, bias, glu, add_down_bias=first_rank
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.add_shared_expert(x, self.routed_experts(x))

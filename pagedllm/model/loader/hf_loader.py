@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,9 +13,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedllm.model.config import ModelArchConfig, hf_rope_parameters
+from pagedllm.model.quant.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX
 from pagedllm.model.registry import model_class
 
 if TYPE_CHECKING:
+    from pagedllm.model.decoder import DecoderForCausalLM
     from pagedllm.model.loader.load import LoadedModel
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -124,13 +127,51 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+#: One MXFP4 pair: ((file, name of the ``_blocks`` tensor), (file, name of the ``_scales`` one)).
+Mxfp4Pair = tuple[tuple[Path, str], tuple[Path, str]]
+
+
+def mxfp4_pairs(files: list[Path]) -> dict[str, Mxfp4Pair]:
+    """The MXFP4 tensors of a checkpoint (``model.quant.mxfp4``; GPT-OSS's experts): for every
+    ``<name>_blocks`` with a ``<name>_scales`` in any of ``files``, ``name`` -> where both are.
+    Reads the headers only."""
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                where[name] = f
+    pairs: dict[str, Mxfp4Pair] = {}
+    for name, f in where.items():
+        if name.endswith(BLOCKS_SUFFIX):
+            base = name.removesuffix(BLOCKS_SUFFIX)
+            scales = base + SCALES_SUFFIX
+            if scales in where:
+                pairs[base] = ((f, name), (where[scales], scales))
+    return pairs
+
+
+def read_mxfp4_pairs(
+    pairs: dict[str, Mxfp4Pair], cls: type[DecoderForCausalLM], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor of ``dtype``) for each pair, one at a time, dequantized by the model class
+    (``DecoderForCausalLM.dequantize_mxfp4``, which refuses unless the architecture reads
+    MXFP4 checkpoints)."""
+    for base, ((fb, nb), (fs, ns)) in pairs.items():
+        with safe_open(str(fb), framework="pt") as sf:
+            blocks = sf.get_tensor(nb)
+        with safe_open(str(fs), framework="pt") as sf:
+            scales = sf.get_tensor(ns)
+        yield base, cls.dequantize_mxfp4(base, blocks, scales, dtype)
+
+
 def load_hf_weights(
     folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Load ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder.
 
     Floating tensors are cast to ``dtype``; names are kept as in the files (``model.layers.N...``,
-    shape ``[out, in]`` for linears). When the embedding is tied (``tie_word_embeddings`` or no
+    shape ``[out, in]`` for linears), except that an MXFP4 pair ``<name>_blocks`` /
+    ``<name>_scales`` (GPT-OSS's experts) is read as the dequantized ``<name>``. When the embedding is tied (``tie_word_embeddings`` or no
     ``lm_head.weight`` in the files) ``lm_head.weight`` is not returned and
     ``config.tie_word_embeddings`` is True.
 
@@ -150,27 +191,32 @@ def load_hf_weights(
     config = hf_arch_config(read_hf_config(root), root)
     cls = model_class(config.architecture)
     state: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(root):
+
+    def add(name: str, t: torch.Tensor) -> None:
+        renamed = cls.hf_weight_name(name)
+        if renamed is None:
+            return
+        if t.is_floating_point():
+            t = t.to(dtype)
+        parts = cls.split_hf_weight(renamed, t, config) if cls.splits_hf_weights else {renamed: t}
+        for part, value in parts.items():
+            state[part] = value.contiguous()
+
+    files = _safetensors_files(root)
+    pairs = mxfp4_pairs(files)
+    paired = {n for pair in pairs.values() for _, n in pair}
+    for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    renamed = cls.hf_weight_name(name)
-                    if renamed is None:
-                        continue
-                    t = sf.get_tensor(name)
-                    if t.is_floating_point():
-                        t = t.to(dtype)
-                    parts = (
-                        cls.split_hf_weight(renamed, t, config)
-                        if cls.splits_hf_weights
-                        else {renamed: t}
-                    )
-                    for part, value in parts.items():
-                        state[part] = value.contiguous()
+                    if name not in paired and cls.hf_weight_name(name) is not None:
+                        add(name, sf.get_tensor(name))
         except OSError:
             raise
         except Exception as exc:
             raise ValueError(f"{f} is not a valid safetensors file: {exc}") from exc
+    for name, t in read_mxfp4_pairs(pairs, cls, dtype):
+        add(name, t)
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{root}: no model.embed_tokens.weight in the safetensors files")
     if "lm_head.weight" not in state:

@@ -3,7 +3,8 @@
 GGUF: the quantized data is sliced in the memory map before dequantizing: whole rows for
 column-parallel weights and the vocabulary, whole quantization blocks along a row for row-parallel
 ones (when the cut is not block-aligned the tensor's rows are dequantized whole, then cut).
-Safetensors: ``safe_open(...).get_slice`` reads just the slice. The result equals
+Safetensors: ``safe_open(...).get_slice`` reads just the slice (MXFP4 pairs, GPT-OSS's experts,
+are dequantized whole, then cut). The result equals
 ``model.sharding.shard_state_dict`` of the full load, tensor for tensor.
 """
 
@@ -29,7 +30,7 @@ from pagedllm.model.loader.gguf_loader import (
     gguf_to_hf_name,
     open_gguf,
 )
-from pagedllm.model.loader.hf_loader import _safetensors_files
+from pagedllm.model.loader.hf_loader import _safetensors_files, mxfp4_pairs, read_mxfp4_pairs
 from pagedllm.model.sharding import TensorParallelShard, shard_state_dict
 
 
@@ -121,11 +122,25 @@ def _hf_shard(
 
     cls = model_class(config.architecture)
     out: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(folder):
+    files = _safetensors_files(folder)
+    pairs = mxfp4_pairs(files)
+    paired = {n for pair in pairs.values() for _, n in pair}
+    # MXFP4 tensors (GPT-OSS's experts) are dequantized whole, then split and cut.
+    for file_name, whole_tensor in read_mxfp4_pairs(pairs, cls, torch.float32):
+        name = cls.hf_weight_name(file_name)
+        if name is None:
+            continue
+        parts = (
+            cls.split_hf_weight(name, whole_tensor, config)
+            if cls.splits_hf_weights
+            else {name: whole_tensor}
+        )
+        out.update(shard_state_dict(parts, shard, config.head_dim))
+    for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for file_name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 name = cls.hf_weight_name(file_name)
-                if name is None:
+                if name is None or file_name in paired:
                     continue
                 if cls.splits_hf_weights:  # fused / transposed tensors: read whole, then cut
                     whole = cls.split_hf_weight(name, sf.get_tensor(file_name), config)
