@@ -1,8 +1,8 @@
 """GGUF files beyond what llama.cpp's current converters write for the tiny models of
 ``test_architectures.py``: q, k and v fused into one ``attn_qkv`` (older Phi-2 files, converted
 from the original ``Wqkv``; llama.cpp's ``build_qkv`` reads one in any architecture), and a
-sliding window recorded for StarCoder2 / Qwen2-MoE, whose converters write none. Each loads the
-folder's weights and gives transformers' greedy tokens."""
+sliding window recorded for StarCoder2 / Qwen2 / Qwen3 / Qwen2-MoE, whose converters write none.
+Each loads the folder's weights and gives transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -134,36 +134,37 @@ def test_starcoder2_gguf_window_equals_transformers(tmp_path):
     _assert_greedy_matches(hf, tmp_path / "hf", loaded)
 
 
-def test_qwen2_moe_gguf_window_equals_transformers(tmp_path):
-    """A qwen2moe file with ``attention.sliding_window`` and one sliding flag per layer (as
-    transformers' ``layer_types`` of ``use_sliding_window`` with ``max_window_layers`` 1: layer 0
-    windowed, layer 1 full) gives transformers' tokens; the window without the flags is refused
-    naming ``sliding_window_pattern``; without the window (llama.cpp's converter) none is used."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen2_moe"])
+def test_qwen_gguf_window_equals_transformers(arch, tmp_path):
+    """A qwen2 / qwen3 / qwen2moe file with ``attention.sliding_window`` and one sliding flag per
+    layer (transformers' ``layer_types`` of ``use_sliding_window`` with ``max_window_layers`` 1:
+    layer 1 windowed for the dense models, layer 0 for Qwen2-MoE) gives transformers' tokens
+    past the 8-token window; the window without the flags is refused naming
+    ``sliding_window_pattern``; without the window (llama.cpp's converters) none is used."""
     from pagedllm.model.loader import load_gguf_weights
 
     hf = build_tiny_hf_model(
-        "qwen2_moe",
-        tmp_path / "hf",
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
+        arch, tmp_path / "hf", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
     )
-    assert hf.config.layer_types == ["sliding_attention", "full_attention"]
-    plain = tmp_path / "qwen2moe.gguf"
-    write_gguf_like_llama_cpp(hf, plain, "qwen2_moe")
+    types = hf.config.layer_types
+    assert sorted(types) == ["full_attention", "sliding_attention"]
+    plain = tmp_path / f"{arch}.gguf"
+    write_gguf_like_llama_cpp(hf, plain, arch)
     assert load_gguf_weights(plain)[0].sliding_window is None
-    flags = [t == "sliding_attention" for t in hf.config.layer_types]
+    flags = [t == "sliding_attention" for t in types]
 
     def window_and_flags(w: Any) -> None:
         w.add_sliding_window(WINDOW)
         w.add_sliding_window_pattern(flags)
 
-    path = tmp_path / "qwen2moe-window.gguf"
+    path = tmp_path / f"{arch}-window.gguf"
     rewrite_gguf(plain, path, add_keys=window_and_flags)
     loaded = _loaded_from_gguf(tmp_path / "hf", path)
-    assert [loaded.config.layer_window(i) for i in range(2)] == [WINDOW, None]
+    assert [loaded.config.layer_window(i) for i in range(2)] == [
+        WINDOW if f else None for f in flags
+    ]
     _assert_greedy_matches(hf, tmp_path / "hf", loaded)
-    no_flags = tmp_path / "qwen2moe-window-only.gguf"
+    no_flags = tmp_path / f"{arch}-window-only.gguf"
     rewrite_gguf(plain, no_flags, add_keys=lambda w: w.add_sliding_window(WINDOW))
     with pytest.raises(ValueError, match="sliding_window_pattern"):
         load_gguf_weights(no_flags)
