@@ -116,6 +116,29 @@ def test_quantized_fused_qkv_loads_and_shards(arch, tmp_path):
     assert_rank_slices_equal(path, cfg, sd_g)
 
 
+def test_fused_and_separate_qkv_in_one_layer_is_refused(tmp_path):
+    """A file with both ``attn_qkv`` and ``attn_q`` / ``attn_k`` / ``attn_v`` for a layer is a
+    ValueError naming both tensors, in the full load and in a tensor-parallel rank's, before
+    anything is read (one would otherwise overwrite the other's q/k/v)."""
+    from pagedllm.model.loader import load_gguf_weights
+    from pagedllm.model.loader.sharded import load_weight_shard
+    from pagedllm.model.sharding import TensorParallelShard
+
+    hf = build_tiny_hf_model("phi", tmp_path / "hf")
+    plain = tmp_path / "phi2.gguf"
+    write_gguf_like_llama_cpp(hf, plain, "phi")
+    config = load_gguf_weights(plain)[0]
+    both = tmp_path / "phi2-both.gguf"
+    rewrite_gguf(plain, both, fuse_qkv=True, keep_separate=True)
+    names = _tensor_names(both)
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" in names
+    match = r"'blk\.0\.attn_qkv\.weight' and 'blk\.0\.attn_q\.weight'"
+    with pytest.raises(ValueError, match=match):
+        load_gguf_weights(both)
+    with pytest.raises(ValueError, match=match):
+        load_weight_shard(both, "gguf", config, TensorParallelShard.for_rank(config, 1, 2))
+
+
 def test_starcoder2_gguf_window_equals_transformers(tmp_path):
     """llama.cpp's starcoder2 converter records no window (such a file runs with full attention);
     a file with ``attention.sliding_window`` windows every layer, as the checkpoint does, and
