@@ -116,6 +116,36 @@ def test_quantized_fused_qkv_loads_and_shards(arch, tmp_path):
     assert_rank_slices_equal(path, cfg, sd_g)
 
 
+@pytest.mark.parametrize("arch", ["phi", "llama"])
+def test_quantized_fused_qkv_runs_on_the_files_blocks(arch, tmp_path):
+    """``quantization="gguf"`` on a Q8_0 file with a fused ``attn_qkv``: every layer's QKV
+    projection is a ``GGUFLinear`` built from the fused tensor's blocks (Llama: q/k rows
+    reordered as llama.cpp permuted them) whose packed weight equals the one built from the
+    separate-tensor file's q / k / v, and the greedy tokens equal that file's under
+    ``quantization="gguf"``."""
+    from pagedllm.attention.cpu import load_cpu_ops
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.quant.gguf_native import GGUFLinear
+    from tests.distributed.tp_utils import greedy_tokens
+
+    if load_cpu_ops() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    hf = build_tiny_hf_model(arch, tmp_path / "hf")
+    separate, fused = tmp_path / f"{arch}-q8_0.gguf", tmp_path / f"{arch}-q8_0-fused.gguf"
+    write_gguf_like_llama_cpp(hf, separate, arch, qtype=gguf.GGMLQuantizationType.Q8_0)
+    rewrite_gguf(separate, fused, fuse_qkv=True)
+    tokens, packed = [], []
+    for path in (separate, fused):
+        loaded = _loaded_from_gguf(tmp_path / "hf", path)
+        llm = LLM(str(tmp_path / "hf"), loaded=loaded, quantization="gguf", **KW)
+        qkv = [layer.self_attn.qkv_proj for layer in llm.engine.executor.worker.model.layers]
+        assert all(isinstance(m, GGUFLinear) and len(m.parts) == 1 for m in qkv)
+        packed.append([m.parts[0].data for m in qkv])  # q, k, v merged: one kernel weight
+        tokens.append(greedy_tokens(llm, _prompts(hf), STEPS))
+    assert all(torch.equal(a, b) for a, b in zip(*packed, strict=True))
+    assert tokens[0] == tokens[1]
+
+
 def test_fused_and_separate_qkv_in_one_layer_is_refused(tmp_path):
     """A file with both ``attn_qkv`` and ``attn_q`` / ``attn_k`` / ``attn_v`` for a layer is a
     ValueError naming both tensors, in the full load and in a tensor-parallel rank's, before
