@@ -33,7 +33,7 @@ import torch
 
 from pagedllm.model.layernorm_decoder import LayerNormDecoderForCausalLM
 from pagedllm.model.layers.interleaved_rope import permute_interleaved_qk
-from pagedllm.model.stablelm import StableLmDecoderLayer
+from pagedllm.model.stablelm import StableLmDecoderLayer, gguf_head_layer_norm_fields
 
 
 def _gguf_float(value: Any) -> float | None:
@@ -81,7 +81,7 @@ class CohereForCausalLM(LayerNormDecoderForCausalLM):
     @classmethod
     def gguf_tensor_fields(cls, tensor_names: Collection[str]) -> dict[str, Any]:
         """``qk_layer_norm`` when the file has ``attn_q_norm`` tensors (no key records it)."""
-        return {"qk_layer_norm": "blk.0.attn_q_norm.weight" in tensor_names}
+        return gguf_head_layer_norm_fields(tensor_names)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """``DecoderForCausalLM.load_weights``, then the q and k rows (weights and biases; this

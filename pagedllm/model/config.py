@@ -42,7 +42,7 @@ class ModelArchConfig:
             for q, kv_heads * head_dim for k; OLMo 2) instead of one head.
         qk_layer_norm: a LayerNorm (mean-subtracting, weight only) over each query / key head
             before RoPE, with one weight row per head ([heads, head_dim]; Cohere's
-            ``use_qk_norm``), instead of the RMSNorms of ``qk_norm``.
+            ``use_qk_norm``, StableLM's ``qk_layernorm``), instead of the RMSNorms of ``qk_norm``.
         sliding_window: tokens a windowed layer sees (its own included), or None.
         layer_types: per layer "full_attention" or "sliding_attention"; None = every layer is
             windowed when ``sliding_window`` is set (Mistral), else full.

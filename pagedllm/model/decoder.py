@@ -290,6 +290,14 @@ class DecoderForCausalLM(nn.Module):
         )
 
     @classmethod
+    def stack_hf_weights(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (renamed, split Hugging Face tensors) with the tensors that a checkpoint
+        stores apart but one parameter holds stacked (StableLM's per-head q/k LayerNorms)
+        replaced by the stacked tensor. Called on the whole state dict of a folder, and on a
+        tensor-parallel rank's before the stacked tensors are cut. Default: ``state`` as is."""
+        return state
+
+    @classmethod
     def split_gguf_weight(
         cls, name: str, tensor: torch.Tensor, config: ModelArchConfig
     ) -> dict[str, torch.Tensor]:

@@ -6,6 +6,11 @@ is true (transformers' default is false, and released checkpoints set ``sliding_
 way); when on and ``config.json`` lists no ``layer_types``, the layers from
 ``max_window_layers`` on are windowed, the ones before it attend to everything, as transformers
 derives ``layer_types``.
+
+GGUF (``gguf_sliding_window``, shared with Qwen3 and Qwen2-MoE): GGUF has no
+``use_sliding_window`` / ``max_window_layers`` key, so a window is on only when the file has
+``attention.sliding_window`` with one flag per layer in ``attention.sliding_window_pattern`` (as
+``layer_types``); files converted from the released models carry no window.
 """
 
 from __future__ import annotations
@@ -36,6 +41,36 @@ def qwen_sliding_window(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": list(layer_types)}
 
 
+def gguf_sliding_window(meta: Any, model: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a Qwen2 / Qwen3 / Qwen2-MoE GGUF file (``model``
+    names it in the error), read as :func:`qwen_sliding_window` reads a ``config.json``.
+
+    The released models use no window (their files carry none), and GGUF has no
+    ``use_sliding_window`` / ``max_window_layers`` keys. A nonzero
+    ``attention.sliding_window`` is read as transformers' ``use_sliding_window`` on, and
+    ``attention.sliding_window_pattern`` (one flag per layer, true = sliding, as llama.cpp's
+    converters write ``layer_types``) says which layers, as ``layer_types`` does in config.json.
+    Absent or 0: no window.
+
+    Raises:
+        ValueError: naming ``sliding_window_pattern`` when a window comes without one flag per
+            layer (which layers are windowed would depend on ``max_window_layers``, which the
+            file cannot say).
+    """
+    window = meta("attention.sliding_window")
+    if not window:
+        return {"sliding_window": None, "layer_types": None}
+    pattern = meta("attention.sliding_window_pattern")
+    layers = int(meta("block_count"))
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise ValueError(
+            f"{model} GGUF with attention.sliding_window={window} needs "
+            f"attention.sliding_window_pattern (one flag per layer, {layers}); got {pattern!r}"
+        )
+    types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    return {"sliding_window": int(window), "layer_types": types}
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Llama layers with ``attention_bias`` on q/k/v (stacked into the fused QKV bias)."""
 
@@ -48,4 +83,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
-        return {"attention_bias": True, "o_proj_bias": False}
+        """QKV bias always, no o_proj bias; the sliding window per :func:`gguf_sliding_window`.
+
+        Raises:
+            ValueError: as :func:`gguf_sliding_window`.
+        """
+        return {"attention_bias": True, "o_proj_bias": False, **gguf_sliding_window(meta, "Qwen2")}

@@ -18,7 +18,7 @@ Sliding window: honoured when ``use_sliding_window`` is set and ``config.json`` 
 derived from ``max_window_layers``, which transformers versions have done differently, so such a
 config is refused with a ``ValueError`` naming ``use_sliding_window``. A GGUF file's window is
 read from ``attention.sliding_window`` with a per-layer ``attention.sliding_window_pattern``
-(:func:`gguf_sliding_window`).
+(``qwen2.gguf_sliding_window``, as for the dense models).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from gguf.constants import MODEL_TENSOR
 
 from pagedllm.model.loader.gguf_loader import gguf_layer_tensor
+from pagedllm.model.qwen2 import gguf_sliding_window
 from pagedllm.model.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -71,10 +72,10 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
         """llama.cpp's ``qwen2moe`` keys: ``expert_count``, ``expert_used_count``,
         ``expert_feed_forward_length``, ``expert_shared_feed_forward_length`` and
         ``expert_weights_norm`` (absent: not renormalised, as llama.cpp runs Qwen2-MoE); the
-        sliding window per :func:`gguf_sliding_window`.
+        sliding window per ``qwen2.gguf_sliding_window``.
 
         Raises:
-            ValueError: as :func:`gguf_sliding_window`.
+            ValueError: as ``qwen2.gguf_sliding_window``.
         """
         norm = meta("expert_weights_norm")
         width = meta("expert_feed_forward_length") or meta("feed_forward_length")
@@ -87,34 +88,5 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
             "moe_intermediate_size": int(width),
             "norm_topk_prob": False if norm is None else bool(norm),
             "shared_expert_intermediate_size": shared or None,
-            **gguf_sliding_window(meta),
+            **gguf_sliding_window(meta, "Qwen2-MoE"),
         }
-
-
-def gguf_sliding_window(meta: Any) -> dict[str, Any]:
-    """``sliding_window`` and ``layer_types`` of a ``qwen2moe`` GGUF file.
-
-    llama.cpp's converter writes no window for Qwen2-MoE (released models use none) and GGUF has
-    no ``use_sliding_window`` / ``max_window_layers`` keys. A nonzero
-    ``attention.sliding_window`` is read as transformers' ``use_sliding_window`` on, and
-    ``attention.sliding_window_pattern`` (one flag per layer, true = sliding, as llama.cpp's
-    converters write ``layer_types``) says which layers, as ``layer_types`` does in config.json.
-    Absent or 0: no window.
-
-    Raises:
-        ValueError: naming ``sliding_window_pattern`` when a window comes without one flag per
-            layer (which layers are windowed would depend on ``max_window_layers``, as for a
-            config.json without ``layer_types``).
-    """
-    window = meta("attention.sliding_window")
-    if not window:
-        return {"sliding_window": None, "layer_types": None}
-    pattern = meta("attention.sliding_window_pattern")
-    layers = int(meta("block_count"))
-    if not isinstance(pattern, list) or len(pattern) != layers:
-        raise ValueError(
-            f"Qwen2-MoE GGUF with attention.sliding_window={window} needs "
-            f"attention.sliding_window_pattern (one flag per layer, {layers}); got {pattern!r}"
-        )
-    types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    return {"sliding_window": int(window), "layer_types": types}

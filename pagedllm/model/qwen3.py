@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.qwen2 import qwen_sliding_window
+from pagedllm.model.qwen2 import gguf_sliding_window, qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -25,4 +25,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def gguf_config_fields(cls, meta: Any) -> dict[str, Any]:
-        return {"qk_norm": True}
+        """q/k norms; the sliding window as Qwen2's (``qwen2.gguf_sliding_window``).
+
+        Raises:
+            ValueError: as ``qwen2.gguf_sliding_window``.
+        """
+        return {"qk_norm": True, **gguf_sliding_window(meta, "Qwen3")}

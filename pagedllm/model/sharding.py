@@ -41,8 +41,8 @@ class TensorParallelShard:
             (Qwen2-MoE; split like the dense MLP, its [1, d] sigmoid gate stays whole).
         qk_norm_full_width: the q/k norm weights span all heads (OLMo 2), so they are cut with
             the rank's heads; per-head norms (Qwen3, Gemma 3) stay whole.
-        qk_layer_norm: the q/k norm weights have one row per head (Cohere's per-head
-            LayerNorms), so their rows are cut with the rank's heads.
+        qk_layer_norm: the q/k norm weights have one row per head (the per-head LayerNorms of
+            Cohere and StableLM), so their rows are cut with the rank's heads.
     """
 
     rank: int
@@ -143,7 +143,7 @@ class TensorParallelShard:
         dim 0, row-parallel ones along dim 1 (their biases stay whole); the embedding and LM head
         (its bias too) along the vocabulary (dim 0); norms stay whole (per-head q/k norms
         included), except full-width q/k norms (OLMo 2), cut with the rank's heads, and q/k
-        norms with a weight row per head (Cohere), whose rows are cut with the heads; attention
+        norms with a weight row per head (Cohere, StableLM), whose rows are cut with the heads; attention
         sinks (GPT-OSS's ``self_attn.sinks``, one per query head) with the rank's query heads.
         MoE experts' biases follow their projections: gate / up biases are cut with the rows,
         a down bias stays whole (``layers.moe.StackedExperts`` adds it on rank 0 only).

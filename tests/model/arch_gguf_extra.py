@@ -3,6 +3,9 @@
 Command-R (interleaved RoPE, bias-free LayerNorm, parallel residual, logit scale; with and
 without the per-head q/k LayerNorms of ``use_qk_norm``).
 
+StableLM 2 12B's layout (``stablelm_qk_norm``: per-head q/k LayerNorms, parallel residual, no
+q/k/v biases) too.
+
 ``arch_utils._arch_kwargs`` and ``write_gguf_like_llama_cpp`` dispatch here for the names in
 ``EXTRA_ARCHS`` / ``EXTRA_GGUF_WRITERS``.
 """
@@ -25,7 +28,8 @@ COHERE_LOGIT_SCALE = 0.25
 # EXAONE 4.0: one sliding layer (RoPE) and one full-attention layer (NoPE), window 8 (shorter than
 # the test prompts).
 EXAONE4_LAYER_TYPES = ["sliding_attention", "full_attention"]
-EXTRA_ARCHS = ("smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4", *GLM_ARCHS)
+EXTRA_ARCHS = ("smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4", "stablelm_qk_norm")
+EXTRA_ARCHS += GLM_ARCHS
 
 
 def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
@@ -61,6 +65,14 @@ def extra_arch_kwargs(arch: str) -> tuple[Any, dict[str, Any]]:
             "tie_word_embeddings": True,
             "use_bias": False,
             "rope_parameters": rope,
+        }
+    if arch == "stablelm_qk_norm":  # StableLM 2 12B: per-head q/k LayerNorms, parallel
+        return tf.StableLmForCausalLM, {
+            "config": tf.StableLmConfig,
+            "tiny": {**TINY, "initializer_range": 0.5},
+            "use_qkv_bias": False,
+            "use_parallel_residual": True,
+            "qk_layernorm": True,
         }
     if arch == "exaone4":
         return tf.Exaone4ForCausalLM, {
@@ -172,10 +184,35 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     close_gguf(w)
 
 
+def write_stablelm_qk_norm_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
+    """StableLM with ``qk_layernorm`` as llama.cpp's converter writes it: the stablelm file of
+    ``arch_utils``, with each layer's per-head norms stacked in head order into ``attn_q_norm`` /
+    ``attn_k_norm`` [heads, head_dim]."""
+    import re
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.model.arch_utils import _write_rotary_layer_norm_gguf
+
+    state, heads = {}, {}
+    for name, t in hf_model.state_dict().items():
+        m = re.fullmatch(r"(.*\.self_attn\.)([qk])_layernorm\.norms\.(\d+)\.weight", name)
+        if m is None:
+            state[name] = t
+        else:
+            heads.setdefault(f"{m[1]}{m[2]}_norm.weight", []).append((int(m[3]), t))
+    for name, rows in heads.items():
+        state[name] = torch.stack([t for _, t in sorted(rows, key=lambda r: r[0])])
+    stacked = SimpleNamespace(config=hf_model.config, state_dict=lambda: state)
+    _write_rotary_layer_norm_gguf(stacked, path, "stablelm", qtype)
+
+
 EXTRA_GGUF_WRITERS: dict[str, Callable[[Any, Path, Any], None]] = {
     "cohere": write_cohere_gguf,
     "cohere_qk_norm": write_cohere_gguf,
     "ernie4_5": write_ernie4_5_gguf,
     "exaone4": write_exaone4_gguf,
+    "stablelm_qk_norm": write_stablelm_qk_norm_gguf,
     **GLM_GGUF_WRITERS,
 }

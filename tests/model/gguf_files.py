@@ -39,11 +39,12 @@ def rewrite_gguf(
     dst: Path,
     fuse_qkv: bool = False,
     add_keys: Callable[[Any], None] | None = None,
+    keep_separate: bool = False,
 ) -> None:
     """Write ``dst``: the GGUF file ``src`` with, when ``fuse_qkv``, each layer's ``attn_q`` /
     ``attn_k`` / ``attn_v`` (weight, and bias when present) replaced by one ``attn_qkv`` of their
-    rows in that order, and the keys ``add_keys(writer)`` adds (a ``gguf.GGUFWriter`` of the same
-    architecture).
+    rows in that order (``keep_separate``: added beside them, a malformed file), and the keys
+    ``add_keys(writer)`` adds (a ``gguf.GGUFWriter`` of the same architecture).
 
     Raises:
         ValueError: ``fuse_qkv`` and ``src`` has no ``attn_q`` tensor, or a layer's three parts
@@ -69,9 +70,9 @@ def rewrite_gguf(
     for t in reader.tensors:
         stem, _, kind_name = t.name.rpartition(".")
         block, _, part = stem.rpartition(".")
-        if not fuse_qkv or part not in QKV:
+        if not fuse_qkv or part not in QKV or keep_separate:
             _copy(w, t.name, np.asarray(t.data), t.tensor_type)
-        elif part == QKV[0]:  # k and v join q's
+        if fuse_qkv and part == QKV[0]:  # k and v join q's
             parts = [tensors[f"{block}.{p}.{kind_name}"] for p in QKV]
             if len({p.tensor_type for p in parts}) != 1:
                 raise ValueError(f"{block}: q / k / v of different types")

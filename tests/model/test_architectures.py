@@ -28,7 +28,7 @@ ARCHS += ["gpt_neox", "mixtral", "qwen3_moe", "gemma_v1", "granite", "granite_ti
 ARCHS += ["phi", "stablelm", "starcoder2", "qwen2_moe", "olmo2", "olmoe"]
 ARCHS += ["granitemoe", "granitemoe_shared"]
 ARCHS += ["smollm3", "cohere", "cohere_qk_norm", "ernie4_5", "exaone4"]
-ARCHS += ["glm", "glm4", "gpt_oss"]
+ARCHS += ["glm", "glm4", "gpt_oss", "stablelm_qk_norm"]
 # LayerNorm families: biases everywhere, a non-gated MLP (up_proj / down_proj), no RMSNorm.
 LAYER_NORM_ARCHS = ("opt", "gpt2", "gpt_neox", "phi", "starcoder2")
 # Projections with biases on q / k / v (the LayerNorm families have them everywhere).

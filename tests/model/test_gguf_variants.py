@@ -1,8 +1,8 @@
 """GGUF files beyond what llama.cpp's current converters write for the tiny models of
 ``test_architectures.py``: q, k and v fused into one ``attn_qkv`` (older Phi-2 files, converted
 from the original ``Wqkv``; llama.cpp's ``build_qkv`` reads one in any architecture), and a
-sliding window recorded for StarCoder2 / Qwen2-MoE, whose converters write none. Each loads the
-folder's weights and gives transformers' greedy tokens."""
+sliding window recorded for StarCoder2 / Qwen2 / Qwen3 / Qwen2-MoE, whose converters write none.
+Each loads the folder's weights and gives transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -116,6 +116,59 @@ def test_quantized_fused_qkv_loads_and_shards(arch, tmp_path):
     assert_rank_slices_equal(path, cfg, sd_g)
 
 
+@pytest.mark.parametrize("arch", ["phi", "llama"])
+def test_quantized_fused_qkv_runs_on_the_files_blocks(arch, tmp_path):
+    """``quantization="gguf"`` on a Q8_0 file with a fused ``attn_qkv``: every layer's QKV
+    projection is a ``GGUFLinear`` built from the fused tensor's blocks (Llama: q/k rows
+    reordered as llama.cpp permuted them) whose packed weight equals the one built from the
+    separate-tensor file's q / k / v, and the greedy tokens equal that file's under
+    ``quantization="gguf"``."""
+    from pagedllm.attention.cpu import load_cpu_ops
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.quant.gguf_native import GGUFLinear
+    from tests.distributed.tp_utils import greedy_tokens
+
+    if load_cpu_ops() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    hf = build_tiny_hf_model(arch, tmp_path / "hf")
+    separate, fused = tmp_path / f"{arch}-q8_0.gguf", tmp_path / f"{arch}-q8_0-fused.gguf"
+    write_gguf_like_llama_cpp(hf, separate, arch, qtype=gguf.GGMLQuantizationType.Q8_0)
+    rewrite_gguf(separate, fused, fuse_qkv=True)
+    tokens, packed = [], []
+    for path in (separate, fused):
+        loaded = _loaded_from_gguf(tmp_path / "hf", path)
+        llm = LLM(str(tmp_path / "hf"), loaded=loaded, quantization="gguf", **KW)
+        qkv = [layer.self_attn.qkv_proj for layer in llm.engine.executor.worker.model.layers]
+        assert all(isinstance(m, GGUFLinear) and len(m.parts) == 1 for m in qkv)
+        packed.append([m.parts[0].data for m in qkv])  # q, k, v merged: one kernel weight
+        tokens.append(greedy_tokens(llm, _prompts(hf), STEPS))
+    assert all(torch.equal(a, b) for a, b in zip(*packed, strict=True))
+    assert tokens[0] == tokens[1]
+
+
+def test_fused_and_separate_qkv_in_one_layer_is_refused(tmp_path):
+    """A file with both ``attn_qkv`` and ``attn_q`` / ``attn_k`` / ``attn_v`` for a layer is a
+    ValueError naming both tensors, in the full load and in a tensor-parallel rank's, before
+    anything is read (one would otherwise overwrite the other's q/k/v)."""
+    from pagedllm.model.loader import load_gguf_weights
+    from pagedllm.model.loader.sharded import load_weight_shard
+    from pagedllm.model.sharding import TensorParallelShard
+
+    hf = build_tiny_hf_model("phi", tmp_path / "hf")
+    plain = tmp_path / "phi2.gguf"
+    write_gguf_like_llama_cpp(hf, plain, "phi")
+    config = load_gguf_weights(plain)[0]
+    both = tmp_path / "phi2-both.gguf"
+    rewrite_gguf(plain, both, fuse_qkv=True, keep_separate=True)
+    names = _tensor_names(both)
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" in names
+    match = r"'blk\.0\.attn_qkv\.weight' and 'blk\.0\.attn_q\.weight'"
+    with pytest.raises(ValueError, match=match):
+        load_gguf_weights(both)
+    with pytest.raises(ValueError, match=match):
+        load_weight_shard(both, "gguf", config, TensorParallelShard.for_rank(config, 1, 2))
+
+
 def test_starcoder2_gguf_window_equals_transformers(tmp_path):
     """llama.cpp's starcoder2 converter records no window (such a file runs with full attention);
     a file with ``attention.sliding_window`` windows every layer, as the checkpoint does, and
@@ -134,36 +187,37 @@ def test_starcoder2_gguf_window_equals_transformers(tmp_path):
     _assert_greedy_matches(hf, tmp_path / "hf", loaded)
 
 
-def test_qwen2_moe_gguf_window_equals_transformers(tmp_path):
-    """A qwen2moe file with ``attention.sliding_window`` and one sliding flag per layer (as
-    transformers' ``layer_types`` of ``use_sliding_window`` with ``max_window_layers`` 1: layer 0
-    windowed, layer 1 full) gives transformers' tokens; the window without the flags is refused
-    naming ``sliding_window_pattern``; without the window (llama.cpp's converter) none is used."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen2_moe"])
+def test_qwen_gguf_window_equals_transformers(arch, tmp_path):
+    """A qwen2 / qwen3 / qwen2moe file with ``attention.sliding_window`` and one sliding flag per
+    layer (transformers' ``layer_types`` of ``use_sliding_window`` with ``max_window_layers`` 1:
+    layer 1 windowed for the dense models, layer 0 for Qwen2-MoE) gives transformers' tokens
+    past the 8-token window; the window without the flags is refused naming
+    ``sliding_window_pattern``; without the window (llama.cpp's converters) none is used."""
     from pagedllm.model.loader import load_gguf_weights
 
     hf = build_tiny_hf_model(
-        "qwen2_moe",
-        tmp_path / "hf",
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
+        arch, tmp_path / "hf", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
     )
-    assert hf.config.layer_types == ["sliding_attention", "full_attention"]
-    plain = tmp_path / "qwen2moe.gguf"
-    write_gguf_like_llama_cpp(hf, plain, "qwen2_moe")
+    types = hf.config.layer_types
+    assert sorted(types) == ["full_attention", "sliding_attention"]
+    plain = tmp_path / f"{arch}.gguf"
+    write_gguf_like_llama_cpp(hf, plain, arch)
     assert load_gguf_weights(plain)[0].sliding_window is None
-    flags = [t == "sliding_attention" for t in hf.config.layer_types]
+    flags = [t == "sliding_attention" for t in types]
 
     def window_and_flags(w: Any) -> None:
         w.add_sliding_window(WINDOW)
         w.add_sliding_window_pattern(flags)
 
-    path = tmp_path / "qwen2moe-window.gguf"
+    path = tmp_path / f"{arch}-window.gguf"
     rewrite_gguf(plain, path, add_keys=window_and_flags)
     loaded = _loaded_from_gguf(tmp_path / "hf", path)
-    assert [loaded.config.layer_window(i) for i in range(2)] == [WINDOW, None]
+    assert [loaded.config.layer_window(i) for i in range(2)] == [
+        WINDOW if f else None for f in flags
+    ]
     _assert_greedy_matches(hf, tmp_path / "hf", loaded)
-    no_flags = tmp_path / "qwen2moe-window-only.gguf"
+    no_flags = tmp_path / f"{arch}-window-only.gguf"
     rewrite_gguf(plain, no_flags, add_keys=lambda w: w.add_sliding_window(WINDOW))
     with pytest.raises(ValueError, match="sliding_window_pattern"):
         load_gguf_weights(no_flags)

@@ -1,7 +1,8 @@
 """OPT, GPT-2, GPT-NeoX, Phi, StableLM and StarCoder2 beyond the shared architecture tests: their
 layer variants (OPT's post-norm layers, GPT-NeoX and StableLM without parallel residual, Phi with
 grouped-query attention and a tied head, StarCoder2 without biases) against transformers, the
-context limit of learned positions, and the configurations refused with a clear error."""
+context limit of learned positions, StableLM's stacking of its per-head q/k norm weights, and
+the configurations refused with a clear error."""
 
 from __future__ import annotations
 
@@ -130,7 +131,6 @@ def test_request_past_the_position_table_is_refused(gpt2_folder):
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True}, "inverse_layer_idx"),
         ({"model_type": "gpt2", "scale_attn_weights": False}, "scale_attn_weights"),
         ({"model_type": "phi", "qk_layernorm": True}, "qk_layernorm"),
-        ({"model_type": "stablelm", "qk_layernorm": True}, "qk_layernorm"),
     ],
 )
 def test_unsupported_variants_are_refused(cfg, field):
@@ -138,3 +138,20 @@ def test_unsupported_variants_are_refused(cfg, field):
 
     with pytest.raises(ValueError, match=field):
         hf_arch_config(cfg)
+
+
+def test_stablelm_per_head_norms_stack_in_head_order():
+    """``qk_layernorm``'s per-head weights become one [heads, head_dim] tensor in head order
+    (whatever order the file lists them in); a head missing from the numbering is refused."""
+    from pagedllm.model.stablelm import StableLmForCausalLM
+
+    prefix = "model.layers.0.self_attn."
+    rows = {h: torch.full((4,), float(h)) for h in (2, 0, 1)}
+    state = {f"{prefix}q_layernorm.norms.{h}.weight": t for h, t in rows.items()}
+    state[f"{prefix}q_proj.weight"] = torch.zeros(12, 8)
+    stacked = StableLmForCausalLM.stack_hf_weights(state)
+    assert sorted(stacked) == [f"{prefix}q_norm.weight", f"{prefix}q_proj.weight"]
+    assert torch.equal(stacked[f"{prefix}q_norm.weight"][:, 0], torch.tensor([0.0, 1.0, 2.0]))
+    del state[f"{prefix}q_layernorm.norms.1.weight"]
+    with pytest.raises(ValueError, match=r"q_norm\.weight.*\[0, 2\]"):
+        StableLmForCausalLM.stack_hf_weights(state)

@@ -3,8 +3,8 @@
 One fused QKV projection (optionally with bias: Qwen2), optional RMSNorms of queries and keys
 before RoPE (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2, OLMoE, whose mean square
 spans every rank's heads under tensor parallelism) or per-head LayerNorms with a weight row per
-head (Cohere's ``use_qk_norm``), an optional clamp of q, k and v (``clip_qkv``:
-OLMoE; after the q/k norms), the rotary embedding (none on a NoPE layer: SmolLM3), the attention
+head (Cohere's ``use_qk_norm``, StableLM's ``qk_layernorm``), an optional clamp of q, k and v
+(``clip_qkv``: OLMoE; after the q/k norms), the rotary embedding (none on a NoPE layer: SmolLM3), the attention
 backend (with the layer's sliding window when it has one: Mistral, Gemma local layers; the
 attention-logit soft cap of Gemma 2, on torch_native; GPT-OSS's attention sinks, on every
 backend) and the output projection.
@@ -100,7 +100,7 @@ class PagedSelfAttention(nn.Module):
             self.sinks = nn.Parameter(
                 torch.empty(self.num_heads, dtype=dtype), requires_grad=False
             )
-        if config.qk_layer_norm:  # this rank's heads' weight rows (Cohere)
+        if config.qk_layer_norm:  # this rank's heads' weight rows (Cohere, StableLM)
             eps, d = config.layer_norm_eps, self.head_dim
             self.q_norm = HeadLayerNorm(self.num_heads, d, eps, dtype)
             self.k_norm = HeadLayerNorm(self.num_kv_heads, d, eps, dtype)

@@ -1,6 +1,7 @@
 """LayerNorm (Ba et al. 2016, "Layer Normalization"): with a bias, the norm of OPT, GPT-2 and
 GPT-NeoX; without one (weight only, still mean-subtracting), Cohere's; per attention head with
-one weight row per head, Cohere's q/k norms (``use_qk_norm``). It runs on ATen
+one weight row per head, the q/k norms of Cohere (``use_qk_norm``) and StableLM
+(``qk_layernorm``). It runs on ATen
 (``F.layer_norm``); the fused C++ kernels cover RMSNorm only."""
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class LayerNorm(nn.Module):
 
 class HeadLayerNorm(nn.Module):
     """LayerNorm over each head's dimensions, weight only, with one weight row per head:
-    (x - mean(x)) / sqrt(var(x) + eps) * weight[head] (Cohere's q/k norms, ``use_qk_norm``;
-    transformers' ``CohereLayerNorm`` of shape (heads, head_dim)). Computed in float32.
+    (x - mean(x)) / sqrt(var(x) + eps) * weight[head] (Cohere's q/k norms, ``use_qk_norm``:
+    transformers' ``CohereLayerNorm`` of shape (heads, head_dim); StableLM's ``qk_layernorm``:
+    ``StableLmLayerNormPerHead``, one bias-free ``nn.LayerNorm`` per head, stacked at load).
+    Computed in float32.
 
     Args:
         heads: heads normalised (this rank's under tensor parallelism: the weight rows are cut

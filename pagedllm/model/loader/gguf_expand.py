@@ -120,11 +120,28 @@ def check_gguf_tensor_names(names: list[str], config: ModelArchConfig) -> None:
     into ``config.rope_scaling``), stacked experts and routers are known; a tensor that maps to a
     name the model then does not read is caught by ``weight_map.load_named_weights``.
 
+    A layer with both a fused ``attn_qkv`` and a separate ``attn_q`` / ``attn_k`` / ``attn_v``
+    (weight or bias) is refused too: both would become the same q/k/v tensors, and one would
+    silently win.
+
     Raises:
-        ValueError: naming up to five such tensors, their count and ``config.architecture``.
+        ValueError: naming up to five such tensors, their count and ``config.architecture``; or
+            naming the fused tensor and a separate one of the same layer.
     """
     from pagedllm.model.registry import model_class
 
+    present = set(names)
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m is None or m.group(2) != _FUSED_QKV:
+            continue
+        for part in ("attn_q", "attn_k", "attn_v"):
+            separate = f"blk.{m.group(1)}.{part}.{m.group(3)}"
+            if separate in present:
+                raise ValueError(
+                    f"GGUF tensors {name!r} and {separate!r} both hold layer {m.group(1)}'s "
+                    "attention projection (fused and separate); a file holds one or the other"
+                )
     extra = model_class(config.architecture).gguf_tensor_names
     unknown = []
     for name in names:

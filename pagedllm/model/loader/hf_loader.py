@@ -170,8 +170,10 @@ def load_hf_weights(
     """Load ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder.
 
     Floating tensors are cast to ``dtype``; names are kept as in the files (``model.layers.N...``,
-    shape ``[out, in]`` for linears), except that an MXFP4 pair ``<name>_blocks`` /
-    ``<name>_scales`` (GPT-OSS's experts) is read as the dequantized ``<name>``. When the embedding is tied (``tie_word_embeddings`` or no
+    shape ``[out, in]`` for linears), except what the model class renames, splits
+    (``hf_weight_name``, ``split_hf_weight``) or stacks (``stack_hf_weights``), and an MXFP4
+    pair ``<name>_blocks`` / ``<name>_scales`` (GPT-OSS's experts), read as the dequantized
+    ``<name>``. When the embedding is tied (``tie_word_embeddings`` or no
     ``lm_head.weight`` in the files) ``lm_head.weight`` is not returned and
     ``config.tie_word_embeddings`` is True.
 
@@ -217,6 +219,7 @@ def load_hf_weights(
             raise ValueError(f"{f} is not a valid safetensors file: {exc}") from exc
     for name, t in read_mxfp4_pairs(pairs, cls, dtype):
         add(name, t)
+    state = cls.stack_hf_weights(state)
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{root}: no model.embed_tokens.weight in the safetensors files")
     if "lm_head.weight" not in state:

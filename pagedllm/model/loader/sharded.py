@@ -153,7 +153,12 @@ def _hf_shard(
                     out[name] = sf.get_slice(file_name)[cut[1] : cut[2]]
                 else:
                     out[name] = sf.get_slice(file_name)[:, cut[1] : cut[2]]
-    return out
+    # Tensors stacked from whole parts (per-head norms) are cut once stacked.
+    stacked = cls.stack_hf_weights(out)
+    return {
+        n: t if n in out else _cut(t, shard.weight_slice(n, config.head_dim))
+        for n, t in stacked.items()
+    }
 
 
 def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:

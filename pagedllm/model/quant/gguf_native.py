@@ -357,18 +357,38 @@ def _tensor_parts(tensor: Any) -> PackedBlocks:
     return repack(tensor.tensor_type.name, np.asarray(tensor.data), rows)
 
 
+def _unpermuted_rows(name: str, rows: int, config: ModelArchConfig) -> torch.Tensor | None:
+    """The row order that undoes llama.cpp's per-head q/k permutation of GGUF projection
+    ``name`` (Hugging Face-named: ``q_proj``, ``k_proj``, or a fused ``qkv_proj`` whose q and k
+    parts each are permuted), or None for any other projection."""
+    from pagedllm.model.loader.gguf_loader import unpermute_qk
+
+    h, kvh = config.num_attention_heads, config.num_key_value_heads
+    if ".q_proj." in name:
+        return unpermute_qk(torch.arange(rows), h)
+    if ".k_proj." in name:
+        return unpermute_qk(torch.arange(rows), kvh)
+    if ".qkv_proj." in name:
+        q, kv = h * config.head_dim, kvh * config.head_dim
+        k_rows = q + unpermute_qk(torch.arange(kv), kvh)
+        return torch.cat([unpermute_qk(torch.arange(q), h), k_rows, torch.arange(q + kv, rows)])
+    return None
+
+
 def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int:
     """Replace every projection of ``model`` whose GGUF tensors (``path``) are all of a
     ``SUPPORTED_TYPES`` block type by a :class:`GGUFLinear` built from those blocks, and the LM
-    head by one built from ``output.weight`` (else the tied ``token_embd.weight``). Projections
-    with float tensors, fused tensors that the model class splits, the class's
-    ``folded_projections`` and MoE experts stay as they are. Returns the number of matrices
-    replaced.
+    head by one built from ``output.weight`` (else the tied ``token_embd.weight``). A QKV
+    projection stored as one fused ``attn_qkv`` ([all q; all k; all v], as the loader splits it)
+    is built from that tensor's blocks, its q/k rows reordered where llama.cpp permuted them, as
+    the separate tensors' are. Projections with float tensors, models whose class splits fused
+    tensors itself, the class's ``folded_projections`` and MoE experts stay as they are. Returns
+    the number of matrices replaced.
 
     Raises:
         ValueError: the file is not a valid GGUF file, or a tensor's rows do not fit the model.
     """
-    from pagedllm.model.loader.gguf_loader import gguf_to_hf_name, open_gguf, unpermute_qk
+    from pagedllm.model.loader.gguf_loader import gguf_to_hf_name, open_gguf
     from pagedllm.model.registry import model_class
     from pagedllm.model.weight_map import checkpoint_names
 
@@ -392,11 +412,8 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
         out = []
         for name, t in zip(names, tensors, strict=True):
             blocks = _tensor_parts(t)
-            if cls.gguf_permute_qk and (".q_proj." in name or ".k_proj." in name):
-                heads = (
-                    config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-                )
-                order = unpermute_qk(torch.arange(blocks.rows), heads)
+            order = _unpermuted_rows(name, blocks.rows, config) if cls.gguf_permute_qk else None
+            if order is not None:
                 blocks = blocks.take_rows(order)
             out.append(blocks)
         return out
@@ -416,6 +433,8 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
             if cls.folded_projections and full.endswith(cls.folded_projections):
                 continue  # its loaded weight is not the file's (Granite's residual multiplier)
             parts = parts_for(checkpoint_names(f"{full}.weight"))
+            if parts is None and full.endswith("self_attn.qkv_proj"):
+                parts = parts_for([f"model.{full}.weight"])  # a fused attn_qkv
             if parts is None or sum(p.rows for p in parts) != out_features:
                 continue
             setattr(module, child_name, GGUFLinear(parts, cpu_ops, getattr(child, "bias", None)))
