@@ -12,9 +12,11 @@ Policy:
   is preempted whole (all-or-nothing) by recompute: its blocks are freed and it goes back to the
   head of the waiting queue, keeping its generated tokens and sampling state.
 - A group admitted on its prompt may later need more blocks than the whole pool holds (its
-  samples grown apart). When the oldest running group cannot get its blocks even with every
-  other group preempted, it cannot make progress at all: its unfinished sequences are finished
-  by length (``SchedulerOutput.length_capped``) instead of preempting it again and again. The
+  samples grown apart). When the oldest running group cannot get the blocks of even its
+  smallest step (one token of each sequence it schedules; ``core.length_cap``) with every other
+  group preempted, it cannot make progress at all: its unfinished sequences are finished by
+  length (``SchedulerOutput.length_capped``) instead of preempting it again and again; short of
+  that, its chunks are cut to what the pool would hold with it alone (not preempting itself). The
   same holds for a group preempted by recompute that an empty engine still cannot take back
   (its samples outgrew the pool, or their recompute the token budget): it would otherwise
   wait forever, and every group behind it.
@@ -42,10 +44,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 
-from pagedllm.core.kv_manager import FREED_BLOCK, KVManager
+from pagedllm.core.kv_manager import KVManager
+from pagedllm.core.length_cap import fit_plan, free_when_alone
 from pagedllm.core.scheduler_config import SchedulerConfig
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -162,14 +165,18 @@ class Scheduler:
                 plan = self._group_plan(group, budget)
                 need = self._need(plan)
             # (The pool alone holds at least the free blocks: the count is needed only past them.)
-            if (
-                idx == 0
-                and need > self.block_manager.num_free_blocks
-                and need > self._free_when_alone(group)
-            ):
-                self._cap_length(group, out)  # it could not grow even with the pool to itself
-                idx += 1
-                continue
+            if idx == 0 and need > self.block_manager.num_free_blocks:
+                alone = free_when_alone(self.block_manager, self.running, group)
+                if need > alone:
+                    # Judged on the group's smallest step, not on the budget's chunks: with a
+                    # sliding window a prefix recomputed chunk by chunk fits where one chunk of
+                    # it does not (a sample that could not share the lead's blocks, say).
+                    plan = self._group_plan(group, budget, max_blocks=alone)
+                    if not plan:
+                        self._cap_length(group, out)  # not one token each, even alone
+                        idx += 1
+                        continue
+                    need = self._need(plan)
             while need > self.block_manager.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -321,21 +328,6 @@ class Scheduler:
             return max(len(seqs), params.n, params.best_of or 1)
         return len(seqs)
 
-    def _free_when_alone(self, group: SequenceGroup) -> int:
-        """Free blocks there would be with every other running group preempted: the free ones
-        and those only other running groups' unfinished sequences hold."""
-        bm = self.block_manager
-        refs: Counter[int] = Counter(
-            b
-            for g in self.running
-            if g is not group
-            for s in g.unfinished_seqs()
-            for b in bm.get_block_table(s)
-            if b != FREED_BLOCK
-        )
-        counts = bm.ref_counts()
-        return bm.num_free_blocks + sum(1 for b, n in refs.items() if counts[b] == n)
-
     def _cap_if_never_admitted(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """A waiting group preempted by recompute that does not fit even with nothing running,
         swapped or scheduled (its samples grew past the pool, or their recompute past
@@ -428,14 +420,19 @@ class Scheduler:
         plan = self._plan(rest, budget - used, together=group.beam is not None)
         return used + self._commit(group, self._hold_samples(plan) if hold else plan, out)
 
-    def _group_plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+    def _group_plan(
+        self, group: SequenceGroup, budget: int, max_blocks: int | None = None
+    ) -> list[tuple[Sequence, int]]:
         """This step's plan for running ``group`` (``_plan`` over its ``_schedulable``
-        sequences). A beam search's beams are ranked together, so they sample in the same step
-        or none does: while some beam still recomputes (or waits to share), the others stop
-        one token short of their sampling token."""
+        sequences), its chunks cut to ``max_blocks`` new blocks when given (``fit_plan``; []
+        when one token each does not fit). A beam search's beams are ranked together, so they
+        sample in the same step or none does: while some beam still recomputes (or waits to
+        share, or had its chunk cut), the others stop one token short of their sampling token."""
+        plan = self._plan(self._schedulable(group), budget, together=group.beam is not None)
+        if max_blocks is not None:
+            plan = fit_plan(self.block_manager, plan, max_blocks)
         if group.beam is None:
-            return self._plan(self._schedulable(group), budget)
-        plan = self._plan(self._schedulable(group), budget, together=True)
+            return plan
         every_beam_samples = len(plan) == len(group.unfinished_seqs()) and all(
             n >= seq.num_uncomputed_tokens for seq, n in plan
         )

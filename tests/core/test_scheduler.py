@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.block_manager import FREED_BLOCK, BlockManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -18,8 +18,10 @@ def group(rid: str, n_prompt: int, arrival: int) -> SequenceGroup:
     )
 
 
-def make(num_blocks=8, block_size=4, max_num_seqs=8, max_tokens=64, chunked=False):
-    bm = BlockManager(num_blocks, block_size, watermark=0)
+def make(num_blocks=8, block_size=4, max_num_seqs=8, max_tokens=64, chunked=False, window=None,
+         caching=True):
+    bm = BlockManager(num_blocks, block_size, watermark=0, enable_prefix_caching=caching,
+                      sliding_window=window)
     cfg = SchedulerConfig(max_num_seqs, max_tokens, 256, enable_chunked_prefill=chunked)
     return Scheduler(cfg, bm), bm
 
@@ -292,3 +294,50 @@ def test_chunked_readmission_does_not_share_blocks_a_window_let_go():
     assert bm.get_block_table(lead)[:4] == [-1, -1, -1, 3]
     assert not bm.can_share_prefix(lead, 3)  # position 12's window reads block 2
     assert bm.can_share_prefix(lead, 4)
+
+
+def test_chunks_of_a_windowed_readmission_are_cut_to_fit_instead_of_capped():
+    """Window 4, blocks of 4, 4 blocks, budget 6, no prefix caching: a readmitted n = 2 group
+    (8-token prompt, 3 output tokens each, max_tokens 6). The lead's window frees the prompt
+    blocks before the other sample can share them, so that sample recomputes its prefix in
+    chunks of its own. In the fourth step the lead's decode needs a block and the other's
+    5-token chunk another, with 1 free and no other request to preempt: the chunk is cut to the
+    3 tokens that fit in the block it holds. Judged on the 5-token chunk, the group was finished
+    by length at 5 and 3 tokens."""
+    sch, bm = make(num_blocks=4, block_size=4, max_tokens=6, chunked=True, window=4, caching=False)
+    F = FREED_BLOCK
+    g = _readmitted_pair(8, 3)
+    lead, other = g.seqs
+    sch.add_seq_group(g)
+    steps, capped, pool_in_step_4 = [], [], None
+    for _ in range(12):  # bounded: a stall fails below instead of hanging
+        out = sch.schedule()
+        capped += out.length_capped
+        steps.append([(w.seq_id - lead.seq_id, w.start_pos, len(w.token_ids), list(w.block_table))
+                      for _, w in out.scheduled])
+        if len(steps) == 4:
+            pool_in_step_4 = (bm.ref_counts(), bm.num_free_blocks)
+        sch.on_step_done(out)
+        for _, w in out.scheduled:
+            s = lead if w.seq_id == lead.seq_id else other
+            if w.do_sample:
+                s.append_token(90, 0.0)
+                if s.num_output_tokens == 6:
+                    s.status = SequenceStatus.FINISHED_LENGTH
+                    sch.free_seq(s)
+        sch.free_finished()
+        bm.check_invariants()
+        if not sch.has_unfinished():
+            break
+    assert steps == [
+        [(0, 0, 6, [0, 1])],  # the other sample waits to share the 2 prompt blocks
+        [(0, 6, 5, [0, 1, 2])],  # the lead's window then frees them: the other cannot share
+        [(0, 11, 1, [F, F, 2]), (1, 0, 5, [3, 1])],  # it recomputes its prefix itself
+        [(0, 12, 1, [F, F, 2, 0]), (1, 5, 3, [3, 1])],  # 1 block free: 3 tokens, not 5
+        [(1, 8, 3, [F, 1, 3])],
+        [(1, 11, 1, [F, F, 3])],
+        [(1, 12, 1, [F, F, 3, 0])],
+    ]
+    assert pool_in_step_4 == ([1, 1, 1, 1], 0)  # the whole pool, each block held once
+    assert not capped and [s.num_output_tokens for s in g.seqs] == [6, 6]
+    assert not sch.has_unfinished() and bm.num_free_blocks == 4 and not bm.block_tables

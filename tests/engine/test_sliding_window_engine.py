@@ -196,3 +196,35 @@ def test_only_all_windowed_models_free_blocks():
     assert uniform_sliding_window([8, None]) is None  # Gemma 2 / 3: global layers need all
     assert uniform_sliding_window([None, None]) is None
     assert uniform_sliding_window([]) is None
+
+
+@pytest.fixture(scope="module")
+def mistral_w8(tmp_path_factory):
+    """A tiny Mistral with a window of 8: two blocks of 4."""
+    folder = tmp_path_factory.mktemp("tiny-mistral-w8")
+    build_tiny_hf_model("mistral", folder, sliding_window=8, max_position_embeddings=256)
+    return folder
+
+
+def test_a_windowed_readmission_too_big_for_one_chunk_is_not_capped(mistral_w8):
+    """6 blocks of 4, budget 6, recompute: an n = 2 group (8-token prompt) is preempted beside
+    an older greedy request and comes back after it. The lead's window frees the prompt block
+    its sample would share, so the sample recomputes its prefix in chunks of its own; in the
+    step before the lead's last token no block is free and the sample's 3-token chunk needs one:
+    2 tokens fit in the block it holds. Judged on the 3-token chunk, the group was finished by
+    length at 7 and 5 of 8 tokens; now every output equals a run in a roomy pool."""
+    from pagedllm.entrypoints.llm import LLM
+    from tests.engine.test_preemption import _bounded_outputs, _greedy
+
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    requests = [([100], _greedy(13)), (list(range(10, 18)), sampled)]
+    kw = dict(dtype="float32", block_size=4, max_model_len=64, preemption_mode="recompute",
+              enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=6,
+              check_invariants=True)
+    small = LLM(str(mistral_w8), num_gpu_blocks_override=6, **kw)
+    got = _bounded_outputs(small, requests)
+    assert [[len(t) for t in r] for r in got] == [[13], [8, 8]]
+    assert small.engine.scheduler.preemptions_by_mode["recompute"] > 0
+    bm = small.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks == 6
+    assert got == _bounded_outputs(LLM(str(mistral_w8), num_gpu_blocks_override=64, **kw), requests)
