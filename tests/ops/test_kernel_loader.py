@@ -38,9 +38,10 @@ def test_ops_registered_with_the_dispatcher(cpu_ops) -> None:
     out_arg = schema.arguments[0]
     assert out_arg.alias_info is not None and out_arg.alias_info.is_write
     for op in (torch.ops.pagedllm.paged_attention_decode, torch.ops.pagedllm.paged_attention_prefill):
-        assert [(a.name, a.default_value) for a in op.default._schema.arguments[-2:]] == [
+        assert [(a.name, a.default_value) for a in op.default._schema.arguments[-3:]] == [
             ("partition_size", 512),
             ("window", 0),
+            ("sinks", None),
         ]
     # Called straight through the dispatcher, no wrapper.
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.0]])
