@@ -21,6 +21,7 @@ from pagedllm.model.config import ModelArchConfig
 from pagedllm.model.layers.activation import clamped_swiglu
 from pagedllm.model.layers.moe import (
     MIXTRAL_NAMES,
+    GateLinear,
     MoeCheckpointNames,
     SharedExpertMoeBlock,
     SparseMoeBlock,
@@ -131,11 +132,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
         }
 
     def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
-        """The dense projections (``DecoderForCausalLM.pack_linears``) and every expert
-        (``StackedExperts.pack``); the routers stay on ``F.linear``."""
+        """The dense projections (``DecoderForCausalLM.pack_linears``), every expert
+        (``StackedExperts.pack``) and the routers and shared-expert gates (``GateLinear.pack``: on
+        the own GEMM only)."""
         count = super().pack_linears(cpu_ops)
         for m in self.modules():
-            if isinstance(m, StackedExperts):
+            if isinstance(m, (StackedExperts, GateLinear)):
                 count += m.pack(cpu_ops)
         return count
 

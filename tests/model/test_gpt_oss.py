@@ -87,7 +87,8 @@ def test_moe_block_equals_transformers(tmp_path):
     hf = build_tiny_hf_model("gpt_oss", tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory=1 << 22)
     block = llm.engine.executor.worker.model.layers[0].mlp
-    assert block.experts.packed and block.gate.bias is not None
+    assert block.experts.packed and block.gate.packed is not None
+    assert block.gate.packed.bias is not None
     x = torch.randn(1, 29, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
     ref_mlp = hf.model.layers[0].mlp
     with torch.no_grad():

@@ -64,10 +64,50 @@ def _layer_prefix(param_name: str) -> str:
     return f"model.{parts[0]}.{parts[1]}."
 
 
-class MoeRouter(nn.Module):
-    """The router ("gate"): logits = x W^T (+ b), W [E, d], b [E] when ``bias`` (GPT-OSS);
-    kept as plain parameters (not an ``nn.Linear``) so that CPU packing leaves it on
-    ``F.linear``, bit-equal to the reference.
+class GateLinear(nn.Module):
+    """x W^T (+ b) for the small gating projections of MoE blocks (routers, shared-expert
+    gates): plain parameters (not an ``nn.Linear``, which the dense packing would take) on
+    ``F.linear``, until :meth:`pack` moves them to pagedllm's own GEMM where it runs.
+
+    Args:
+        out_features / in_features: W is [out_features, in_features] of ``dtype``.
+        bias: whether there is a b [out_features].
+    """
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+        self.packed: PackedLinear | None = None
+
+    def pack(self, cpu_ops: CpuOps | None) -> int:
+        """Prepack for pagedllm's own GEMM when it runs for this dtype (returns 1), else keep
+        ``F.linear`` (returns 0). Why: MKL's sgemm sums a row's products in an order that
+        depends on the number of rows, so a token's routing weights (and through them its
+        logprobs, ~1e-6) differed alone and in a batch; the own GEMM's rows do not."""
+        if cpu_gemm_ops(cpu_ops, self.weight.dtype) is None:
+            return 0
+        self.packed = PackedLinear(self.weight, cpu_ops, self.bias)
+        del self.weight
+        self.bias = None
+        return 1
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, out_features], x's dtype."""
+        if self.packed is not None:
+            out: torch.Tensor = self.packed(x)
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+
+class MoeRouter(GateLinear):
+    """The router ("gate"): logits = x W^T (+ b), W [E, d], b [E] when ``bias`` (GPT-OSS),
+    a :class:`GateLinear`.
 
     Forward: x [T, d] -> (weights [T, k] float32, expert ids [T, k] int64), see
     :func:`route_top_k`.
@@ -84,13 +124,7 @@ class MoeRouter(nn.Module):
         softmax_after_top_k: bool = False,
         bias: bool = False,
     ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
-        )
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
+        super().__init__(num_experts, hidden, dtype, bias)
         self.top_k = top_k
         self.normalize = normalize
         self.softmax_after_top_k = softmax_after_top_k
@@ -102,8 +136,7 @@ class MoeRouter(nn.Module):
         return [f"{_layer_prefix(param_name)}{self.names.block}.gate.{kind}"]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
-        return route_top_k(logits, self.top_k, self.normalize, self.softmax_after_top_k)
+        return route_top_k(self.linear(x), self.top_k, self.normalize, self.softmax_after_top_k)
 
 
 def route_top_k(
@@ -378,20 +411,25 @@ class SparseMoeBlock(nn.Module):
         return out if self.group is None else self.group.all_reduce(out)
 
 
-class SharedExpertGate(nn.Module):
+_WHOLE_VECTORS = 64  # a multiple of ATen's vectorized-loop step (2 vectors) on every ISA
+
+
+class SharedExpertGate(GateLinear):
     """The shared expert's scalar gate: sigmoid(x w^T), w [1, d] (Qwen2-MoE's
-    ``shared_expert_gate``); a plain parameter, as :class:`MoeRouter`, so that CPU packing
-    leaves it on ``F.linear``. Replicated under tensor parallelism.
+    ``shared_expert_gate``), a :class:`GateLinear`. Replicated under tensor parallelism.
 
     Forward: x [T, d] -> [T, 1], x's dtype.
     """
 
     def __init__(self, hidden: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
+        super().__init__(1, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(F.linear(x, self.weight))
+        # ATen's vectorized sigmoid and its scalar tail round differently, and a [T, 1] input
+        # puts a token in the tail or not depending on T: each row is widened to 64 lanes
+        # (whole vectors on every ISA) so that its gate is the same float alone and batched.
+        gate = self.linear(x)
+        return torch.sigmoid(gate.expand(-1, _WHOLE_VECTORS).contiguous())[:, :1]
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
