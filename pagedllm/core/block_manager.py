@@ -232,6 +232,26 @@ class BlockManager:
                 taken |= fresh
         return self.allocator.num_free - need >= (self.watermark_blocks if watermark else 0)
 
+    def first_chunk_room(self, seqs: list[Sequence]) -> int:
+        """New blocks the first chunk of a waiting group's lead may take now, for a group
+        admitted on that chunk alone (``core.scheduler``: chunked prefill, the pool to itself):
+        with a sliding window a sequence holds only its window's blocks and its chunk's, so
+        the whole sequences ``can_allocate`` counts need not fit at once.
+
+        Args:
+            seqs: the group's sequences (the first one leads; the others wait for it).
+
+        Returns:
+            The free blocks less the free cached blocks the lead's cached prefix takes
+            (``allocate_prefix``: those in its window); 0 without a sliding window.
+        """
+        if self.sliding_window is None:
+            return 0
+        hits = self.cached_prefix_blocks(seqs[0])
+        live = hits[self._first_live_block(len(hits) * self.block_size) :]
+        taken = sum(1 for b in live if self.allocator.is_free(b))
+        return max(0, self.allocator.num_free - taken)
+
     def can_share_prefix(self, lead: Sequence, num_blocks: int) -> bool:
         """Whether ``lead`` still holds each of its first ``num_blocks`` blocks that a sequence
         going on from them reads (with a sliding window, the lead may have freed some of those

@@ -203,6 +203,10 @@ class ContiguousKVManager:
             return False  # several sequences are refused by check_request_fits
         return self.buddy.can_allocate(self.reservation_blocks(seqs[0]))
 
+    def first_chunk_room(self, seqs: list[Sequence]) -> int:
+        """0: a reservation is whole (``can_allocate``); no window frees part of it."""
+        return 0
+
     def allocate_prefix(self, seq: Sequence) -> int:
         """Admission: reserve the sequence's whole contiguous run; returns 0 (no cached tokens).
 

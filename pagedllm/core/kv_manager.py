@@ -204,6 +204,12 @@ class KVManager(Protocol):
         """Whether a waiting group (no blocks yet) can be admitted now."""
         ...
 
+    def first_chunk_room(self, seqs: list[Sequence]) -> int:
+        """New blocks the first chunk of a waiting group's lead may take now, the group
+        recomputed chunk by chunk with a sliding window (0: none fit, or no window, so whole
+        sequences must fit: ``can_allocate``)."""
+        ...
+
     def allocate_prefix(self, seq: Sequence) -> int:
         """Admit a waiting sequence; returns the tokens already cached for it."""
         ...

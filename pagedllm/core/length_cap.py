@@ -1,12 +1,14 @@
 """The bound of the scheduler's length cap (``core.scheduler``): the blocks a running group would
-have with every other running group preempted, and the largest next step of the group that fits
-in them.
+have with every other running group preempted, the largest next step of the group that fits
+in them, and the blocks a waiting group needs to be admitted.
 
 The oldest running group is finished by length only when even its smallest step does not fit
 with the pool to itself. Its smallest step computes one token of each sequence it schedules, not
 the chunks the token budget allows: with a sliding window a sequence holds only the blocks of its
 window, so a prefix recomputed chunk by chunk fits where the same prefix in one chunk does not
-(the window frees the blocks behind each chunk after its step).
+(the window frees the blocks behind each chunk after its step). For the same reason a waiting
+group readmitted with the pool to itself (chunked prefill) needs only its lead's first chunk to
+fit, not its whole sequences: it is finished by length only when not even that fits.
 
 Units: blocks (``KVManager.num_blocks_needed``); a plan is ``[(sequence, tokens to compute)]``.
 """
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from pagedllm.core.kv_manager import KVManager
     from pagedllm.sequence import Sequence, SequenceGroup
 
-__all__ = ["fit_plan", "free_when_alone"]
+__all__ = ["admission_room", "fit_plan", "free_when_alone"]
 
 
 def free_when_alone(kv: KVManager, running: list[SequenceGroup], group: SequenceGroup) -> int:
@@ -81,3 +83,28 @@ def fit_plan(
                 hi = mid - 1
         fitted[i] = (seq, lo)
     return fitted
+
+
+def admission_room(
+    kv: KVManager, seqs: list[Sequence], watermark: bool, chunk_alone: bool
+) -> int | None:
+    """Whether waiting ``seqs`` (a group, its lead first) can be admitted now, and on what.
+
+    Args:
+        kv: the KV manager.
+        seqs: the group's unfinished sequences.
+        watermark: keep the manager's watermark free (other groups run).
+        chunk_alone: chunked prefill with the pool to the group (nothing runs or is swapped
+            out): then only the lead's first chunk must fit (``KVManager.first_chunk_room``:
+            with a sliding window; the others wait for the lead, and the group, the oldest,
+            has its later chunks cut to the pool, ``fit_plan``). While others run a group waits
+            for its whole sequences: admitted on a chunk beside them, the newest group would be
+            preempted again before its recompute is done.
+
+    Returns:
+        None when the whole sequences fit (``kv.can_allocate``); else the new blocks the lead's
+        first chunk may take, 0 when the group is not admitted.
+    """
+    if kv.can_allocate(seqs, watermark=watermark):
+        return None
+    return kv.first_chunk_room(seqs) if chunk_alone else 0

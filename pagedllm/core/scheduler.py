@@ -19,7 +19,8 @@ Policy:
   that, its chunks are cut to what the pool would hold with it alone (not preempting itself). The
   same holds for a group preempted by recompute that an empty engine still cannot take back
   (its samples outgrew the pool, or their recompute the token budget): it would otherwise
-  wait forever, and every group behind it.
+  wait forever, and every group behind it. With a sliding window and chunked prefill only
+  its first chunk must fit then (``length_cap.admission_room``).
 - A beam search's beams are scheduled together or not at all, and sample in the same step (they
   are ranked together): while one still recomputes its tokens, the others stop short of theirs.
 - A group preempted by recompute comes back with its samples sharing the prompt blocks the
@@ -48,7 +49,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pagedllm.core.kv_manager import KVManager
-from pagedllm.core.length_cap import fit_plan, free_when_alone
+from pagedllm.core.length_cap import admission_room, fit_plan, free_when_alone
 from pagedllm.core.scheduler_config import SchedulerConfig
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -236,13 +237,18 @@ class Scheduler:
 
     def _can_admit(self, group: SequenceGroup, budget: int, num_seqs: int) -> bool:
         """Whether waiting ``group`` fits now: ``max_num_seqs``, the token budget (whole
-        prompts without chunked prefill) and its blocks (with the watermark when others run)."""
+        prompts without chunked prefill) and its blocks (``admission_room``)."""
         seqs = group.unfinished_seqs()
         if num_seqs + self._width(group) > self.config.max_num_seqs:
             return False
         if not self.config.enable_chunked_prefill and self._prefill_tokens(seqs) > budget:
             return False
-        return self.block_manager.can_allocate(seqs, watermark=bool(self.running))
+        return self._first_step_room(seqs) != 0
+
+    def _first_step_room(self, seqs: list[Sequence]) -> int | None:
+        """``admission_room`` of waiting ``seqs``: alone when nothing runs or is swapped out."""
+        alone = self.config.enable_chunked_prefill and not (self.running or self.swapped)
+        return admission_room(self.block_manager, seqs, bool(self.running), chunk_alone=alone)
 
     def _can_swap_in(self, group: SequenceGroup, num_seqs: int) -> bool:
         """Whether swapped-out ``group`` fits now (``max_num_seqs`` and its blocks)."""
@@ -378,11 +384,12 @@ class Scheduler:
         Returns the tokens scheduled."""
         bm = self.block_manager
         shared = bm.group_shared_blocks(seqs)
+        room = self._first_step_room(seqs)  # before the lead's cached prefix takes its blocks
         lead, others = seqs[0], seqs[1:]
         lead.num_computed_tokens = bm.allocate_prefix(lead)
         followers = []
         for seq in others:
-            if len(bm.cached_prefix_blocks(seq)) >= shared:
+            if room is None and len(bm.cached_prefix_blocks(seq)) >= shared:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
             else:
                 followers.append(seq)
@@ -392,6 +399,8 @@ class Scheduler:
             group.num_cached_tokens = sum(s.num_computed_tokens for s in seqs)
         bisect.insort(self.running, group, key=self.order_key)
         lead_plan = self._plan([lead], budget)
+        if room is not None:  # only the lead's first chunk fits: cut to it, the others wait
+            lead_plan = fit_plan(bm, lead_plan, room)
         # Beams sample together: unless every sequence finishes its recompute in this step,
         # none reaches its sampling token yet.
         hold = False
@@ -404,18 +413,21 @@ class Scheduler:
                 for s in others
             )
             lead_tokens = lead_plan[0][1] if lead_plan else 0
-            hold = lead_tokens < lead.num_uncomputed_tokens or lead_tokens + rest_tokens > budget
+            hold = room is not None or lead_tokens < lead.num_uncomputed_tokens  # (others wait)
+            hold = hold or lead_tokens + rest_tokens > budget
         used = self._commit(group, self._hold_samples(lead_plan) if hold else lead_plan, out)
         for seq in followers:
-            if lead.num_computed_tokens + used >= shared * bm.block_size:
+            if room is None and lead.num_computed_tokens + used >= shared * bm.block_size:
                 # The lead writes the shared prompt blocks in this very step; the followers'
                 # attention reads them after the write (K/V are stored before attention per
                 # layer).
                 seq.num_computed_tokens = bm.share_prefix(lead, seq, shared)
             else:
-                # The lead's first chunk stops short of them (chunked prefill): wait for it
-                # rather than recompute the prompt into blocks of their own.
+                # The lead's first chunk stops short of them (chunked prefill) or alone fits:
+                # wait for it rather than recompute the prompt into blocks of their own.
                 self._awaiting_share[seq.seq_id] = (lead, shared)
+        if room is not None:
+            return used
         rest = [s for s in self._schedulable(group) if s is not lead]
         plan = self._plan(rest, budget - used, together=group.beam is not None)
         return used + self._commit(group, self._hold_samples(plan) if hold else plan, out)

@@ -296,6 +296,34 @@ def test_chunked_readmission_does_not_share_blocks_a_window_let_go():
     assert bm.can_share_prefix(lead, 4)
 
 
+def _run_bounded(sch, bm, g, max_outputs, max_steps=20):
+    """Step ``g`` (alone) until its sequences have ``max_outputs`` tokens each; returns each
+    step's ``(sequence index, start, tokens, block table)``, each step's pool once scheduled
+    (reference counts, free blocks) and the requests capped. Bounded: a stall fails the
+    caller's asserts instead of hanging."""
+    first = g.seqs[0].seq_id
+    by_id = {s.seq_id: s for s in g.seqs}
+    steps, pools, capped = [], [], []
+    for _ in range(max_steps):
+        out = sch.schedule()
+        capped += out.length_capped
+        steps.append([(w.seq_id - first, w.start_pos, len(w.token_ids), list(w.block_table))
+                      for _, w in out.scheduled])
+        pools.append((bm.ref_counts(), bm.num_free_blocks))
+        sch.on_step_done(out)
+        for _, w in out.scheduled:
+            s = by_id[w.seq_id]
+            if w.do_sample:
+                s.append_token(90, 0.0)
+                if s.num_output_tokens == max_outputs:
+                    s.status = SequenceStatus.FINISHED_LENGTH
+                    sch.free_seq(s)
+        sch.free_finished()
+        bm.check_invariants()
+        if not sch.has_unfinished():
+            break
+    return steps, pools, capped
+
 def test_chunks_of_a_windowed_readmission_are_cut_to_fit_instead_of_capped():
     """Window 4, blocks of 4, 4 blocks, budget 6, no prefix caching: a readmitted n = 2 group
     (8-token prompt, 3 output tokens each, max_tokens 6). The lead's window frees the prompt
@@ -307,28 +335,8 @@ def test_chunks_of_a_windowed_readmission_are_cut_to_fit_instead_of_capped():
     sch, bm = make(num_blocks=4, block_size=4, max_tokens=6, chunked=True, window=4, caching=False)
     F = FREED_BLOCK
     g = _readmitted_pair(8, 3)
-    lead, other = g.seqs
     sch.add_seq_group(g)
-    steps, capped, pool_in_step_4 = [], [], None
-    for _ in range(12):  # bounded: a stall fails below instead of hanging
-        out = sch.schedule()
-        capped += out.length_capped
-        steps.append([(w.seq_id - lead.seq_id, w.start_pos, len(w.token_ids), list(w.block_table))
-                      for _, w in out.scheduled])
-        if len(steps) == 4:
-            pool_in_step_4 = (bm.ref_counts(), bm.num_free_blocks)
-        sch.on_step_done(out)
-        for _, w in out.scheduled:
-            s = lead if w.seq_id == lead.seq_id else other
-            if w.do_sample:
-                s.append_token(90, 0.0)
-                if s.num_output_tokens == 6:
-                    s.status = SequenceStatus.FINISHED_LENGTH
-                    sch.free_seq(s)
-        sch.free_finished()
-        bm.check_invariants()
-        if not sch.has_unfinished():
-            break
+    steps, pools, capped = _run_bounded(sch, bm, g, 6)
     assert steps == [
         [(0, 0, 6, [0, 1])],  # the other sample waits to share the 2 prompt blocks
         [(0, 6, 5, [0, 1, 2])],  # the lead's window then frees them: the other cannot share
@@ -338,6 +346,69 @@ def test_chunks_of_a_windowed_readmission_are_cut_to_fit_instead_of_capped():
         [(1, 11, 1, [F, F, 3])],
         [(1, 12, 1, [F, F, 3, 0])],
     ]
-    assert pool_in_step_4 == ([1, 1, 1, 1], 0)  # the whole pool, each block held once
+    assert pools[3] == ([1, 1, 1, 1], 0)  # the whole pool, each block held once
     assert not capped and [s.num_output_tokens for s in g.seqs] == [6, 6]
+    assert not sch.has_unfinished() and bm.num_free_blocks == 4 and not bm.block_tables
+
+
+def test_a_windowed_readmission_that_outgrew_the_pool_is_admitted_on_its_first_chunk():
+    """Window 4, blocks of 4, 4 blocks, budget 6, no prefix caching: a readmitted n = 2 group
+    (8-token prompt, 6 output tokens each) whose whole sequences need 4 + 2 blocks. With the
+    pool to itself it is admitted on the lead's first chunk (2 blocks), the other sample
+    waiting without blocks; the window then frees the blocks behind each chunk, so the group
+    never holds more than the pool. Judged on whole sequences, it was finished by length at
+    6 and 6 tokens."""
+    sch, bm = make(num_blocks=4, block_size=4, max_tokens=6, chunked=True, window=4, caching=False)
+    F = FREED_BLOCK
+    g = _readmitted_pair(8, 6)
+    sch.add_seq_group(g)
+    assert not bm.can_allocate(g.seqs, watermark=False)  # 4 + 2 blocks of 4
+    steps, pools, capped = _run_bounded(sch, bm, g, 8)
+    assert steps == [
+        [(0, 0, 6, [0, 1])],  # the other sample waits to share the 2 prompt blocks
+        [(0, 6, 6, [0, 1, 2])],
+        [(0, 12, 2, [F, F, 2, 3]), (1, 0, 4, [1])],  # the window freed them: its own prefix
+        [(0, 14, 1, [F, F, 2, 3]), (1, 4, 4, [1, 0])],
+        [(1, 8, 6, [F, 0, 2, 1])],
+        [(1, 14, 1, [F, F, 2, 1])],
+    ]
+    assert pools[0] == ([1, 1, 0, 0], 2)  # the other sample holds nothing yet
+    assert pools[3] == ([1, 1, 1, 1], 0)  # the whole pool, each block held once
+    assert not capped and [s.num_output_tokens for s in g.seqs] == [8, 8]
+    assert not sch.has_unfinished() and bm.num_free_blocks == 4 and not bm.block_tables
+
+
+def test_a_long_windowed_sequence_readmitted_alone_is_recomputed_in_chunks_that_fit():
+    """Window 4, blocks of 4, 4 blocks, budget 6: one sequence of 8 prompt and 12 output tokens
+    preempted by recompute (5 blocks whole). While another group runs it waits for its whole
+    sequence (admitted on a chunk beside it, it would be preempted again); alone in the pool it
+    is admitted on its first chunk and the window frees the blocks behind each chunk, so it
+    never holds more than 3. Judged on its whole sequence, it was finished by length at 12
+    output tokens."""
+    sch, bm = make(num_blocks=4, block_size=4, max_tokens=6, chunked=True, window=4, caching=False)
+    F = FREED_BLOCK
+    s = Sequence(next(_ids), list(range(1, 9)), seed=0)
+    for i in range(12):
+        s.append_token(50 + i, 0.0)
+    g = SequenceGroup("g", [s], SamplingParams(max_tokens=100), None, 1, RequestMetrics(0.0),
+                      max_tokens=100)
+    runner = group("r", 8, 0)
+    sch.add_seq_group(runner)
+    sch.on_step_done(sch.schedule())  # the older request takes 2 blocks
+    sch.add_seq_group(g)
+    out = sch.schedule()  # the runner's last 2 prompt tokens; 2 blocks free of the 5 it needs
+    assert [w.seq_id for _, w in out.scheduled] == [runner.seqs[0].seq_id]
+    assert not out.length_capped and sch.waiting[0] is g
+    sch.abort("r")
+    assert bm.num_free_blocks == 4 and sch.waiting[0] is g
+    steps, pools, capped = _run_bounded(sch, bm, g, 14)
+    assert steps == [
+        [(0, 0, 6, [2, 3])],  # (the runner's blocks 0, 1 went back tail first)
+        [(0, 6, 6, [2, 3, 1])],
+        [(0, 12, 6, [F, F, 1, 0, 3])],  # blocks 2, 3 freed behind the window, 3 reused
+        [(0, 18, 2, [F, F, F, 0, 3])],
+        [(0, 20, 1, [F, F, F, F, 3, 2])],
+    ]
+    assert max(sum(counts) for counts, _ in pools) == 3
+    assert not capped and s.num_output_tokens == 14
     assert not sch.has_unfinished() and bm.num_free_blocks == 4 and not bm.block_tables

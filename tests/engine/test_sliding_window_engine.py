@@ -228,3 +228,64 @@ def test_a_windowed_readmission_too_big_for_one_chunk_is_not_capped(mistral_w8):
     bm = small.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks == 6
     assert got == _bounded_outputs(LLM(str(mistral_w8), num_gpu_blocks_override=64, **kw), requests)
+
+
+def _windowed_llm(folder, blocks, **kw):
+    from pagedllm.entrypoints.llm import LLM
+
+    return LLM(str(folder), dtype="float32", block_size=4, max_model_len=64,
+               preemption_mode="recompute", enable_prefix_caching=False,
+               enable_chunked_prefill=True, check_invariants=True,
+               num_gpu_blocks_override=blocks, **kw)
+
+
+def test_a_windowed_readmission_that_outgrew_the_pool_is_not_capped(mistral_w8):
+    """7 blocks of 4, budget 12, recompute: an n = 2 group (19-token prompt, 4 tokens each) is
+    preempted beside an older greedy request; when it comes back with the pool to itself its
+    whole sequences need 6 + 2 blocks, but recomputed chunk by chunk the window frees the
+    blocks behind each chunk. Judged on whole sequences, it was finished by length at 2 and
+    2 tokens; now every output equals a run in a roomy pool and every block is free."""
+    from tests.engine.test_preemption import _bounded_outputs, _greedy
+
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    requests = [(list(range(100, 106)), _greedy(12)), (list(range(10, 29)), sampled)]
+    small = _windowed_llm(mistral_w8, 7, max_num_batched_tokens=12)
+    got = _bounded_outputs(small, requests)
+    assert [[len(t) for t in r] for r in got] == [[12], [4, 4]]
+    assert small.engine.scheduler.preemptions_by_mode["recompute"] > 0
+    bm = small.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks == 7
+    roomy = _windowed_llm(mistral_w8, 256, max_num_batched_tokens=12)
+    assert got == _bounded_outputs(roomy, requests)
+
+
+def test_a_long_windowed_sequence_readmitted_alone_is_not_capped(mistral_w8):
+    """5 blocks of 4, budget 8, priority policy: a greedy request (6-token prompt, 40 tokens)
+    is preempted by recompute for a more urgent one that came later, at 23 output tokens, when
+    its whole sequence (29 tokens, 8 blocks) had outgrown the pool; alone again it is
+    recomputed chunk by chunk (3 blocks at most). It was finished by length at 23 tokens;
+    now it equals a roomy run and every block is free."""
+
+    def run(blocks):
+        llm = _windowed_llm(mistral_w8, blocks, max_num_batched_tokens=8,
+                            scheduling_policy="priority")
+        engine = llm.engine
+        greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        engine.add_request("long", list(range(10, 16)), greedy, priority=1)
+        done = {}
+        for step in range(200):  # bounded: a stall fails below instead of hanging
+            if step == 20:
+                urgent = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+                engine.add_request("urgent", list(range(100, 108)), urgent, priority=0)
+            done.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step()
+                        if o.finished)
+            if step > 20 and not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), "stalled"
+        return done, engine
+
+    got, engine = run(5)
+    assert {k: len(v) for k, v in got.items()} == {"long": 40, "urgent": 4}
+    assert engine.scheduler.preemptions_by_mode["recompute"] == 1
+    assert engine.block_manager.num_free_blocks == 5
+    assert got == run(256)[0]
