@@ -13,16 +13,26 @@ from pagedllm.model.registry import MODELS
 _OWN_RULE = {"gemma3_text"}
 
 
-@pytest.mark.parametrize(
-    "entry", [e for e in MODELS if e.model_types[0] not in _OWN_RULE], ids=lambda e: e.architecture
-)
-def test_default_rope_theta_matches_transformers(entry):
-    model_type = entry.model_types[0]
+def _transformers_theta(model_type: str) -> float | None:
+    """transformers' default RoPE base of ``model_type``'s config class; None without RoPE
+    (learned positions: OPT, GPT-2)."""
     cfg = transformers.AutoConfig.for_model(model_type).to_dict()
-    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
-        pytest.skip(f"{model_type} uses no rotary base (learned or ALiBi positions)")
-    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
-    assert entry.load().default_rope_theta == float(theta)
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    return None if theta is None else float(theta)
+
+
+ROTARY = [e for e in MODELS
+          if e.model_types[0] not in _OWN_RULE and _transformers_theta(e.model_types[0]) is not None]
+
+
+@pytest.mark.parametrize("entry", ROTARY, ids=lambda e: e.architecture)
+def test_default_rope_theta_matches_transformers(entry):
+    assert entry.load().default_rope_theta == _transformers_theta(entry.model_types[0])
+
+
+def test_every_architecture_but_learned_positions_is_checked():
+    assert {e.model_types[0] for e in MODELS} - {e.model_types[0] for e in ROTARY} == {
+        "opt", "gpt2", *_OWN_RULE}
 
 
 @pytest.mark.parametrize(("model_type", "arch", "theta"), [
