@@ -100,17 +100,11 @@ def write_plain_gguf(
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
     from tests.model.arch_utils import _add_tensor, close_gguf, gguf_tensor_name
+    from tests.model.gguf_files import add_decoder_shape_keys
 
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    add_decoder_shape_keys(w, c)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
@@ -159,18 +153,12 @@ def write_cohere_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
 
     from pagedllm.model.loader.gguf_loader import GGUF_LAYER_NAMES
     from tests.model.arch_utils import _add_tensor, close_gguf, gguf_tensor_name
+    from tests.model.gguf_files import add_decoder_shape_keys
 
     c = hf_model.config
     arch_name = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.COMMAND_R]
     w = gguf.GGUFWriter(str(path), arch_name)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    add_decoder_shape_keys(w, c)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_eps(c.layer_norm_eps)
     w.add_vocab_size(c.vocab_size)

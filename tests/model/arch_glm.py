@@ -51,17 +51,11 @@ def write_glm4_gguf(hf_model: Any, path: Path, qtype: Any = None) -> None:
     import gguf
 
     from tests.model.arch_utils import _add_tensor, close_gguf, gguf_tensor_name
+    from tests.model.gguf_files import add_decoder_shape_keys
 
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GLM4])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    add_decoder_shape_keys(w, c)
     w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)

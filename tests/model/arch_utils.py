@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import make_tiny_tokenizer
 from tests.model.arch_gguf_extra import EXTRA_ARCHS, EXTRA_GGUF_WRITERS, extra_arch_kwargs
+from tests.model.gguf_files import add_decoder_shape_keys
 
 # Small but not degenerate: 2 layers, GQA 4/2 heads of 16, a window shorter than the prompts.
 TINY = dict(
@@ -381,17 +382,10 @@ def write_gguf_like_llama_cpp(
         )
     to_gguf = {hf: g for g, hf in names.items()}
     w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    if arch == "phi3":  # llama.cpp: the rotary width, LongRoPE factors as tensors, no key_length
+    # phi3: llama.cpp writes the rotary width and LongRoPE factors as tensors, no key_length
+    add_decoder_shape_keys(w, c, head_dim=arch != "phi3")
+    if arch == "phi3":
         _add_phi3_rope(w, c)
-    else:
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "gemma3":
         w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])

@@ -18,6 +18,20 @@ from typing import Any
 QKV = ("attn_q", "attn_k", "attn_v")
 
 
+def add_decoder_shape_keys(w: Any, c: Any, head_dim: bool = True) -> None:
+    """The shape keys every tiny decoder's GGUF writer starts with, from transformers config
+    ``c``: blocks, context, widths and head counts, and (``head_dim``) the key / value length."""
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    if head_dim:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+
+
 def assert_rank_slices_equal(path: Path, config: Any, state: dict[str, Any]) -> None:
     """Rank 1 of 2's slices read from the GGUF file ``path`` (``load_weight_shard``: fused and
     stacked tensors read whole and split first) equal ``state`` (a full load) sliced."""
