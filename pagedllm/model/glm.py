@@ -33,14 +33,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
-from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.config import ModelArchConfig, hf_rope_parameters
 from pagedllm.model.gemma3 import Gemma3DecoderLayer
 from pagedllm.model.layers.interleaved_rope import permute_interleaved_qk
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.sharding import TensorParallelShard
 from pagedllm.model.weight_map import split_fused_tensor
 
 # transformers' GlmConfig / Glm4Config default when the config names no factor.
@@ -142,6 +139,7 @@ class Glm4ForCausalLM(GlmForCausalLM):
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     }
+    layer_class = Gemma3DecoderLayer
     # GLM-4's norm names -> the sandwich layer's (its post_attention_layernorm is the pre-MLP one).
     _NORM_NAMES: ClassVar[dict[str, str]] = {
         "post_self_attn_layernorm": "post_attention_layernorm",
@@ -159,14 +157,3 @@ class Glm4ForCausalLM(GlmForCausalLM):
         if head.startswith("model.layers.") and norm in cls._NORM_NAMES:
             return f"{head}.{cls._NORM_NAMES[norm]}{dot}{kind}"
         return name
-
-    def make_layer(
-        self,
-        config: ModelArchConfig,
-        index: int,
-        dtype: torch.dtype,
-        shard: TensorParallelShard | None,
-        group: TensorParallelGroup | None,
-    ) -> nn.Module:
-        """A ``Gemma3DecoderLayer`` (Llama's ``layer_class`` is typed as its own layer)."""
-        return Gemma3DecoderLayer(config, index, dtype, shard, group)

@@ -84,7 +84,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     gguf_permute_qk: ClassVar[bool] = True  # llama.cpp's converter interleaves Llama's q/k rows
 
-    layer_class = LlamaDecoderLayer
+    layer_class: ClassVar[type[nn.Module] | None] = LlamaDecoderLayer
 
     @classmethod
     def hf_config_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
