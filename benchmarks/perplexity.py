@@ -12,7 +12,8 @@ come from the engine's own forward (prefill kernels, KV cache, quantized linears
 exp(mean negative log-likelihood over all predicted positions of all texts). Bundled model
 (SmolLM2-135M-Instruct) unless ``--model``.
 
-Settings: ``--weights`` (fp32, bf16, int8, int8-head = int8 with an int8 LM head too; more
+Settings: ``--weights`` (fp32, bf16, int8, int8-head = int8 with an int8 LM head too, int8-bf16 =
+int8 with bf16 activations, KV cache and LM head; more
 slot into ``WEIGHTS``) x ``--kv-cache-dtypes`` (``auto`` = the weights' dtype; other values are
 passed as ``kv_cache_dtype`` when the engine has that option). Targets (issue 22): bf16 within 1%,
 int8 W8A8 within 3%, fp8/int8 KV within 2% of fp32's perplexity.
@@ -48,6 +49,7 @@ WEIGHTS: dict[str, tuple[dict[str, object], dict[str, str]]] = {
     "bf16": ({"dtype": "bfloat16"}, {}),
     "int8": ({"dtype": "float32", "quantization": "int8"}, {}),
     "int8-head": ({"dtype": "float32", "quantization": "int8"}, {"PAGEDLLM_INT8_LM_HEAD": "1"}),
+    "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, {}),
 }
 
 

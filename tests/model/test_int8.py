@@ -14,6 +14,7 @@ from pagedllm.model.quant.int8 import (
     int8_matmul,
     quantize_linear_layers,
     quantize_symmetric,
+    split_outliers,
 )
 from pagedllm.platform import cpu_flags
 
@@ -26,12 +27,21 @@ def ops(cpu_ops):
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The quantized math in float64 (exact integer sums), rounded to float32 at the end."""
-    qx, sx = quantize_symmetric(x)
+    """The quantized math in float64 (exact integer sums), rounded to float32 at the end; the
+    outliers (|x| > 6) times the int8 weights in float64."""
+    inliers, outliers = split_outliers(x)
+    qx, sx = quantize_symmetric(inliers)
     qw, sw = quantize_symmetric(w)
     acc = qx.double() @ qw.double().t()
     y = (acc.float() * sx.unsqueeze(1) * sw).double()
-    return y if b is None else y + b.double()
+    y = y if b is None else y + b.double()
+    return y + (outliers.double() @ qw.double().t()) * sw.double()
+
+
+def _int_mm_reference(x, qw, sw, b):
+    inliers, outliers = split_outliers(x)
+    qx, sx = quantize_symmetric(inliers)
+    return int8_matmul(qx, sx, qw, sw, b, outliers)
 
 
 def test_quantize_symmetric_values():
@@ -61,11 +71,12 @@ def test_kernel_equals_int_mm_reference(ops, rows, shape, bias):
     lin = Int8Linear(w, b, ops)
     assert lin.kernel == f"pagedllm-{ops.int8_gemm_isa()}"
     got = lin(x)
-    qx, sx = quantize_symmetric(x)
     qw, sw = quantize_symmetric(w)
-    # Same int32 sums; the scale products may differ by an ulp (torch divides by reciprocal).
-    torch.testing.assert_close(got, int8_matmul(qx, sx, qw, sw, b), rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-6, atol=1e-6)
+    # Same int32 sums and codes; the scale products may differ by an ulp, the
+    # outliers' float sums (x * 3 has ~25 of them in a row of 576) in their last bits. One unit
+    # off in an int32 sum would move y by s_x * s_w ~ 1e-3.
+    torch.testing.assert_close(got, _int_mm_reference(x, qw, sw, b), rtol=2e-6, atol=1e-4)
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-6, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -85,6 +96,28 @@ def test_fallback_equals_kernel_and_fp32_within_int8_tolerance(ops, shape):
     err = (kernel(x) - F.linear(x, w)).abs()
     assert bool((err <= bound * 1.001 + 1e-6).all())
     assert err.max() < 0.05 * F.linear(x, w).abs().max()  # and small in practice
+
+
+def test_outliers_are_computed_in_float(ops):
+    """A row with one activation of 2000 (as SmolLM2's later down projections see): without the
+    outlier decomposition its other elements quantize with a step of ~16, to zero; with it the
+    row's activation error is as small as a row's without outliers (LLM.int8(), section 3.2).
+    The error is measured against the int8 weights in float, so the weights' own rounding
+    (which the outlier multiplies in either scheme) is left out."""
+    torch.manual_seed(3)
+    w, x = torch.randn(64, 576), torch.randn(4, 576)
+    x[1, 5] = 2000.0
+    x[2, 7] = -40.0
+    got = Int8Linear(w, None, ops)(x)
+    qw, sw = quantize_symmetric(w)
+    exact = F.linear(x, qw.float() * sw.unsqueeze(1))
+    qx, sx = quantize_symmetric(x)  # one scale over the whole row: the old scheme
+    plain = int8_matmul(qx, sx, qw, sw)
+    err, plain_err = (got - exact).abs().amax(1), (plain - exact).abs().amax(1)
+    assert bool((err[1:3] * 10 < plain_err[1:3]).all()), (err, plain_err)
+    assert bool((err[1:3] < 3 * err[[0, 3]].max()).all()), err  # as good as the plain rows
+    # Rows without outliers are unchanged.
+    torch.testing.assert_close(got[[0, 3]], plain[[0, 3]], rtol=2e-6, atol=1e-5)
 
 
 def test_leading_dims_and_bf16_input(ops):
@@ -151,6 +184,56 @@ def test_isa_paths_this_cpu_lacks_are_named():
         pytest.skip(f"AVX512-VNNI path: the {ops.variant} kernel variant was asked for "
                     "(PAGEDLLM_CPU_KERNEL_VARIANT), which is built without it")
     assert ops.int8_gemm_isa() == "avx512_vnni"
+
+
+_ISA_PATH_CHECK = """
+import sys
+import torch
+import pagedllm
+from pagedllm.ops import load_cpu_ops
+from pagedllm.model.quant.int8 import Int8Linear, int8_matmul, quantize_symmetric, split_outliers
+
+ops = load_cpu_ops()
+assert ops.int8_gemm_isa() == sys.argv[1], ops.int8_gemm_isa()
+torch.manual_seed(0)
+for n, k in [(40, 130), (33, 17), (96, 64), (5, 1)]:  # 3, 3, 6 and 1 panels of 16
+    w, b = torch.randn(n, k), torch.randn(n)
+    lin = Int8Linear(w, b, ops)
+    qw, sw = quantize_symmetric(w)
+    for rows in (1, 3, 4, 5, 8, 9, 13, 17):
+        x = torch.randn(rows, k) * 3
+        got = lin(x)
+        inliers, outliers = split_outliers(x)
+        qx, sx = quantize_symmetric(inliers)
+        want = int8_matmul(qx, sx, qw, sw, b, outliers)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-4)
+        for i in range(rows):  # a row's result does not depend on the rows beside it
+            assert torch.equal(lin(x[i : i + 1]), got[i : i + 1]), (n, k, rows, i)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avx2", "scalar"])
+def test_each_isa_path_equals_the_reference_and_is_batch_invariant(ops, isa):
+    """Every inner loop this CPU can run, forced in a fresh process (``PAGEDLLM_INT8_ISA``; the
+    choice is made once per process), over row counts that cover whole and partial 8-row blocks
+    and shapes with odd panel counts (the VNNI kernel takes panels two at a time)."""
+    import os
+    import subprocess
+    import sys
+
+    flags = cpu_flags()
+    if isa == "avx512_vnni" and not flags.avx512_vnni:
+        pytest.skip("AVX512-VNNI path: the CPU lacks the avx512_vnni flag")
+    if isa == "avx2" and not flags.avx2:
+        pytest.skip("AVX2 path: the CPU lacks the avx2 flag")
+    if isa == "avx512_vnni" and ops.int8_gemm_isa() != "avx512_vnni":
+        pytest.skip(f"AVX512-VNNI path: the {ops.variant} kernel variant runs "
+                    f"{ops.int8_gemm_isa()}")
+    env = {**os.environ, "PAGEDLLM_INT8_ISA": isa}
+    out = subprocess.run([sys.executable, "-c", _ISA_PATH_CHECK, isa], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_amx_int8_path_skips_without_amx():

@@ -8,8 +8,9 @@
 //
 // Weights are packed once into panels of 16 output columns, 4 k per 64-byte group (the operand
 // layout of vpdpbusd and of maddubs + madd); the rows of x are quantized and packed per call into
-// tiles of 4 rows, 4 k (one int32) per row and group. A 4 x 16 micro-kernel keeps its int32
-// accumulators in registers over the whole K loop. Threads split the weight panels.
+// tiles of 4 rows, 4 k (one int32) per row and group. A micro-kernel keeps its int32 accumulators
+// in registers over the whole K loop: 4 rows x 16 columns (AVX2, scalar) or 8 x 32 (AVX512-VNNI,
+// two tiles against two panels). Threads split the pairs of weight panels.
 //
 // Inner loops, picked at run time from the CPU's flags (same results bit for bit):
 // - AVX2: maddubs multiplies unsigned by signed bytes and saturates its int16 pair sums, so
@@ -25,7 +26,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -43,9 +47,10 @@ constexpr int NR = kInt8Panel;
 constexpr int MR = 4;  // rows per micro-kernel tile
 constexpr int KG = 4;  // k per group (one int32 of activations)
 
-// c[ROWS][NR] = a_tile[G][MR] . panel[G][NR][KG] with int8 operands, int32 results.
+// c[ROWS][NR] (row stride ldc) = a_tile[G][MR] . panel[G][NR][KG] with int8 operands, int32
+// results.
 template <int ROWS>
-void kernel_scalar(const int32_t* a, const int8_t* b, int64_t G, int32_t* c) {
+void kernel_scalar(const int32_t* a, const int8_t* b, int64_t G, int32_t* c, int ldc) {
   int32_t acc[ROWS][NR] = {};
   for (int64_t g = 0; g < G; ++g)
     for (int i = 0; i < ROWS; ++i) {
@@ -54,12 +59,12 @@ void kernel_scalar(const int32_t* a, const int8_t* b, int64_t G, int32_t* c) {
       for (int j = 0; j < NR; ++j)
         for (int q = 0; q < KG; ++q) acc[i][j] += av[q] * b[(g * NR + j) * KG + q];
     }
-  std::memcpy(c, acc, sizeof(acc));
+  for (int i = 0; i < ROWS; ++i) std::memcpy(c + i * ldc, acc[i], sizeof(acc[i]));
 }
 
 #if defined(PAGEDLLM_INT8_AVX2)
 template <int ROWS>
-void kernel_avx2(const int32_t* a, const int8_t* b, int64_t G, int32_t* c) {
+void kernel_avx2(const int32_t* a, const int8_t* b, int64_t G, int32_t* c, int ldc) {
   __m256i lo[ROWS], hi[ROWS];
   for (int i = 0; i < ROWS; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -77,43 +82,74 @@ void kernel_avx2(const int32_t* a, const int8_t* b, int64_t G, int32_t* c) {
     }
   }
   for (int i = 0; i < ROWS; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * NR), lo[i]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * NR + 8), hi[i]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc), lo[i]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc + 8), hi[i]);
   }
 }
 #endif
 
 #if defined(PAGEDLLM_INT8_VNNI512)
-// wsum: the panel's 16 weight row sums, for the +128 zero point of the u8 activations.
-template <int ROWS>
+// acc += u (u8) . w (s8) per 4-byte lane. As inline asm because GCC's builtin copies every tied
+// accumulator through another register each iteration (and spills some), which halved the
+// kernel's speed.
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline void dpbusd(__m512i& acc,
+                                                                               __m512i u,
+                                                                               __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+}
+
+// c[ROWS][PANELS * NR] for up to 8 rows (two activation tiles: rows 0-3 from a0, 4-7 from a1)
+// and up to two panels (b0, b1; wsum0 / wsum1 their weight row sums, for the +128 zero point of
+// the u8 activations, which arrive with it applied). 8 x 32 keeps 16 independent accumulators in
+// flight: vpdpbusd's latency is several cycles, so a 4 x 16 tile (4 chains) ran at ~40 % of the
+// instruction's throughput.
+template <int ROWS, int PANELS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void kernel_vnni512(
-    const int32_t* a, const int8_t* b, int64_t G, const int32_t* wsum, int32_t* c) {
-  __m512i acc[ROWS];
-  for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_si512();
+    const int32_t* a0, const int32_t* a1, const int8_t* b0, const int8_t* b1, int64_t G,
+    const int32_t* wsum0, const int32_t* wsum1, int32_t* c) {
+  __m512i acc[ROWS * PANELS];
+#pragma GCC unroll 16
+  for (int i = 0; i < ROWS * PANELS; ++i) acc[i] = _mm512_setzero_si512();
   for (int64_t g = 0; g < G; ++g) {
-    const __m512i w = _mm512_load_si512(b + g * NR * KG);
-#pragma GCC unroll 4
+    __m512i w[PANELS];
+    w[0] = _mm512_load_si512(b0 + g * NR * KG);
+    if constexpr (PANELS == 2) w[PANELS - 1] = _mm512_load_si512(b1 + g * NR * KG);
+#pragma GCC unroll 8
     for (int i = 0; i < ROWS; ++i) {
-      const int32_t u = a[g * MR + i] ^ static_cast<int32_t>(0x80808080u);  // x + 128 per byte
-      acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(u), w);
+      const __m512i u = _mm512_set1_epi32(i < MR ? a0[g * MR + i] : a1[g * MR + i - MR]);
+#pragma GCC unroll 2
+      for (int p = 0; p < PANELS; ++p) dpbusd(acc[i * PANELS + p], u, w[p]);
     }
   }
-  const __m512i zero_point = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);
-  for (int i = 0; i < ROWS; ++i) _mm512_storeu_si512(c + i * NR, _mm512_sub_epi32(acc[i], zero_point));
+#pragma GCC unroll 2
+  for (int p = 0; p < PANELS; ++p) {
+    const __m512i zero_point = _mm512_slli_epi32(_mm512_loadu_si512(p ? wsum1 : wsum0), 7);
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; ++i)
+      _mm512_storeu_si512(c + i * 2 * NR + p * NR, _mm512_sub_epi32(acc[i * PANELS + p], zero_point));
+  }
 }
 #endif
 
 enum class Isa { kScalar, kAvx2, kVnni512 };
 
 Isa detect_isa() {
-#if defined(PAGEDLLM_INT8_VNNI512)
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return Isa::kVnni512;
-#endif
+  Isa best = Isa::kScalar;
 #if defined(PAGEDLLM_INT8_AVX2)
-  return Isa::kAvx2;
-#else
-  return Isa::kScalar;
+  best = Isa::kAvx2;
 #endif
+#if defined(PAGEDLLM_INT8_VNNI512)
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) best = Isa::kVnni512;
+#endif
+  // PAGEDLLM_INT8_ISA=avx2|scalar picks a lower path (tests run every path on one CPU); a path
+  // above the best one is ignored.
+  const char* forced = std::getenv("PAGEDLLM_INT8_ISA");
+  if (forced != nullptr) {
+    const std::string name(forced);
+    if (name == "scalar") return Isa::kScalar;
+    if (name == "avx2" && best != Isa::kScalar) return Isa::kAvx2;
+  }
+  return best;
 }
 
 Isa active_isa() {
@@ -121,40 +157,222 @@ Isa active_isa() {
   return isa;
 }
 
+float read_outlier_threshold() {
+  const char* v = std::getenv("PAGEDLLM_INT8_OUTLIER_THRESHOLD");
+  return v != nullptr && *v != '\0' ? std::strtof(v, nullptr) : kInt8OutlierThreshold;
+}
+
 template <int ROWS>
-void tile_rows(Isa isa, const int32_t* a, const int8_t* b, int64_t G, const int32_t* wsum,
-               int32_t* c) {
-  switch (isa) {
-#if defined(PAGEDLLM_INT8_VNNI512)
-    case Isa::kVnni512: kernel_vnni512<ROWS>(a, b, G, wsum, c); return;
-#endif
+void tile_rows(Isa isa, const int32_t* a, const int8_t* b, int64_t G, int32_t* c, int ldc) {
 #if defined(PAGEDLLM_INT8_AVX2)
-    case Isa::kAvx2: kernel_avx2<ROWS>(a, b, G, c); return;
+  if (isa == Isa::kAvx2) return kernel_avx2<ROWS>(a, b, G, c, ldc);
 #endif
-    default: kernel_scalar<ROWS>(a, b, G, c); return;
+  (void)isa;
+  kernel_scalar<ROWS>(a, b, G, c, ldc);
+}
+
+// One block of the output: c[rows][2 * NR] for rows <= 2 * MR (rows 0-3 from activation tile a0,
+// 4-7 from a1) against `panels` (1 or 2) weight panels b0, b1. The AVX2 and scalar loops run it
+// as 4 x 16 tiles; AVX512-VNNI in one 8 x 32 kernel (its activations arrive with the +128 zero
+// point already applied).
+template <int ROWS, int PANELS>
+void block_vnni(const int32_t* a0, const int32_t* a1, const int8_t* b0, const int8_t* b1,
+                int64_t G, const int32_t* ws0, const int32_t* ws1, int32_t* c) {
+#if defined(PAGEDLLM_INT8_VNNI512)
+  kernel_vnni512<ROWS, PANELS>(a0, a1, b0, b1, G, ws0, ws1, c);
+#else
+  (void)a0, (void)a1, (void)b0, (void)b1, (void)G, (void)ws0, (void)ws1, (void)c;
+#endif
+}
+
+template <int ROWS>
+void block_vnni_rows(int panels, const int32_t* a0, const int32_t* a1, const int8_t* b0,
+                     const int8_t* b1, int64_t G, const int32_t* ws0, const int32_t* ws1,
+                     int32_t* c) {
+  if (panels == 2) return block_vnni<ROWS, 2>(a0, a1, b0, b1, G, ws0, ws1, c);
+  block_vnni<ROWS, 1>(a0, a1, b0, b1, G, ws0, ws1, c);
+}
+
+void block(Isa isa, int rows, int panels, const int32_t* a0, const int32_t* a1, const int8_t* b0,
+           const int8_t* b1, int64_t G, const int32_t* ws0, const int32_t* ws1, int32_t* c) {
+  constexpr int ldc = 2 * NR;
+  if (isa == Isa::kVnni512) {
+    switch (rows) {
+      case 8: return block_vnni_rows<8>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      case 7: return block_vnni_rows<7>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      case 6: return block_vnni_rows<6>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      case 5: return block_vnni_rows<5>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      case 4: return block_vnni_rows<4>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      case 3: return block_vnni_rows<3>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      case 2: return block_vnni_rows<2>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+      default: return block_vnni_rows<1>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
+    }
+  }
+  for (int half = 0; half * MR < rows; ++half) {
+    const int r = std::min(MR, rows - half * MR);
+    const int32_t* a = half ? a1 : a0;
+    for (int p = 0; p < panels; ++p) {
+      const int8_t* b = p ? b1 : b0;
+      int32_t* cp = c + half * MR * ldc + p * NR;
+      switch (r) {
+        case 4: tile_rows<4>(isa, a, b, G, cp, ldc); break;
+        case 3: tile_rows<3>(isa, a, b, G, cp, ldc); break;
+        case 2: tile_rows<2>(isa, a, b, G, cp, ldc); break;
+        default: tile_rows<1>(isa, a, b, G, cp, ldc); break;
+      }
+    }
   }
 }
 
-void tile(Isa isa, int rows, const int32_t* a, const int8_t* b, int64_t G, const int32_t* wsum,
-          int32_t* c) {
-  switch (rows) {
-    case 4: tile_rows<4>(isa, a, b, G, wsum, c); break;
-    case 3: tile_rows<3>(isa, a, b, G, wsum, c); break;
-    case 2: tile_rows<2>(isa, a, b, G, wsum, c); break;
-    default: tile_rows<1>(isa, a, b, G, wsum, c); break;
+// dst[j] = (c[j] * sx) * sw[j] (+ bias[j]) for j < cols <= 2 * NR: the order of the PyTorch
+// fallback. A column takes the same path whatever the row count, so a row's result does not
+// depend on the batch.
+void scale_out_scalar(const int32_t* c, float sx, const float* sw, const float* bias, float* dst,
+                      int cols) {
+  for (int j = 0; j < cols; ++j) {
+    const float v = static_cast<float>(c[j]) * sx * sw[j];
+    dst[j] = bias ? v + bias[j] : v;
   }
 }
 
-// One row: q[0, K) quantized, q[K, K4) left as is (zero); returns the scale.
-float quantize_row(const float* x, int64_t K, int8_t* q) {
+#if defined(PAGEDLLM_INT8_VNNI512)
+__attribute__((target("avx512f"))) void scale_out_avx512(const int32_t* c, float sx,
+                                                         const float* sw, const float* bias,
+                                                         float* dst, int cols) {
+  const __m512 vx = _mm512_set1_ps(sx);
+  for (int j = 0; j < cols; j += NR) {
+    const __mmask16 k = static_cast<__mmask16>(cols - j >= NR ? 0xffff : (1u << (cols - j)) - 1);
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + j)), vx);
+    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, sw + j));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + j));
+    _mm512_mask_storeu_ps(dst + j, k, v);
+  }
+}
+#endif
+
+void scale_out(Isa isa, const int32_t* c, float sx, const float* sw, const float* bias, float* dst,
+               int cols) {
+#if defined(PAGEDLLM_INT8_VNNI512)
+  if (isa == Isa::kVnni512) return scale_out_avx512(c, sx, sw, bias, dst, cols);
+#endif
+  (void)isa;
+  scale_out_scalar(c, sx, sw, bias, dst, cols);
+}
+
+// One row: q[0, K) quantized, q[K, K4) left as is (zero); returns the scale. Elements with
+// |x| > threshold (threshold > 0) are outliers: coded 0, left out of the absmax, and their
+// columns and values written to out_k / out_v (room for K each); *n_out gets their count.
+float quantize_row(const float* x, int64_t K, int8_t* q, float threshold, int32_t* out_k,
+                   float* out_v, int32_t* n_out) {
+  const float limit = threshold > 0.f ? threshold : std::numeric_limits<float>::infinity();
   float absmax = 0.f;
-  for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(x[k]));
+  int32_t n = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float a = std::fabs(x[k]);
+    if (a > limit) {
+      out_k[n] = static_cast<int32_t>(k);
+      out_v[n++] = x[k];
+    } else {
+      absmax = std::max(absmax, a);
+    }
+  }
+  *n_out = n;
   const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
   for (int64_t k = 0; k < K; ++k) {
     const float r = std::nearbyint(x[k] * inv);  // round half to even, as torch.round
     q[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
   }
+  for (int32_t i = 0; i < n; ++i) q[out_k[i]] = 0;
   return absmax / 127.f;
+}
+
+// dst[j] += (sum_o v_o w[n0 + j, k_o]) * sw[j] for the n outliers (k_o, v_o) of one row, over the
+// cols <= 2 * NR columns of panels p, p + 1 (the panels' packed int8 weights b0; G groups).
+void add_outliers(const int8_t* b0, int64_t G, const int32_t* out_k, const float* out_v,
+                  int32_t n, const float* sw, float* dst, int cols) {
+  float t[2 * NR] = {};
+  for (int32_t o = 0; o < n; ++o) {
+    const int64_t g = out_k[o] / KG, r = out_k[o] % KG;
+    for (int j = 0; j < cols; ++j) {
+      const int64_t panel = j / NR, col = j % NR;
+      t[j] += out_v[o] * static_cast<float>(b0[((panel * G + g) * NR + col) * KG + r]);
+    }
+  }
+  for (int j = 0; j < cols; ++j) dst[j] += t[j] * sw[j];
+}
+
+// yd [M, N] = the W8A8 product of x (xp [M, K], row stride ldx) and the packed weight b
+// (panels x G groups), scaled by the row scales, sw [N] and plus bd [N] when given. The callers
+// check the shapes.
+void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t* b,
+               int64_t panels, const float* sw, const int32_t* ws, const float* bd, int64_t N,
+               float* yd) {
+  const int64_t G = (K + KG - 1) / KG;
+  // x -> int8 tiles [2 * ceil(M / 8)][G][4] (one int32 = 4 k of one row; rows past M and k past
+  // K zero, rows past M never read; on the VNNI path each byte + 128, as u8) and the row scales.
+  const Isa isa = active_isa();
+  const int64_t blocks = (M + 2 * MR - 1) / (2 * MR);
+  // Per calling thread and reused: a decode step makes hundreds of these calls.
+  thread_local std::vector<int32_t> x_tiles, out_k, out_n;
+  thread_local std::vector<float> x_scales, out_v;
+  x_tiles.resize(2 * blocks * G * MR);
+  x_scales.resize(M);
+  out_k.resize(M * K);  // row m's outliers at [m * K, m * K + out_n[m])
+  out_v.resize(M * K);
+  out_n.resize(M);
+  // Raw pointers for the lambdas: a thread_local named inside one is the worker thread's own.
+  int32_t* xd = x_tiles.data();
+  float* sa = x_scales.data();
+  int32_t* ok = out_k.data();
+  float* ov = out_v.data();
+  int32_t* on = out_n.data();
+  const float threshold = int8_outlier_threshold();
+  const uint32_t zero_point = isa == Isa::kVnni512 ? 0x80808080u : 0u;
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    std::vector<int8_t> row(G * KG, 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      sa[m] = quantize_row(xp + m * ldx, K, row.data(), threshold, ok + m * K, ov + m * K,
+                           on + m);
+      int32_t* dst = xd + (m / MR) * G * MR + m % MR;
+      for (int64_t g = 0; g < G; ++g) {
+        uint32_t word;
+        std::memcpy(&word, row.data() + g * KG, KG);
+        dst[g * MR] = static_cast<int32_t>(word ^ zero_point);
+      }
+    }
+  });
+
+  const int64_t panel_pairs = (panels + 1) / 2;
+  at::parallel_for(0, panel_pairs, 1, [&](int64_t q0, int64_t q1) {
+    alignas(64) int32_t c[2 * MR * 2 * NR];
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = 2 * q, n0 = p * NR, cols = std::min<int64_t>(2 * NR, N - n0);
+      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const int8_t* b0 = b + p * G * NR * KG;
+      const int8_t* b1 = np == 2 ? b0 + G * NR * KG : b0;
+      const int32_t* ws1 = np == 2 ? ws + n0 + NR : ws + n0;
+      for (int64_t t = 0; t < blocks; ++t) {
+        const int rows = static_cast<int>(std::min<int64_t>(2 * MR, M - t * 2 * MR));
+        const int32_t* a0 = xd + 2 * t * G * MR;
+        block(isa, rows, np, a0, a0 + G * MR, b0, b1, G, ws + n0, ws1, c);
+        for (int i = 0; i < rows; ++i) {
+          const int64_t m = t * 2 * MR + i;
+          scale_out(isa, c + i * 2 * NR, sa[m], sw + n0, bd ? bd + n0 : nullptr, yd + m * N + n0,
+                    static_cast<int>(cols));
+          if (on[m])
+            add_outliers(b0, G, ok + m * K, ov + m * K, on[m], sw + n0, yd + m * N + n0,
+                         static_cast<int>(cols));
+        }
+      }
+    }
+  });
+}
+
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              "bias must be [out_features] float32");
+  return bias->data_ptr<float>();
 }
 
 void check_x(const at::Tensor& x) {
@@ -164,6 +382,11 @@ void check_x(const at::Tensor& x) {
 }
 
 }  // namespace
+
+float int8_outlier_threshold() {
+  static const float threshold = read_outlier_threshold();
+  return threshold;
+}
 
 std::string int8_gemm_isa() {
   switch (active_isa()) {
@@ -202,7 +425,9 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   int8_t* qd = q.data_ptr<int8_t>();
   float* sd = s.data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) sd[m] = quantize_row(xs + m * x.stride(0), K, qd + m * K);
+    int32_t n_out = 0;
+    for (int64_t m = m0; m < m1; ++m)
+      sd[m] = quantize_row(xs + m * x.stride(0), K, qd + m * K, 0.f, nullptr, nullptr, &n_out);
   });
   return {q, s};
 }
@@ -225,56 +450,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "wscale must be [out_features] float32");
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == panels * NR,
               "wsum must be [panels * 16] int32 (zero-padded)");
-  const float* bd = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias must be [out_features] float32");
-    bd = bias->data_ptr<float>();
-  }
+  const float* bd = bias_data(bias, N);
   at::Tensor y = x.new_empty({M, N});
   if (M == 0 || N == 0) return y;
 
-  // x -> int8 tiles [ceil(M / 4)][G][4] (one int32 = 4 k of one row; rows past M and k past K
-  // zero) and the row scales.
-  const int64_t tiles = (M + MR - 1) / MR;
-  at::Tensor xa = x.new_zeros({tiles, G, MR}, at::kInt);
-  at::Tensor xs = x.new_empty({M});
-  int32_t* xd = xa.data_ptr<int32_t>();
-  float* sa = xs.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    std::vector<int8_t> row(G * KG, 0);
-    for (int64_t m = m0; m < m1; ++m) {
-      sa[m] = quantize_row(xp + m * x.stride(0), K, row.data());
-      int32_t* dst = xd + (m / MR) * G * MR + m % MR;
-      for (int64_t g = 0; g < G; ++g) std::memcpy(dst + g * MR, row.data() + g * KG, KG);
-    }
-  });
-
-  const Isa isa = active_isa();
-  const int8_t* b = packed.data_ptr<int8_t>();
-  const int32_t* ws = wsum.data_ptr<int32_t>();
-  const float* sw = wscale.data_ptr<float>();
-  float* yd = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) int32_t c[MR * NR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * NR, cols = std::min<int64_t>(NR, N - n0);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - t * MR));
-        tile(isa, rows, xd + t * G * MR, b + p * G * NR * KG, G, ws + n0, c);
-        for (int i = 0; i < rows; ++i) {
-          const int64_t m = t * MR + i;
-          float* dst = yd + m * N + n0;
-          // Same order as the PyTorch fallback: (acc * s_x) * s_w (+ bias).
-          for (int64_t j = 0; j < cols; ++j) {
-            const float v = static_cast<float>(c[i * NR + j]) * sa[m] * sw[n0 + j];
-            dst[j] = bd ? v + bd[n0 + j] : v;
-          }
-        }
-      }
-    }
-  });
+  int8_gemm(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<int8_t>(), panels,
+            wscale.data_ptr<float>(), wsum.data_ptr<int32_t>(), bd, N, y.data_ptr<float>());
   return y;
 }
 
@@ -288,10 +469,19 @@ at::Tensor int8_linear_record(const at::Tensor& x, const at::Tensor& record, int
                   record.numel() == wbytes + 4 * N + 4 * panels * NR,
               "int8_linear_record: record of ", record.numel(), " bytes does not match a [",
               N, ", ", K, "] weight");
-  const at::Tensor packed = record.narrow(0, 0, wbytes).view({panels, G, NR, KG});
-  const at::Tensor wscale = record.narrow(0, wbytes, 4 * N).view(at::kFloat);
-  const at::Tensor wsum = record.narrow(0, wbytes + 4 * N, 4 * panels * NR).view(at::kInt);
-  return int8_linear(x, packed, wscale, wsum, bias, N);
+  const int8_t* base = record.data_ptr<int8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0,
+              "int8_linear_record: the record must be 64-byte aligned (the kernels use aligned "
+              "loads)");
+  // Raw pointers into the record, not tensor views: a decode step makes hundreds of these calls
+  // and each view costs the dispatcher about a microsecond.
+  at::Tensor y = x.new_empty({x.size(0), N});
+  if (x.size(0) == 0 || N == 0) return y;
+  int8_gemm(x.data_ptr<float>(), x.stride(0), x.size(0), K, base, panels,
+            reinterpret_cast<const float*>(base + wbytes),
+            reinterpret_cast<const int32_t*>(base + wbytes + 4 * N), bias_data(bias, N), N,
+            y.data_ptr<float>());
+  return y;
 }
 
 }  // namespace pagedllm

@@ -8,6 +8,13 @@
 namespace pagedllm {
 // Output columns per packed int8 weight panel (two AVX2 registers, one AVX-512 register).
 constexpr int kInt8Panel = 16;
+// Activations with |x| above this are outliers (LLM.int8(), Dettmers et al. 2022, section 3.2:
+// "mixed-precision decomposition", threshold 6.0): they are left out of their row's int8 codes and
+// scale and multiply the weights' int8 codes in float instead. $PAGEDLLM_INT8_OUTLIER_THRESHOLD
+// overrides it (0 = none).
+constexpr float kInt8OutlierThreshold = 6.0f;
+// The threshold in use (the environment variable read once per process).
+float int8_outlier_threshold();
 // W [N, K] int8 (symmetric, in [-127, 127]) -> panels [ceil(N / 16), ceil(K / 4), 16, 4] int8:
 // each 64-byte group holds 4 consecutive k of the panel's 16 columns (zero-padded).
 at::Tensor int8_pack_weight(const at::Tensor& qweight);

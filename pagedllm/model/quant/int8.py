@@ -1,12 +1,22 @@
 """int8 W8A8 linear layers: ``--quantization int8``.
 
-The scheme (LLM.int8()'s vector-wise quantization without its outlier decomposition, Dettmers et
-al. 2022 section 3.1; the W8A8 setting of SmoothQuant, Xiao et al. 2023 section 3):
+The scheme (LLM.int8()'s vector-wise quantization with its mixed-precision outlier decomposition,
+Dettmers et al. 2022 sections 3.1-3.2; the W8A8 setting of SmoothQuant, Xiao et al. 2023
+section 3):
 
 - weights: symmetric per output channel, once at load: ``s_w[n] = absmax(W[n]) / 127``,
   ``q_w = round(W * 127 / absmax)`` in [-127, 127];
-- activations: symmetric per token (row) at every call, the same formula on ``x[m]``;
-- ``y[m, n] = (q_x[m] . q_w[n]) * s_x[m] * s_w[n] (+ b[n])``, the dot product exact in int32.
+- activations: symmetric per token (row) at every call, the same formula on ``x[m]`` without
+  its outliers, the elements with ``|x| > 6`` (:func:`int8_outlier_threshold`);
+- ``y[m, n] = (q_x[m] . q_w[n]) * s_x[m] * s_w[n] (+ b[n]) + (o[m] . q_w[n]) * s_w[n]``, the
+  first dot product exact in int32, the second (o = the row's outliers, zero elsewhere) in
+  float32.
+
+Without the outliers' decomposition a row holding one large activation (SmolLM2's later
+down projections see 2000 where the row's other elements are near 1) quantized its other
+elements with a step of ~16, most of them to zero: perplexity +3.1 % against fp32 on Zen 5, and
++0.9 % with it (``benchmarks/perplexity.py``, docs/dtype.md). Each row has its own outliers, so a
+row's result does not depend on the rows computed with it.
 
 Lossy (perplexity in ``benchmarks/perplexity.py``), so opt-in only. Every projection of the
 decoder layers becomes an :class:`Int8Linear` (fused QKV, fused gate/up, o/down; row-parallel
@@ -17,7 +27,7 @@ per-channel scales of a row-parallel shard are that shard's); the LM head stays 
 Kernels: ``int8_linear`` of the C++ CPU kernels (``pagedllm/csrc/cpu/int8_gemm.cpp``: AVX2
 maddubs, AVX512-VNNI vpdpbusd or scalar, picked at run time); without them (e.g.
 ``PAGEDLLM_DISABLE_CPU_KERNELS=1``) ``torch._int_mm`` on the same quantized values, so both give
-the same numbers.
+the same numbers (the outliers' float sums may differ in the last bits).
 """
 
 from __future__ import annotations
@@ -39,6 +49,42 @@ logger = logging.getLogger(__name__)
 INT8_PANEL = 16  # output columns per packed panel (int8_gemm.h kInt8Panel)
 
 
+INT8_OUTLIER_THRESHOLD = 6.0  # int8_gemm.h kInt8OutlierThreshold (LLM.int8(), section 3.2)
+
+
+def int8_outlier_threshold() -> float:
+    """The activation magnitude above which an element is an outlier (computed in float, not
+    int8): ``$PAGEDLLM_INT8_OUTLIER_THRESHOLD`` when set (0 = no outliers), else 6.0. The C++
+    kernels read the same variable once per process.
+
+    Raises:
+        ValueError: when the variable is not a number.
+    """
+    value = os.environ.get("PAGEDLLM_INT8_OUTLIER_THRESHOLD", "")
+    if not value:
+        return INT8_OUTLIER_THRESHOLD
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"PAGEDLLM_INT8_OUTLIER_THRESHOLD must be a number, got {value!r}"
+        ) from None
+
+
+def split_outliers(
+    x: torch.Tensor, threshold: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``x`` [M, K] into (inliers, outliers), both [M, K] float32 and summing to ``x``:
+    the elements with ``|x| > threshold`` (default :func:`int8_outlier_threshold`; <= 0: none)
+    go to the outliers, zero in the inliers."""
+    x = x.float()
+    threshold = int8_outlier_threshold() if threshold is None else threshold
+    if threshold <= 0:
+        return x, torch.zeros_like(x)
+    mask = x.abs() > threshold
+    return x.masked_fill(mask, 0.0), torch.where(mask, x, torch.zeros_like(x))
+
+
 def quantize_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization of each row (the C++ ``int8_quantize_rows`` formula).
 
@@ -51,9 +97,12 @@ def quantize_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = x.float()
     absmax = x.abs().amax(dim=-1)
-    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    # A tensor divided by a tensor: IEEE division, as the C++ kernel's. ``127.0 / absmax`` (a
+    # Python number over a tensor) multiplies by a reciprocal, 1 ulp off for ~25 % of values,
+    # and moved codes at rounding ties.
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
     q = (x * inv.unsqueeze(-1)).round().clamp_(-127, 127).to(torch.int8)
-    return q, absmax / 127.0
+    return q, absmax / torch.full_like(absmax, 127.0)
 
 
 def int8_matmul(
@@ -62,6 +111,7 @@ def int8_matmul(
     q_w: torch.Tensor,
     s_w: torch.Tensor,
     bias: torch.Tensor | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The W8A8 product in PyTorch (``torch._int_mm``, exact int32): the reference the C++
     kernel equals and its fallback.
@@ -69,9 +119,12 @@ def int8_matmul(
     Args:
         q_x: [M, K] int8; s_x: [M] float32. q_w: [N, K] int8; s_w: [N] float32.
         bias: [N] float32 or None.
+        outliers: [M, K] float32, the activations left out of ``q_x`` (zero elsewhere;
+            :func:`split_outliers`), or None.
 
     Returns:
-        [M, N] float32 = (q_x @ q_w^T) * s_x[:, None] * s_w (+ bias), in that order.
+        [M, N] float32 = (q_x @ q_w^T) * s_x[:, None] * s_w (+ bias), in that order,
+        + (outliers @ q_w^T) * s_w.
     """
     if q_x.shape[0] == 0:
         acc = q_x.new_zeros(0, q_w.shape[0]).int()
@@ -82,7 +135,11 @@ def int8_matmul(
     else:
         acc = torch._int_mm(q_x, q_w.t())
     y = acc.float() * s_x.unsqueeze(1) * s_w
-    return y if bias is None else y + bias
+    if bias is not None:
+        y = y + bias
+    if outliers is not None and q_x.shape[0] and bool(outliers.any()):
+        y = y + (outliers @ q_w.float().t()) * s_w
+    return y
 
 
 def int8_kernel_ops(cpu_ops: CpuOps | None) -> CpuOps | None:
@@ -156,8 +213,9 @@ class Int8Linear(nn.Module):
                 flat, self.qweight, self.wscale, self.wsum, self.bias, self.out_features
             )
         else:
-            q, s = quantize_symmetric(flat)
-            y = int8_matmul(q, s, self.qweight, self.wscale, self.bias)
+            inliers, outliers = split_outliers(flat)
+            q, s = quantize_symmetric(inliers)
+            y = int8_matmul(q, s, self.qweight, self.wscale, self.bias, outliers)
         return y.view(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
