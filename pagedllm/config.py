@@ -186,8 +186,9 @@ class EngineConfig:
     """Every option of the engine, in the units the user gives them (see each field's help).
 
     ``dtype`` defaults to ``"auto"``: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16,
-    else float32, and float32 for int8 / GGUF weights (on CPUs without bf16 matrix hardware bf16
-    matmuls are several times slower; the rule and the figures behind it are in docs/dtype.md).
+    else float32, and float32 for GGUF weights kept quantized (on CPUs without bf16 matrix
+    hardware bf16 matmuls are several times slower; the rule and the figures behind it are in
+    docs/dtype.md).
     ``torch_dtype`` holds the resolved torch dtype.
     ``torch_kv_cache_dtype`` holds the KV storage dtype (``kv_cache_dtype``; int8 /
     float8_e4m3fn blocks carry their scales, see ``pagedllm.attention.kv_quant``).
@@ -222,7 +223,7 @@ class EngineConfig:
     dtype: str | torch.dtype = _option(
         "auto",
         "weight, activation and KV-cache dtype; auto = bfloat16 on CUDA and on CPUs with AMX-BF16 "
-        "or AVX512-BF16 (float32 with --quantization), else float32 (see docs/dtype.md)",
+        "or AVX512-BF16 (float32 with --quantization gguf), else float32 (see docs/dtype.md)",
         choices=DTYPES,
     )
     kv_cache_dtype: str = _option(

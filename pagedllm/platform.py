@@ -168,10 +168,12 @@ def auto_dtype_name(
 ) -> str:
     """The dtype that ``dtype="auto"`` means on ``device`` (``"float32"`` or ``"bfloat16"``).
 
-    Rule: CUDA -> bfloat16; a CPU with quantized weights (``quantization`` int8 or gguf) ->
-    float32, the activations their C++ kernels and the fused decoder layers take (bf16
-    activations ran them 1.3x (int8) to 4x (gguf) slower at batch 1 on Zen 4); a CPU with
-    AMX-BF16 tiles or AVX512-BF16 dot products -> bfloat16; any other CPU -> float32.
+    Rule: CUDA -> bfloat16; a CPU with GGUF weights kept quantized (``quantization`` gguf) ->
+    float32 (with bf16 activations the bundled Q4_1 model decoded 2-4x slower at batch 1 on
+    Zen 4 and Zen 5); a CPU with AMX-BF16 tiles or AVX512-BF16 dot products -> bfloat16, int8
+    W8A8 weights included (their layers run in the fused op either way, while the LM head, the
+    attention and the KV cache gain from bf16: 1.15-1.3x fp32's speed on Zen 5 at the same
+    perplexity, docs/dtype.md); any other CPU -> float32.
     The environment variable ``PAGEDLLM_AUTO_DTYPE`` (a dtype name) overrides the rule; the test
     suite sets it to float32 so that its exactness checks do not depend on the CPU kind.
 
@@ -187,7 +189,7 @@ def auto_dtype_name(
         return override
     if device.startswith("cuda"):
         return "bfloat16"
-    if quantization is not None:
+    if quantization == "gguf":
         return "float32"
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if flags.amx_bf16 or flags.avx512_bf16 else "float32"

@@ -301,6 +301,88 @@ void add_outliers(const int8_t* b0, int64_t G, const int32_t* out_k, const float
   for (int j = 0; j < cols; ++j) dst[j] += t[j] * sw[j];
 }
 
+#if defined(PAGEDLLM_INT8_VNNI512)
+// quantize_row with 16 lanes: the same multiply and round-half-to-even (cvtps2dq under the
+// default rounding mode), so the same codes and scale.
+__attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(
+    const float* x, int64_t K, int8_t* q, float threshold, int32_t* out_k, float* out_v,
+    int32_t* n_out) {
+  const __m512 limit =
+      _mm512_set1_ps(threshold > 0.f ? threshold : std::numeric_limits<float>::infinity());
+  __m512 vmax = _mm512_setzero_ps();
+  int32_t n = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(K - k >= 16 ? 0xffff : (1u << (K - k)) - 1);
+    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, x + k));
+    const __mmask16 outlier = _mm512_mask_cmp_ps_mask(lanes, a, limit, _CMP_GT_OQ);
+    // max(a, vmax) keeps vmax where a is NaN, as std::max(absmax, a) in the scalar loop.
+    vmax = _mm512_mask_max_ps(vmax, static_cast<__mmask16>(lanes & ~outlier), a, vmax);
+    for (unsigned m = outlier; m; m &= m - 1) {
+      const int64_t i = k + __builtin_ctz(m);
+      out_k[n] = static_cast<int32_t>(i);
+      out_v[n++] = x[i];
+    }
+  }
+  *n_out = n;
+  const float absmax = _mm512_reduce_max_ps(vmax);
+  const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(K - k >= 16 ? 0xffff : (1u << (K - k)) - 1);
+    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + k), inv));
+    r = _mm512_max_epi32(_mm512_min_epi32(r, hi), lo);
+    _mm512_mask_cvtsepi32_storeu_epi8(q + k, lanes, r);
+  }
+  for (int32_t i = 0; i < n; ++i) q[out_k[i]] = 0;
+  return absmax / 127.f;
+}
+
+// add_outliers with the 16 columns of a panel in one register: byte r of each 32-bit lane of
+// the weight group is column j's weight at k = 4 g + r.
+__attribute__((target("avx512f,avx512bw"))) void add_outliers_avx512(
+    const int8_t* b0, int64_t G, const int32_t* out_k, const float* out_v, int32_t n,
+    const float* sw, float* dst, int cols) {
+  __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+  for (int32_t o = 0; o < n; ++o) {
+    const int64_t g = out_k[o] / KG;
+    const __m128i shift = _mm_cvtsi32_si128(24 - 8 * (out_k[o] % KG));
+    const __m512 v = _mm512_set1_ps(out_v[o]);
+    const __m512i w0 = _mm512_load_si512(b0 + g * NR * KG);
+    t0 = _mm512_fmadd_ps(v, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(w0, shift), 24)), t0);
+    if (cols > NR) {
+      const __m512i w1 = _mm512_load_si512(b0 + (G + g) * NR * KG);
+      t1 = _mm512_fmadd_ps(v, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(w1, shift), 24)), t1);
+    }
+  }
+  const __mmask16 k0 = static_cast<__mmask16>(cols >= NR ? 0xffff : (1u << cols) - 1);
+  _mm512_mask_storeu_ps(dst, k0, _mm512_fmadd_ps(t0, _mm512_maskz_loadu_ps(k0, sw),
+                                                 _mm512_maskz_loadu_ps(k0, dst)));
+  if (cols > NR) {
+    const __mmask16 k1 = static_cast<__mmask16>(cols >= 2 * NR ? 0xffff : (1u << (cols - NR)) - 1);
+    _mm512_mask_storeu_ps(dst + NR, k1, _mm512_fmadd_ps(t1, _mm512_maskz_loadu_ps(k1, sw + NR),
+                                                        _mm512_maskz_loadu_ps(k1, dst + NR)));
+  }
+}
+#endif
+
+float quantize_row_isa(Isa isa, const float* x, int64_t K, int8_t* q, float threshold,
+                       int32_t* out_k, float* out_v, int32_t* n_out) {
+#if defined(PAGEDLLM_INT8_VNNI512)
+  if (isa == Isa::kVnni512) return quantize_row_avx512(x, K, q, threshold, out_k, out_v, n_out);
+#endif
+  (void)isa;
+  return quantize_row(x, K, q, threshold, out_k, out_v, n_out);
+}
+
+void add_outliers_isa(Isa isa, const int8_t* b0, int64_t G, const int32_t* out_k,
+                      const float* out_v, int32_t n, const float* sw, float* dst, int cols) {
+#if defined(PAGEDLLM_INT8_VNNI512)
+  if (isa == Isa::kVnni512) return add_outliers_avx512(b0, G, out_k, out_v, n, sw, dst, cols);
+#endif
+  (void)isa;
+  add_outliers(b0, G, out_k, out_v, n, sw, dst, cols);
+}
+
 // yd [M, N] = the W8A8 product of x (xp [M, K], row stride ldx) and the packed weight b
 // (panels x G groups), scaled by the row scales, sw [N] and plus bd [N] when given. The callers
 // check the shapes.
@@ -331,8 +413,8 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> row(G * KG, 0);
     for (int64_t m = m0; m < m1; ++m) {
-      sa[m] = quantize_row(xp + m * ldx, K, row.data(), threshold, ok + m * K, ov + m * K,
-                           on + m);
+      sa[m] = quantize_row_isa(isa, xp + m * ldx, K, row.data(), threshold, ok + m * K,
+                               ov + m * K, on + m);
       int32_t* dst = xd + (m / MR) * G * MR + m % MR;
       for (int64_t g = 0; g < G; ++g) {
         uint32_t word;
@@ -360,8 +442,8 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
           scale_out(isa, c + i * 2 * NR, sa[m], sw + n0, bd ? bd + n0 : nullptr, yd + m * N + n0,
                     static_cast<int>(cols));
           if (on[m])
-            add_outliers(b0, G, ok + m * K, ov + m * K, on[m], sw + n0, yd + m * N + n0,
-                         static_cast<int>(cols));
+            add_outliers_isa(isa, b0, G, ok + m * K, ov + m * K, on[m], sw + n0,
+                             yd + m * N + n0, static_cast<int>(cols));
         }
       }
     }
@@ -427,7 +509,8 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     int32_t n_out = 0;
     for (int64_t m = m0; m < m1; ++m)
-      sd[m] = quantize_row(xs + m * x.stride(0), K, qd + m * K, 0.f, nullptr, nullptr, &n_out);
+      sd[m] = quantize_row_isa(active_isa(), xs + m * x.stride(0), K, qd + m * K, 0.f, nullptr,
+                               nullptr, &n_out);
   });
   return {q, s};
 }
