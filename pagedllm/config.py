@@ -365,7 +365,8 @@ class EngineConfig:
     quantization: str | None = _option(
         None,
         "lossy weight format (opt-in): int8 = W8A8 at load, int8 weights per output channel and "
-        "int8 activations per token, int32 accumulation (CPU; the LM head stays float32); "
+        "int8 activations per token (above 6 in float), int32 accumulation (CPU; the LM head "
+        "stays in the model dtype); "
         "gguf = keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0) and "
         "compute the linears natively on them (CPU, float32, one rank); default: none, the "
         "weights in dtype",

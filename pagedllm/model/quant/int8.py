@@ -15,14 +15,14 @@ section 3):
 Without the outliers' decomposition a row holding one large activation (SmolLM2's later
 down projections see 2000 where the row's other elements are near 1) quantized its other
 elements with a step of ~16, most of them to zero: perplexity +3.1 % against fp32 on Zen 5, and
-+0.9 % with it (``benchmarks/perplexity.py``, docs/dtype.md). Each row has its own outliers, so a
++2.1 % with it (``benchmarks/perplexity.py --texts 16``, docs/dtype.md). Each row has its own outliers, so a
 row's result does not depend on the rows computed with it.
 
 Lossy (perplexity in ``benchmarks/perplexity.py``), so opt-in only. Every projection of the
 decoder layers becomes an :class:`Int8Linear` (fused QKV, fused gate/up, o/down; row-parallel
 ones keep their all-reduce: under tensor parallelism each rank quantizes its own shard, and the
-per-channel scales of a row-parallel shard are that shard's); the LM head stays float32 unless
-``PAGEDLLM_INT8_LM_HEAD=1``; MoE experts stay float32 (logged).
+per-channel scales of a row-parallel shard are that shard's); the LM head stays in the model
+dtype unless ``PAGEDLLM_INT8_LM_HEAD=1``; MoE experts stay in the model dtype (logged).
 
 Kernels: ``int8_linear`` of the C++ CPU kernels (``pagedllm/csrc/cpu/int8_gemm.cpp``: AVX2
 maddubs, AVX512-VNNI vpdpbusd or scalar, picked at run time); without them (e.g.
@@ -241,7 +241,7 @@ class Int8RowParallelLinear(Int8Linear):
 
 
 def int8_lm_head_enabled() -> bool:
-    """Whether ``PAGEDLLM_INT8_LM_HEAD=1`` asks for an int8 LM head too (default: float32)."""
+    """Whether ``PAGEDLLM_INT8_LM_HEAD=1`` asks for an int8 LM head too (default: the model dtype)."""
     return os.environ.get("PAGEDLLM_INT8_LM_HEAD") == "1"
 
 
@@ -263,7 +263,9 @@ def quantize_linear_layers(model: nn.Module, cpu_ops: CpuOps | None = None) -> i
                 count += 1
     if experts:
         logger.info(
-            "int8: %d MoE expert stacks stay float32 (only dense linears are quantized)", experts
+            "int8: %d MoE expert stacks stay in the model dtype (only dense linears are "
+            "quantized)",
+            experts,
         )
     return count
 
