@@ -188,6 +188,55 @@ def test_rows_do_not_depend_on_the_batch(ops, qtype: str) -> None:  # noqa: ANN0
         assert torch.equal(batched, alone), size
 
 
+_PATH_OUTPUTS = """
+import sys
+import numpy as np
+import torch
+import pagedllm
+from pagedllm.ops import load_cpu_ops
+from pagedllm.model.quant.gguf_native import SUPPORTED_TYPES, GGUFLinear, repack
+from tests.model.test_gguf_native import gguf_blocks
+
+ops = load_cpu_ops()
+out = {}
+for qtype in SUPPORTED_TYPES:
+    for m in (1, 3, 4, 9):
+        rng = np.random.default_rng(m)
+        n, k = 19, 512
+        lin = GGUFLinear([repack(qtype, gguf_blocks(qtype, n, k, rng), n)], ops)
+        out[f"{qtype}-{m}"] = lin(torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)))
+        lin16 = GGUFLinear([repack(qtype, gguf_blocks(qtype, n, k, rng), n).widened()], ops)
+        out[f"{qtype}-{m}-f32"] = lin16(torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_vnni_loops_equal_the_avx2_loops_bit_for_bit(ops, tmp_path) -> None:  # noqa: ANN001
+    """On a CPU with AVX512-VNNI the q4 / q8 loops run vpdpbusd; the same int32 block sums and
+    float operations as the maddubs loops (``PAGEDLLM_GGUF_ISA=avx2``, a fresh process: the
+    choice is made once per process), so every output is the same float."""
+    import os
+    import subprocess
+    import sys
+
+    from pagedllm.platform import cpu_flags
+
+    flags = cpu_flags()
+    if not (flags.avx512_vnni and flags.avx2):
+        pytest.skip("vpdpbusd loops: the CPU lacks the avx512_vnni flag")
+    outs = {}
+    for isa in ("auto", "avx2"):
+        env = {**os.environ, "PAGEDLLM_GGUF_ISA": isa}
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", _PATH_OUTPUTS, str(path)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[isa] = torch.load(path)
+    assert outs["auto"].keys() == outs["avx2"].keys()
+    for key, y in outs["auto"].items():
+        assert torch.equal(y, outs["avx2"][key]), key
+
+
 def test_mixed_parts_bias_and_leading_dims(ops) -> None:  # noqa: ANN001
     """q/k/v of different types in one GGUFLinear (Q4_K_M stores v as Q6_K), with a bias."""
     rng = np.random.default_rng(7)

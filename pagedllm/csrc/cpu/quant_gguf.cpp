@@ -25,13 +25,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_GGUF_AVX2 1
+#endif
+
+// AVX512-VNNI (with AVX512-VL: vpdpbusd on 256-bit registers) replaces maddubs + madd + add by
+// one instruction; picked at run time (GCC: target attributes).
+#if defined(PAGEDLLM_GGUF_AVX2) && defined(__GNUC__) && !defined(__clang__)
+#define PAGEDLLM_GGUF_VNNI 1
+#define PAGEDLLM_GGUF_VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #endif
 
 #ifndef PAGEDLLM_GGUF_PREFETCH
@@ -230,6 +239,98 @@ inline void q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* 
 }
 #endif
 
+#ifdef PAGEDLLM_GGUF_VNNI
+// acc += u (u8) . v (s8) per 32-bit lane. Inline asm: GCC's builtin copies the tied accumulator
+// through another register at every use (seen in int8_gemm.cpp's loop).
+PAGEDLLM_GGUF_VNNI_TARGET inline __m256i dpbusd(__m256i acc, __m256i u, __m256i v) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(v));
+  return acc;
+}
+
+// q4_group with vpdpbusd: the nibbles are the unsigned operand, the activation codes the signed
+// one. The same int32 block sums, then the same float operations in the same order, so the
+// results equal q4_group's bit for bit.
+template <typename S, int R>
+PAGEDLLM_GGUF_VNNI_TARGET void q4_group_vnni(const uint8_t* w, int64_t nb, int64_t bytes,
+                                             const int8_t* qa, const float* da,
+                                             const float* sa, float* const* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[R], macc[R];
+  for (int i = 0; i < R; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    prefetch_record(w, bytes);
+    __m256i s32[R];
+    for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* a = qa + (i * nb + b) * kBlock;
+        s32[i] = dpbusd(s32[i], lo, bcast4(a + 4 * c));
+        s32[i] = dpbusd(s32[i], hi, bcast4(a + 16 + 4 * c));
+      }
+    }
+    const S* s = reinterpret_cast<const S*>(w + kQ4Quants);  // d[8], then m[8]
+    const __m256 d = load8(s), m = load8(s + kRows);
+    for (int i = 0; i < R; ++i) {
+      const __m256 dot = _mm256_cvtepi32_ps(s32[i]);
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(da[i * nb + b])), acc[i]);
+      macc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[i * nb + b]), macc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], _mm256_add_ps(acc[i], macc[i]));
+}
+
+// q8_group with vpdpbusd on |w| (unsigned) and the activation codes carrying w's sign: the same
+// int32 sums as maddubs + madd, so the same results.
+template <bool Half, int R>
+PAGEDLLM_GGUF_VNNI_TARGET void q8_group_vnni(const uint8_t* w, int64_t nb, int64_t bytes,
+                                             const int8_t* qa, const float* da,
+                                             float* const* out) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    prefetch_record(w, bytes);
+    __m256 scale[2];
+    if constexpr (Half) {
+      scale[0] = scale[1] = load8(reinterpret_cast<const at::Half*>(w + kQ8Quants));
+    } else {
+      const float* s = reinterpret_cast<const float*>(w + kQ8Quants);  // d0[8], then d1[8]
+      scale[0] = load8(s);
+      scale[1] = load8(s + kRows);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i s32[R];
+      for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
+      for (int g = 4 * h; g < 4 * h + 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
+        const __m256i magnitude = _mm256_sign_epi8(v, v);
+        for (int i = 0; i < R; ++i) {
+          const __m256i av = bcast4(qa + (i * nb + b) * kBlock + 4 * g);
+          s32[i] = dpbusd(s32[i], magnitude, _mm256_sign_epi8(av, v));
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
+                                 _mm256_mul_ps(scale[h], _mm256_set1_ps(da[i * nb + b])), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+// Whether the vpdpbusd loops run: the CPU has AVX512-VNNI and AVX512-VL, and
+// PAGEDLLM_GGUF_ISA is not "avx2" (which forces the maddubs loops, for tests on one CPU).
+bool gguf_vnni_active() {
+  static const bool active = [] {
+    const char* forced = std::getenv("PAGEDLLM_GGUF_ISA");
+    if (forced != nullptr && std::string(forced) == "avx2") return false;
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  }();
+  return active;
+}
+#endif
+
 // Plain C++ versions of the same integer arithmetic on the same layouts (scalar kernel variant).
 template <typename S>
 inline void q4_group_scalar(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
@@ -349,6 +450,12 @@ template <typename S>
 void q4_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
             const float* sa, int count, float* const* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
+#ifdef PAGEDLLM_GGUF_VNNI
+  if (gguf_vnni_active())
+    return with_row_count(count, [&](auto r) {
+      q4_group_vnni<S, decltype(r)::value>(w, nb, bytes, qa, da, sa, out);
+    });
+#endif
   with_row_count(count, [&](auto r) {
     q4_group<S, decltype(r)::value>(w, nb, bytes, qa, da, sa, out);
   });
@@ -362,6 +469,12 @@ template <bool Half>
 void q8_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
             const float* /*sa*/, int count, float* const* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
+#ifdef PAGEDLLM_GGUF_VNNI
+  if (gguf_vnni_active())
+    return with_row_count(count, [&](auto r) {
+      q8_group_vnni<Half, decltype(r)::value>(w, nb, bytes, qa, da, out);
+    });
+#endif
   with_row_count(count, [&](auto r) {
     q8_group<Half, decltype(r)::value>(w, nb, bytes, qa, da, out);
   });
