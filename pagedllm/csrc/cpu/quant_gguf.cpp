@@ -156,39 +156,70 @@ inline void prefetch_record(const uint8_t* w, int64_t bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + o, _MM_HINT_T0);
 }
 
+// The integer step of the group loops: acc += u (u8) . v (s8), 4 products per 32-bit lane,
+// then finish(acc) = the block's int32 sums. Three ways to the same exact sums:
+// - Q4Maddubs: maddubs into int16 lanes. 8 int16 partial sums per lane stay below 2^15
+//   (8 * 2 * 15 * 127 = 30480), so they add as int16 and widen once per block;
+// - Q8Maddubs: maddubs widened at every step (|w| up to 127 would overflow int16);
+// - Vnni: vpdpbusd, int32 throughout (AVX512-VNNI + VL; inline asm because GCC's builtin copies
+//   the tied accumulator through another register at every use, seen in int8_gemm.cpp).
+struct Q4Maddubs {
+  static __m256i step(__m256i acc, __m256i u, __m256i v) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, v));
+  }
+  static __m256i finish(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+};
+struct Q8Maddubs {
+  static __m256i step(__m256i acc, __m256i u, __m256i v) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v),
+                                                   _mm256_set1_epi16(1)));
+  }
+  static __m256i finish(__m256i acc) { return acc; }
+};
+#ifdef PAGEDLLM_GGUF_VNNI
+struct Vnni {
+  PAGEDLLM_GGUF_VNNI_TARGET static __m256i step(__m256i acc, __m256i u, __m256i v) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(v));
+    return acc;
+  }
+  static __m256i finish(__m256i acc) { return acc; }
+};
+#endif
+
 // One row group of the 4-bit layout against R quantized activation rows (row i's codes at
 // qa + i * nb * 32, its scales at da / sa + i * nb): lane r of out[i] is output row r for
 // activation row i. Lane r of quant chunk c holds row r's bytes 4c..4c+3 of the block (low
-// nibbles: elements 4c..4c+3, high: 16+4c..), so one maddubs multiplies all 8 rows by the same 4
-// broadcast activation codes; the nibbles are unpacked once per block for all R activation rows
-// (M > 1). Each activation row sees the same operations in the same order whatever R is, so a
-// row's result does not depend on the batch. The 8 int16 partial sums per lane stay below 2^15
-// (8 * 2 * 15 * 127 = 30480), so they add as int16 and widen once per block.
-template <typename S, int R>
-inline void q4_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
-                     const float* da, const float* sa, float* const* out) {
+// nibbles: elements 4c..4c+3, high: 16+4c..), so one integer step multiplies all 8 rows by the
+// same 4 broadcast activation codes; the nibbles are unpacked once per block for all R
+// activation rows (M > 1). Each activation row sees the same operations in the same order
+// whatever R is, so a row's result does not depend on the batch; every Dot gives the same int32
+// sums, so the same floats.
+template <typename Dot, typename S, int R>
+__attribute__((always_inline)) inline void q4_group_body(const uint8_t* w, int64_t nb,
+                                                          int64_t bytes, const int8_t* qa,
+                                                          const float* da, const float* sa,
+                                                          float* const* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R], macc[R];
   for (int i = 0; i < R; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
     prefetch_record(w, bytes);
-    __m256i s16[R];
-    for (int i = 0; i < R; ++i) s16[i] = _mm256_setzero_si256();
+    __m256i sums[R];
+    for (int i = 0; i < R; ++i) sums[i] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int i = 0; i < R; ++i) {
         const int8_t* a = qa + (i * nb + b) * kBlock;
-        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(a + 4 * c)));
-        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(a + 16 + 4 * c)));
+        sums[i] = Dot::step(sums[i], lo, bcast4(a + 4 * c));
+        sums[i] = Dot::step(sums[i], hi, bcast4(a + 16 + 4 * c));
       }
     }
     const S* s = reinterpret_cast<const S*>(w + kQ4Quants);  // d[8], then m[8]
     const __m256 d = load8(s), m = load8(s + kRows);
     for (int i = 0; i < R; ++i) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+      const __m256 dot = _mm256_cvtepi32_ps(Dot::finish(sums[i]));
       acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(da[i * nb + b])), acc[i]);
       macc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[i * nb + b]), macc[i]);
     }
@@ -196,14 +227,15 @@ inline void q4_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* 
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], _mm256_add_ps(acc[i], macc[i]));
 }
 
-// One row group of the 8-bit layout against R activation rows (as q4_group): lane r of group
-// chunk g holds row r's elements 4g..4g+3. Elements 0-15 and 16-31 are summed apart (Q6_K has a
-// scale per 16; float16 scales use the same arithmetic with both halves scaled by d, so the two
-// layouts give equal results).
-template <bool Half, int R>
-inline void q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa,
-                     const float* da, float* const* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
+// One row group of the 8-bit layout against R activation rows (as q4_group_body): lane r of
+// group chunk g holds row r's elements 4g..4g+3; the integer step takes |w| as the unsigned
+// operand and moves w's sign onto the activation codes. Elements 0-15 and 16-31 are summed apart
+// (Q6_K has a scale per 16; float16 scales use the same arithmetic with both halves scaled by
+// d, so the two layouts give equal results).
+template <typename Dot, bool Half, int R>
+__attribute__((always_inline)) inline void q8_group_body(const uint8_t* w, int64_t nb,
+                                                          int64_t bytes, const int8_t* qa,
+                                                          const float* da, float* const* out) {
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
@@ -217,106 +249,48 @@ inline void q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* 
       scale[1] = load8(s + kRows);
     }
     for (int h = 0; h < 2; ++h) {
-      __m256i s32[R];
-      for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
+      __m256i sums[R];
+      for (int i = 0; i < R; ++i) sums[i] = _mm256_setzero_si256();
       for (int g = 4 * h; g < 4 * h + 4; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
-        // maddubs multiplies unsigned by signed: move the weight's sign onto the activation.
         const __m256i magnitude = _mm256_sign_epi8(v, v);
         for (int i = 0; i < R; ++i) {
           const __m256i av = bcast4(qa + (i * nb + b) * kBlock + 4 * g);
-          s32[i] = _mm256_add_epi32(
-              s32[i],
-              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(av, v)), ones));
+          sums[i] = Dot::step(sums[i], magnitude, _mm256_sign_epi8(av, v));
         }
       }
       for (int i = 0; i < R; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dot::finish(sums[i])),
                                  _mm256_mul_ps(scale[h], _mm256_set1_ps(da[i * nb + b])), acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+template <typename S, int R>
+void q4_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+              const float* sa, float* const* out) {
+  q4_group_body<Q4Maddubs, S, R>(w, nb, bytes, qa, da, sa, out);
+}
+template <bool Half, int R>
+void q8_group(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+              float* const* out) {
+  q8_group_body<Q8Maddubs, Half, R>(w, nb, bytes, qa, da, out);
 }
 #endif
 
 #ifdef PAGEDLLM_GGUF_VNNI
-// acc += u (u8) . v (s8) per 32-bit lane. Inline asm: GCC's builtin copies the tied accumulator
-// through another register at every use (seen in int8_gemm.cpp's loop).
-PAGEDLLM_GGUF_VNNI_TARGET inline __m256i dpbusd(__m256i acc, __m256i u, __m256i v) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(v));
-  return acc;
-}
-
-// q4_group with vpdpbusd: the nibbles are the unsigned operand, the activation codes the signed
-// one. The same int32 block sums, then the same float operations in the same order, so the
-// results equal q4_group's bit for bit.
 template <typename S, int R>
 PAGEDLLM_GGUF_VNNI_TARGET void q4_group_vnni(const uint8_t* w, int64_t nb, int64_t bytes,
                                              const int8_t* qa, const float* da,
                                              const float* sa, float* const* out) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[R], macc[R];
-  for (int i = 0; i < R; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    prefetch_record(w, bytes);
-    __m256i s32[R];
-    for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      for (int i = 0; i < R; ++i) {
-        const int8_t* a = qa + (i * nb + b) * kBlock;
-        s32[i] = dpbusd(s32[i], lo, bcast4(a + 4 * c));
-        s32[i] = dpbusd(s32[i], hi, bcast4(a + 16 + 4 * c));
-      }
-    }
-    const S* s = reinterpret_cast<const S*>(w + kQ4Quants);  // d[8], then m[8]
-    const __m256 d = load8(s), m = load8(s + kRows);
-    for (int i = 0; i < R; ++i) {
-      const __m256 dot = _mm256_cvtepi32_ps(s32[i]);
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(da[i * nb + b])), acc[i]);
-      macc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[i * nb + b]), macc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], _mm256_add_ps(acc[i], macc[i]));
+  q4_group_body<Vnni, S, R>(w, nb, bytes, qa, da, sa, out);
 }
-
-// q8_group with vpdpbusd on |w| (unsigned) and the activation codes carrying w's sign: the same
-// int32 sums as maddubs + madd, so the same results.
 template <bool Half, int R>
 PAGEDLLM_GGUF_VNNI_TARGET void q8_group_vnni(const uint8_t* w, int64_t nb, int64_t bytes,
                                              const int8_t* qa, const float* da,
                                              float* const* out) {
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    prefetch_record(w, bytes);
-    __m256 scale[2];
-    if constexpr (Half) {
-      scale[0] = scale[1] = load8(reinterpret_cast<const at::Half*>(w + kQ8Quants));
-    } else {
-      const float* s = reinterpret_cast<const float*>(w + kQ8Quants);  // d0[8], then d1[8]
-      scale[0] = load8(s);
-      scale[1] = load8(s + kRows);
-    }
-    for (int h = 0; h < 2; ++h) {
-      __m256i s32[R];
-      for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
-      for (int g = 4 * h; g < 4 * h + 4; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
-        const __m256i magnitude = _mm256_sign_epi8(v, v);
-        for (int i = 0; i < R; ++i) {
-          const __m256i av = bcast4(qa + (i * nb + b) * kBlock + 4 * g);
-          s32[i] = dpbusd(s32[i], magnitude, _mm256_sign_epi8(av, v));
-        }
-      }
-      for (int i = 0; i < R; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
-                                 _mm256_mul_ps(scale[h], _mm256_set1_ps(da[i * nb + b])), acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out[i], acc[i]);
+  q8_group_body<Vnni, Half, R>(w, nb, bytes, qa, da, out);
 }
 
 // Whether the vpdpbusd loops run: the CPU has AVX512-VNNI and AVX512-VL, and
