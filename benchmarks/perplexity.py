@@ -33,11 +33,15 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import cpu_description, held_out_texts
+# Runs as ``python benchmarks/perplexity.py`` and as ``python -m benchmarks.perplexity``.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import cpu_description, held_out_texts  # noqa: E402
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.platform import cpu_flags

@@ -120,6 +120,42 @@ def test_outliers_are_computed_in_float(ops):
     torch.testing.assert_close(got[[0, 3]], plain[[0, 3]], rtol=2e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "6abc"])
+def test_a_bad_outlier_threshold_is_refused_on_both_paths(ops, monkeypatch, value):
+    """Python (the fallback and the engine's start-up) raises a ValueError naming the variable;
+    the C++ kernel, which reads it once per process, refuses it too (a fresh process)."""
+    import subprocess
+    import sys
+
+    from pagedllm.model.quant.int8 import int8_outlier_threshold, quantize_model
+
+    monkeypatch.setenv("PAGEDLLM_INT8_OUTLIER_THRESHOLD", value)
+    with pytest.raises(ValueError, match="PAGEDLLM_INT8_OUTLIER_THRESHOLD"):
+        int8_outlier_threshold()
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="PAGEDLLM_INT8_OUTLIER_THRESHOLD"):
+        quantize_model(model, "int8", ops)
+    assert type(model[0]) is nn.Linear  # refused before any layer was replaced
+    code = (
+        "import torch, pagedllm\n"
+        "from pagedllm.ops import load_cpu_ops\n"
+        "from pagedllm.model.quant.int8 import Int8Linear\n"
+        "lin = Int8Linear(torch.randn(16, 8), None, load_cpu_ops())\n"
+        "try:\n    lin(torch.randn(2, 8))\nexcept RuntimeError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert "PAGEDLLM_INT8_OUTLIER_THRESHOLD must be a finite number" in out.stdout, out
+
+
+@pytest.mark.parametrize("value,want", [("0", 0.0), (" 6 ", 6.0), ("2.5", 2.5), ("", 6.0)])
+def test_outlier_threshold_values(monkeypatch, value, want):
+    from pagedllm.model.quant.int8 import int8_outlier_threshold
+
+    monkeypatch.setenv("PAGEDLLM_INT8_OUTLIER_THRESHOLD", value)
+    assert int8_outlier_threshold() == want
+
+
 def test_leading_dims_and_bf16_input(ops):
     torch.manual_seed(1)
     w, x = torch.randn(24, 40), torch.randn(2, 3, 40)

@@ -1,10 +1,12 @@
 // y = x W^T with int8 weights and int8 activations (W8A8), int32 accumulation.
 //
-// Quantization (the LLM.int8() / SmoothQuant W8A8 scheme without outlier handling: Dettmers et al.
-// 2022 section 3.1 "vector-wise quantization", Xiao et al. 2023 section 3): weights symmetric per
-// output channel (done once at load, in Python), activations symmetric per token (row), here at
-// every call: s_x = absmax(x_m) / 127. Then y[m, n] = (sum_k qx[m, k] qw[n, k]) * s_x[m] * s_w[n],
-// the integer sum exact in int32.
+// Quantization (the LLM.int8() / SmoothQuant W8A8 scheme: Dettmers et al. 2022 section 3.1
+// "vector-wise quantization", Xiao et al. 2023 section 3): weights symmetric per output channel
+// (done once at load, in Python), activations symmetric per token (row), here at every call:
+// s_x = absmax(x_m) / 127 over the row's elements with |x| <= the outlier threshold. Then
+// y[m, n] = (sum_k qx[m, k] qw[n, k]) * s_x[m] * s_w[n], the integer sum exact in int32, plus
+// the outliers (LLM.int8() section 3.2's mixed-precision decomposition; coded 0 in qx) times
+// qw[n, k] * s_w[n] in float.
 //
 // Weights are packed once into panels of 16 output columns, 4 k per 64-byte group (the operand
 // layout of vpdpbusd and of maddubs + madd); the rows of x are quantized and packed per call into
@@ -157,9 +159,20 @@ Isa active_isa() {
   return isa;
 }
 
+// The Python side (int8.int8_outlier_threshold) checks the same rule first, with a ValueError.
 float read_outlier_threshold() {
   const char* v = std::getenv("PAGEDLLM_INT8_OUTLIER_THRESHOLD");
-  return v != nullptr && *v != '\0' ? std::strtof(v, nullptr) : kInt8OutlierThreshold;
+  if (v == nullptr) return kInt8OutlierThreshold;
+  const std::string text(v);
+  const size_t first = text.find_first_not_of(" \t\n");
+  if (first == std::string::npos) return kInt8OutlierThreshold;
+  char* end = nullptr;
+  const float threshold = std::strtof(text.c_str() + first, &end);
+  const size_t last = text.find_last_not_of(" \t\n");
+  TORCH_CHECK(end == text.c_str() + last + 1 && std::isfinite(threshold) && threshold >= 0.f,
+              "PAGEDLLM_INT8_OUTLIER_THRESHOLD must be a finite number >= 0 (0 = no outliers), "
+              "got '", text, "'");
+  return threshold;
 }
 
 template <int ROWS>

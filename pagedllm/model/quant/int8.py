@@ -33,6 +33,7 @@ the same numbers (the outliers' float sums may differ in the last bits).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -55,20 +56,24 @@ INT8_OUTLIER_THRESHOLD = 6.0  # int8_gemm.h kInt8OutlierThreshold (LLM.int8(), s
 def int8_outlier_threshold() -> float:
     """The activation magnitude above which an element is an outlier (computed in float, not
     int8): ``$PAGEDLLM_INT8_OUTLIER_THRESHOLD`` when set (0 = no outliers), else 6.0. The C++
-    kernels read the same variable once per process.
+    kernels read the same variable once per process, with the same rule.
 
     Raises:
-        ValueError: when the variable is not a number.
+        ValueError: when the variable is not a finite number >= 0.
     """
-    value = os.environ.get("PAGEDLLM_INT8_OUTLIER_THRESHOLD", "")
+    value = os.environ.get("PAGEDLLM_INT8_OUTLIER_THRESHOLD", "").strip()
     if not value:
         return INT8_OUTLIER_THRESHOLD
     try:
-        return float(value)
+        threshold = float(value)
     except ValueError:
+        threshold = math.nan
+    if not math.isfinite(threshold) or threshold < 0:
         raise ValueError(
-            f"PAGEDLLM_INT8_OUTLIER_THRESHOLD must be a number, got {value!r}"
-        ) from None
+            f"PAGEDLLM_INT8_OUTLIER_THRESHOLD must be a finite number >= 0 (0 = no outliers), "
+            f"got {value!r}"
+        )
+    return threshold
 
 
 def split_outliers(
@@ -275,16 +280,19 @@ def quantize_model(model: nn.Module, method: str, cpu_ops: CpuOps | None = None)
     loading (and sharding). Returns the number of quantized matrices.
 
     Raises:
-        ValueError: naming ``quantization`` when ``method`` is not "int8".
+        ValueError: naming ``quantization`` when ``method`` is not "int8", or
+            ``PAGEDLLM_INT8_OUTLIER_THRESHOLD`` when it is not a number >= 0.
     """
     if method != "int8":
         raise ValueError(f"quantization must be int8 (or None), got {method!r}")
+    threshold = int8_outlier_threshold()  # a bad value fails here, before any layer runs
     layers = getattr(model, "layers", model)
     count = quantize_linear_layers(layers, cpu_ops)
     kernel = int8_kernel_ops(cpu_ops)
     logger.info(
-        "int8 W8A8: %d linear layers quantized (kernel %s)",
+        "int8 W8A8: %d linear layers quantized (kernel %s), activations above %g in float",
         count,
         "torch._int_mm" if kernel is None else f"pagedllm-{kernel.int8_gemm_isa()}",
+        threshold,
     )
     return count
