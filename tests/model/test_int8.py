@@ -121,12 +121,9 @@ def test_outliers_are_computed_in_float(ops):
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "6abc"])
-def test_a_bad_outlier_threshold_is_refused_on_both_paths(ops, monkeypatch, value):
-    """Python (the fallback and the engine's start-up) raises a ValueError naming the variable;
-    the C++ kernel, which reads it once per process, refuses it too (a fresh process)."""
-    import subprocess
-    import sys
-
+def test_a_bad_outlier_threshold_is_refused_at_load(ops, monkeypatch, value):
+    """Python (the fallback and the engine's start-up) raises a ValueError naming the
+    variable, before any layer is replaced."""
     from pagedllm.model.quant.int8 import int8_outlier_threshold, quantize_model
 
     monkeypatch.setenv("PAGEDLLM_INT8_OUTLIER_THRESHOLD", value)
@@ -135,7 +132,17 @@ def test_a_bad_outlier_threshold_is_refused_on_both_paths(ops, monkeypatch, valu
     model = nn.Sequential(nn.Linear(8, 8))
     with pytest.raises(ValueError, match="PAGEDLLM_INT8_OUTLIER_THRESHOLD"):
         quantize_model(model, "int8", ops)
-    assert type(model[0]) is nn.Linear  # refused before any layer was replaced
+    assert type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("value", ["abc", "6abc"])
+def test_a_bad_outlier_threshold_is_refused_by_the_kernel(ops, monkeypatch, value):
+    """The C++ kernel reads the variable once per process (a fresh one here) and refuses what
+    Python refuses; it used to read "abc" as 0 and "6abc" as 6."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PAGEDLLM_INT8_OUTLIER_THRESHOLD", value)
     code = (
         "import torch, pagedllm\n"
         "from pagedllm.ops import load_cpu_ops\n"
