@@ -58,11 +58,10 @@ at::Tensor run_part(const at::Tensor& x, const at::Tensor& w, int64_t kind, int6
       return gguf_q8_linear(x, w, n);
     case kLinearGemm:
       return gemm_linear(x, w, n);
-    case kLinearSwiGLU:
-      return gemm_swiglu(x, w);
     case kLinearInt8:
       return int8_linear_record(x, w, n, c10::nullopt);
     default:
+      // kLinearSwiGLU never comes here: run_layer takes it (a whole gate/up, checked at entry).
       TORCH_CHECK(false, "decoder_layers_: unknown linear kind ", kind);
   }
 }
@@ -95,7 +94,8 @@ struct Step {
 
 void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
                const at::Tensor& post_norm, const Linear* lin, at::Tensor& key_cache,
-               at::Tensor& value_cache, int64_t window, int64_t rotary_dim) {
+               at::Tensor& value_cache, int64_t window, int64_t rotary_dim,
+               at::Tensor& act_workspace) {
   const int64_t T = hidden.size(0);
   const int64_t H = st.H, KVH = st.KVH, D = st.D;
 
@@ -129,7 +129,7 @@ void run_layer(at::Tensor& hidden, const Step& st, const at::Tensor& input_norm,
   // MLP block: hidden += down(silu(gate) * up).
   at::Tensor act;
   if (lin[2].count == 1 && lin[2].kinds[0] == kLinearSwiGLU) {
-    act = run_part(o, lin[2].weights[0], kLinearSwiGLU, lin[2].rows[0]);
+    act = gemm_swiglu_into(act_workspace, o, lin[2].weights[0]);
   } else {
     at::Tensor gate_up = run_linear(o, lin[2]);
     act = hidden.new_empty({T, gate_up.size(1) / 2});
@@ -187,6 +187,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                 &rotary_rows, &slot_mapping, &block_tables, &seq_lens, &query_start_loc,
                 num_decodes, num_seqs, partition_size};
   int64_t first = 0;
+  at::Tensor act_workspace;  // the SwiGLU output, shared by the layers (gemm_swiglu_into)
   for (size_t l = 0; l < L; ++l) {
     if (flag && __atomic_load_n(flag, __ATOMIC_ACQUIRE)) break;
     Linear lin[4];
@@ -201,7 +202,7 @@ void decoder_layers_(at::Tensor hidden, std::vector<at::Tensor> key_caches,
                     "decoder_layers_: a SwiGLU part must be the whole bias-free gate/up linear");
     }
     run_layer(hidden, st, norms[2 * l], norms[2 * l + 1], lin, key_caches[l], value_caches[l],
-              windows[l], rotary_dims[l]);
+              windows[l], rotary_dims[l], act_workspace);
     if (flag) __atomic_store_n(flag + 1, static_cast<int32_t>(l + 1), __ATOMIC_RELEASE);
   }
 }

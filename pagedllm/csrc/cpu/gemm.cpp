@@ -544,13 +544,20 @@ void gemm_linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
   run<kAccumulate>(x, packed, N, out.data_ptr<float>(), out.stride(0));
 }
 
-at::Tensor gemm_swiglu(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor gemm_swiglu_into(at::Tensor& workspace, const at::Tensor& x,
+                            const at::Tensor& packed) {
   check_x(x, packed);
-  const int64_t inter = packed.size(0) * (NR / 2);
-  at::Tensor y = x.new_empty({x.size(0), inter});
+  const int64_t inter = packed.size(0) * (NR / 2), need = x.size(0) * inter;
+  if (!workspace.defined() || workspace.numel() < need) workspace = x.new_empty({need});
+  at::Tensor y = workspace.narrow(0, 0, need).view({x.size(0), inter});
   if (x.size(1) == 0) return y.fill_(0.f);  // silu(0) * 0
   run<kSwiGlu>(x, packed, inter, y.data_ptr<float>(), inter);
   return y;
+}
+
+at::Tensor gemm_swiglu(const at::Tensor& x, const at::Tensor& packed) {
+  at::Tensor workspace;
+  return gemm_swiglu_into(workspace, x, packed);
 }
 
 }  // namespace pagedllm

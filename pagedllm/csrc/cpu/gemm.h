@@ -20,4 +20,9 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 void gemm_linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed);
 // [M, I] = silu(x @ W_gate^T) * (x @ W_up^T) from gemm_pack_swiglu_weight panels.
 at::Tensor gemm_swiglu(const at::Tensor& x, const at::Tensor& packed);
+// gemm_swiglu into a view of workspace (a 1-D float32 tensor, replaced by a larger one when it
+// is undefined or too small), so the decoder layers of one step share one buffer: a prefill
+// chunk's [M, I] output is often above glibc's 32 MiB mmap threshold, and a fresh one per layer
+// was mapped, page-faulted and zeroed by the kernel every time.
+at::Tensor gemm_swiglu_into(at::Tensor& workspace, const at::Tensor& x, const at::Tensor& packed);
 }  // namespace pagedllm
