@@ -163,6 +163,20 @@ def test_outlier_threshold_values(monkeypatch, value, want):
     assert int8_outlier_threshold() == want
 
 
+@pytest.mark.parametrize("count", [31, 32, 33, 200])
+def test_rows_with_many_outliers(ops, count):
+    """The kernel lists 32 outliers per row and scans a row with more again: every count gives
+    the reference's result, and a row's result does not depend on the rows beside it."""
+    torch.manual_seed(count)
+    w, x = torch.randn(40, 576), torch.randn(3, 576)
+    x[1, torch.randperm(576)[:count]] = 20.0 * torch.randn(count).sign()
+    lin = Int8Linear(w, None, ops)
+    got = lin(x)
+    qw, sw = quantize_symmetric(w)
+    torch.testing.assert_close(got, _int_mm_reference(x, qw, sw, None), rtol=2e-6, atol=1e-3)
+    assert torch.equal(lin(x[1:2]), got[1:2])
+
+
 def test_leading_dims_and_bf16_input(ops):
     torch.manual_seed(1)
     w, x = torch.randn(24, 40), torch.randn(2, 3, 40)
@@ -245,6 +259,7 @@ for n, k in [(40, 130), (33, 17), (96, 64), (5, 1)]:  # 3, 3, 6 and 1 panels of 
     qw, sw = quantize_symmetric(w)
     for rows in (1, 3, 4, 5, 8, 9, 13, 17):
         x = torch.randn(rows, k) * 3
+        x[rows // 2, : min(k, 40)] = 30.0  # more outliers than the kernel lists per row
         got = lin(x)
         inliers, outliers = split_outliers(x)
         qx, sx = quantize_symmetric(inliers)

@@ -22,6 +22,7 @@
 //   weight row sums (precomputed at load).
 // - scalar: plain loops (kernels built without AVX2).
 #include "int8_gemm.h"
+#include "int8_rows.h"
 
 #include <ATen/Parallel.h>
 
@@ -34,20 +35,20 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#define PAGEDLLM_INT8_AVX2 1
-#endif
-#if defined(PAGEDLLM_INT8_AVX2) && defined(__GNUC__) && !defined(__clang__)
-#define PAGEDLLM_INT8_VNNI512 1
-#endif
-
 namespace pagedllm {
 namespace {
 
-constexpr int NR = kInt8Panel;
+using int8_rows::add_outliers_isa;
+using int8_rows::Isa;
+using int8_rows::KG;
+using int8_rows::NR;
+using int8_rows::outlier_limit;
+using int8_rows::Outliers;
+using int8_rows::quantize_row_isa;
+using int8_rows::scale_out;
 constexpr int MR = 4;  // rows per micro-kernel tile
-constexpr int KG = 4;  // k per group (one int32 of activations)
+// Outliers listed per row; a row with more is scanned again (Outliers::for_each).
+constexpr int64_t kOutlierSlots = 32;
 
 // c[ROWS][NR] (row stride ldc) = a_tile[G][MR] . panel[G][NR][KG] with int8 operands, int32
 // results.
@@ -133,7 +134,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void kernel_vnni512(
 }
 #endif
 
-enum class Isa { kScalar, kAvx2, kVnni512 };
 
 Isa detect_isa() {
   Isa best = Isa::kScalar;
@@ -188,27 +188,20 @@ void tile_rows(Isa isa, const int32_t* a, const int8_t* b, int64_t G, int32_t* c
 // 4-7 from a1) against `panels` (1 or 2) weight panels b0, b1. The AVX2 and scalar loops run it
 // as 4 x 16 tiles; AVX512-VNNI in one 8 x 32 kernel (its activations arrive with the +128 zero
 // point already applied).
-template <int ROWS, int PANELS>
-void block_vnni(const int32_t* a0, const int32_t* a1, const int8_t* b0, const int8_t* b1,
-                int64_t G, const int32_t* ws0, const int32_t* ws1, int32_t* c) {
 #if defined(PAGEDLLM_INT8_VNNI512)
-  kernel_vnni512<ROWS, PANELS>(a0, a1, b0, b1, G, ws0, ws1, c);
-#else
-  (void)a0, (void)a1, (void)b0, (void)b1, (void)G, (void)ws0, (void)ws1, (void)c;
-#endif
-}
-
 template <int ROWS>
 void block_vnni_rows(int panels, const int32_t* a0, const int32_t* a1, const int8_t* b0,
                      const int8_t* b1, int64_t G, const int32_t* ws0, const int32_t* ws1,
                      int32_t* c) {
-  if (panels == 2) return block_vnni<ROWS, 2>(a0, a1, b0, b1, G, ws0, ws1, c);
-  block_vnni<ROWS, 1>(a0, a1, b0, b1, G, ws0, ws1, c);
+  if (panels == 2) return kernel_vnni512<ROWS, 2>(a0, a1, b0, b1, G, ws0, ws1, c);
+  kernel_vnni512<ROWS, 1>(a0, a1, b0, b1, G, ws0, ws1, c);
 }
+#endif
 
 void block(Isa isa, int rows, int panels, const int32_t* a0, const int32_t* a1, const int8_t* b0,
            const int8_t* b1, int64_t G, const int32_t* ws0, const int32_t* ws1, int32_t* c) {
   constexpr int ldc = 2 * NR;
+#if defined(PAGEDLLM_INT8_VNNI512)
   if (isa == Isa::kVnni512) {
     switch (rows) {
       case 8: return block_vnni_rows<8>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
@@ -221,6 +214,9 @@ void block(Isa isa, int rows, int panels, const int32_t* a0, const int32_t* a1, 
       default: return block_vnni_rows<1>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
     }
   }
+#else
+  (void)ws0, (void)ws1;
+#endif
   for (int half = 0; half * MR < rows; ++half) {
     const int r = std::min(MR, rows - half * MR);
     const int32_t* a = half ? a1 : a0;
@@ -237,165 +233,6 @@ void block(Isa isa, int rows, int panels, const int32_t* a0, const int32_t* a1, 
   }
 }
 
-// dst[j] = (c[j] * sx) * sw[j] (+ bias[j]) for j < cols <= 2 * NR: the order of the PyTorch
-// fallback. A column takes the same path whatever the row count, so a row's result does not
-// depend on the batch.
-void scale_out_scalar(const int32_t* c, float sx, const float* sw, const float* bias, float* dst,
-                      int cols) {
-  for (int j = 0; j < cols; ++j) {
-    const float v = static_cast<float>(c[j]) * sx * sw[j];
-    dst[j] = bias ? v + bias[j] : v;
-  }
-}
-
-#if defined(PAGEDLLM_INT8_VNNI512)
-__attribute__((target("avx512f"))) void scale_out_avx512(const int32_t* c, float sx,
-                                                         const float* sw, const float* bias,
-                                                         float* dst, int cols) {
-  const __m512 vx = _mm512_set1_ps(sx);
-  for (int j = 0; j < cols; j += NR) {
-    const __mmask16 k = static_cast<__mmask16>(cols - j >= NR ? 0xffff : (1u << (cols - j)) - 1);
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + j)), vx);
-    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, sw + j));
-    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + j));
-    _mm512_mask_storeu_ps(dst + j, k, v);
-  }
-}
-#endif
-
-void scale_out(Isa isa, const int32_t* c, float sx, const float* sw, const float* bias, float* dst,
-               int cols) {
-#if defined(PAGEDLLM_INT8_VNNI512)
-  if (isa == Isa::kVnni512) return scale_out_avx512(c, sx, sw, bias, dst, cols);
-#endif
-  (void)isa;
-  scale_out_scalar(c, sx, sw, bias, dst, cols);
-}
-
-// One row: q[0, K) quantized, q[K, K4) left as is (zero); returns the scale. Elements with
-// |x| > threshold (threshold > 0) are outliers: coded 0, left out of the absmax, and their
-// columns and values written to out_k / out_v (room for K each); *n_out gets their count.
-float quantize_row(const float* x, int64_t K, int8_t* q, float threshold, int32_t* out_k,
-                   float* out_v, int32_t* n_out) {
-  const float limit = threshold > 0.f ? threshold : std::numeric_limits<float>::infinity();
-  float absmax = 0.f;
-  int32_t n = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const float a = std::fabs(x[k]);
-    if (a > limit) {
-      out_k[n] = static_cast<int32_t>(k);
-      out_v[n++] = x[k];
-    } else {
-      absmax = std::max(absmax, a);
-    }
-  }
-  *n_out = n;
-  const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
-  for (int64_t k = 0; k < K; ++k) {
-    const float r = std::nearbyint(x[k] * inv);  // round half to even, as torch.round
-    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
-  }
-  for (int32_t i = 0; i < n; ++i) q[out_k[i]] = 0;
-  return absmax / 127.f;
-}
-
-// dst[j] += (sum_o v_o w[n0 + j, k_o]) * sw[j] for the n outliers (k_o, v_o) of one row, over the
-// cols <= 2 * NR columns of panels p, p + 1 (the panels' packed int8 weights b0; G groups).
-void add_outliers(const int8_t* b0, int64_t G, const int32_t* out_k, const float* out_v,
-                  int32_t n, const float* sw, float* dst, int cols) {
-  float t[2 * NR] = {};
-  for (int32_t o = 0; o < n; ++o) {
-    const int64_t g = out_k[o] / KG, r = out_k[o] % KG;
-    for (int j = 0; j < cols; ++j) {
-      const int64_t panel = j / NR, col = j % NR;
-      t[j] += out_v[o] * static_cast<float>(b0[((panel * G + g) * NR + col) * KG + r]);
-    }
-  }
-  for (int j = 0; j < cols; ++j) dst[j] += t[j] * sw[j];
-}
-
-#if defined(PAGEDLLM_INT8_VNNI512)
-// quantize_row with 16 lanes: the same multiply and round-half-to-even (cvtps2dq under the
-// default rounding mode), so the same codes and scale.
-__attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(
-    const float* x, int64_t K, int8_t* q, float threshold, int32_t* out_k, float* out_v,
-    int32_t* n_out) {
-  const __m512 limit =
-      _mm512_set1_ps(threshold > 0.f ? threshold : std::numeric_limits<float>::infinity());
-  __m512 vmax = _mm512_setzero_ps();
-  int32_t n = 0;
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 lanes = static_cast<__mmask16>(K - k >= 16 ? 0xffff : (1u << (K - k)) - 1);
-    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, x + k));
-    const __mmask16 outlier = _mm512_mask_cmp_ps_mask(lanes, a, limit, _CMP_GT_OQ);
-    // max(a, vmax) keeps vmax where a is NaN, as std::max(absmax, a) in the scalar loop.
-    vmax = _mm512_mask_max_ps(vmax, static_cast<__mmask16>(lanes & ~outlier), a, vmax);
-    for (unsigned m = outlier; m; m &= m - 1) {
-      const int64_t i = k + __builtin_ctz(m);
-      out_k[n] = static_cast<int32_t>(i);
-      out_v[n++] = x[i];
-    }
-  }
-  *n_out = n;
-  const float absmax = _mm512_reduce_max_ps(vmax);
-  const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
-  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 lanes = static_cast<__mmask16>(K - k >= 16 ? 0xffff : (1u << (K - k)) - 1);
-    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + k), inv));
-    r = _mm512_max_epi32(_mm512_min_epi32(r, hi), lo);
-    _mm512_mask_cvtsepi32_storeu_epi8(q + k, lanes, r);
-  }
-  for (int32_t i = 0; i < n; ++i) q[out_k[i]] = 0;
-  return absmax / 127.f;
-}
-
-// add_outliers with the 16 columns of a panel in one register: byte r of each 32-bit lane of
-// the weight group is column j's weight at k = 4 g + r.
-__attribute__((target("avx512f,avx512bw"))) void add_outliers_avx512(
-    const int8_t* b0, int64_t G, const int32_t* out_k, const float* out_v, int32_t n,
-    const float* sw, float* dst, int cols) {
-  __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-  for (int32_t o = 0; o < n; ++o) {
-    const int64_t g = out_k[o] / KG;
-    const __m128i shift = _mm_cvtsi32_si128(24 - 8 * (out_k[o] % KG));
-    const __m512 v = _mm512_set1_ps(out_v[o]);
-    const __m512i w0 = _mm512_load_si512(b0 + g * NR * KG);
-    t0 = _mm512_fmadd_ps(v, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(w0, shift), 24)), t0);
-    if (cols > NR) {
-      const __m512i w1 = _mm512_load_si512(b0 + (G + g) * NR * KG);
-      t1 = _mm512_fmadd_ps(v, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(w1, shift), 24)), t1);
-    }
-  }
-  const __mmask16 k0 = static_cast<__mmask16>(cols >= NR ? 0xffff : (1u << cols) - 1);
-  _mm512_mask_storeu_ps(dst, k0, _mm512_fmadd_ps(t0, _mm512_maskz_loadu_ps(k0, sw),
-                                                 _mm512_maskz_loadu_ps(k0, dst)));
-  if (cols > NR) {
-    const __mmask16 k1 = static_cast<__mmask16>(cols >= 2 * NR ? 0xffff : (1u << (cols - NR)) - 1);
-    _mm512_mask_storeu_ps(dst + NR, k1, _mm512_fmadd_ps(t1, _mm512_maskz_loadu_ps(k1, sw + NR),
-                                                        _mm512_maskz_loadu_ps(k1, dst + NR)));
-  }
-}
-#endif
-
-float quantize_row_isa(Isa isa, const float* x, int64_t K, int8_t* q, float threshold,
-                       int32_t* out_k, float* out_v, int32_t* n_out) {
-#if defined(PAGEDLLM_INT8_VNNI512)
-  if (isa == Isa::kVnni512) return quantize_row_avx512(x, K, q, threshold, out_k, out_v, n_out);
-#endif
-  (void)isa;
-  return quantize_row(x, K, q, threshold, out_k, out_v, n_out);
-}
-
-void add_outliers_isa(Isa isa, const int8_t* b0, int64_t G, const int32_t* out_k,
-                      const float* out_v, int32_t n, const float* sw, float* dst, int cols) {
-#if defined(PAGEDLLM_INT8_VNNI512)
-  if (isa == Isa::kVnni512) return add_outliers_avx512(b0, G, out_k, out_v, n, sw, dst, cols);
-#endif
-  (void)isa;
-  add_outliers(b0, G, out_k, out_v, n, sw, dst, cols);
-}
-
 // yd [M, N] = the W8A8 product of x (xp [M, K], row stride ldx) and the packed weight b
 // (panels x G groups), scaled by the row scales, sw [N] and plus bd [N] when given. The callers
 // check the shapes.
@@ -408,12 +245,14 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
   const Isa isa = active_isa();
   const int64_t blocks = (M + 2 * MR - 1) / (2 * MR);
   // Per calling thread and reused: a decode step makes hundreds of these calls.
+  // Room for kOutlierSlots outliers per row (SmolLM2's rows have ~2 on average).
+  const int32_t cap = static_cast<int32_t>(std::min<int64_t>(K, kOutlierSlots));
   thread_local std::vector<int32_t> x_tiles, out_k, out_n;
   thread_local std::vector<float> x_scales, out_v;
   x_tiles.resize(2 * blocks * G * MR);
   x_scales.resize(M);
-  out_k.resize(M * K);  // row m's outliers at [m * K, m * K + out_n[m])
-  out_v.resize(M * K);
+  out_k.resize(M * cap);  // row m's first outliers at [m * cap, m * cap + min(out_n[m], cap))
+  out_v.resize(M * cap);
   out_n.resize(M);
   // Raw pointers for the lambdas: a thread_local named inside one is the worker thread's own.
   int32_t* xd = x_tiles.data();
@@ -421,13 +260,13 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
   int32_t* ok = out_k.data();
   float* ov = out_v.data();
   int32_t* on = out_n.data();
-  const float threshold = int8_outlier_threshold();
+  const float threshold = int8_outlier_threshold(), limit = outlier_limit(threshold);
   const uint32_t zero_point = isa == Isa::kVnni512 ? 0x80808080u : 0u;
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> row(G * KG, 0);
     for (int64_t m = m0; m < m1; ++m) {
-      sa[m] = quantize_row_isa(isa, xp + m * ldx, K, row.data(), threshold, ok + m * K,
-                               ov + m * K, on + m);
+      sa[m] = quantize_row_isa(isa, xp + m * ldx, K, row.data(), threshold, ok + m * cap,
+                               ov + m * cap, cap, on + m);
       int32_t* dst = xd + (m / MR) * G * MR + m % MR;
       for (int64_t g = 0; g < G; ++g) {
         uint32_t word;
@@ -455,8 +294,10 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
           scale_out(isa, c + i * 2 * NR, sa[m], sw + n0, bd ? bd + n0 : nullptr, yd + m * N + n0,
                     static_cast<int>(cols));
           if (on[m])
-            add_outliers_isa(isa, b0, G, ok + m * K, ov + m * K, on[m], sw + n0,
-                             yd + m * N + n0, static_cast<int>(cols));
+            add_outliers_isa(isa, b0, G,
+                             Outliers{xp + m * ldx, K, limit, ok + m * cap, ov + m * cap, on[m],
+                                      cap},
+                             sw + n0, yd + m * N + n0, static_cast<int>(cols));
         }
       }
     }
@@ -523,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
     int32_t n_out = 0;
     for (int64_t m = m0; m < m1; ++m)
       sd[m] = quantize_row_isa(active_isa(), xs + m * x.stride(0), K, qd + m * K, 0.f, nullptr,
-                               nullptr, &n_out);
+                               nullptr, 0, &n_out);
   });
   return {q, s};
 }
