@@ -15,8 +15,8 @@ section 3):
 Without the outliers' decomposition a row holding one large activation (SmolLM2's later
 down projections see 2000 where the row's other elements are near 1) quantized its other
 elements with a step of ~16, most of them to zero: perplexity +3.1 % against fp32 on Zen 5, and
-+2.1 % with it (``benchmarks/perplexity.py --texts 16``, docs/dtype.md). Each row has its own outliers, so a
-row's result does not depend on the rows computed with it.
++2.1 % with it (``benchmarks/perplexity.py --texts 16``, docs/dtype.md). Each row has its own
+outliers, so a row's result does not depend on the rows computed with it.
 
 Lossy (perplexity in ``benchmarks/perplexity.py``), so opt-in only. Every projection of the
 decoder layers becomes an :class:`Int8Linear` (fused QKV, fused gate/up, o/down; row-parallel
