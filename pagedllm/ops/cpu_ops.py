@@ -44,6 +44,7 @@ class CpuOps:
         self._argmax_logsumexp = lib.argmax_logsumexp.default
         self._gguf_q4_linear = lib.gguf_q4_linear.default
         self._gguf_q8_linear = lib.gguf_q8_linear.default
+        self._gguf_group_rows = int(lib.gguf_group_rows.default())
         self._int8_pack_weight = lib.int8_pack_weight.default
         self._int8_quantize_rows = lib.int8_quantize_rows.default
         self._int8_linear = lib.int8_linear.default
@@ -217,16 +218,28 @@ class CpuOps:
         """``silu(x @ W_gate^T) * (x @ W_up^T)`` -> ``[M, I]``."""
         return self._gemm_swiglu(x, packed)
 
+    @property
+    def gguf_group_rows(self) -> int:
+        """Output rows per record of the GGUF layout the fastest loops on this CPU read: 16
+        with AVX512-VNNI + AVX512-BW (512-bit loops), else 8 (``PAGEDLLM_GGUF_ISA=avx2`` forces
+        8). Both layouts give bit-identical outputs; 8-row records run on every CPU."""
+        return self._gguf_group_rows
+
     def gguf_q4_linear(self, x: Tensor, w: Tensor, n: int) -> Tensor:
         """``x [M, K] float32 @ W^T`` -> ``[M, n]`` float32 for 4-bit affine blocks of 32 in the
-        row-interleaved layout ``w [ceil(n / 8), K/32, 160 or 192]`` uint8
-        (``model.quant.gguf_native.interleave``; ``csrc/cpu/quant_gguf.h``)."""
+        row-interleaved layout ``w [ceil(n / G), K/32, 20 G or 24 G]`` uint8, G = 8 or 16 rows
+        per record (``model.quant.gguf_native.interleave``; ``csrc/cpu/quant_gguf.h``).
+
+        Raises:
+            RuntimeError: a record size of no layout, or 16-row records where the CPU lacks
+                the 512-bit loops (``gguf_group_rows`` is 8).
+        """
         return self._gguf_q4_linear(x, w, n)
 
     def gguf_q8_linear(self, x: Tensor, w: Tensor, n: int) -> Tensor:
         """``x [M, K] float32 @ W^T`` -> ``[M, n]`` float32 for signed 8-bit blocks in the
-        row-interleaved layout ``w [ceil(n / 8), K/32, 272 or 320]`` uint8 (one float16 scale
-        per 32 or two float32 per 32; ``model.quant.gguf_native.interleave``)."""
+        row-interleaved layout ``w [ceil(n / G), K/32, 34 G or 40 G]`` uint8 (one float16 scale
+        per 32 or two float32 per 32; G as in :meth:`gguf_q4_linear`, the same errors)."""
         return self._gguf_q8_linear(x, w, n)
 
     # ---- int8 W8A8 GEMM (int8_gemm.cpp) -------------------------------------------------------

@@ -92,7 +92,7 @@ SOURCES = (
 HEADERS = (
     "vec.h", "kv_quant.h", "attention_common.h", "attention_bf16.h", "attention_amx.h",
     "amx_tiles.h", "paged_attention.h", "layer_ops.h", "gemm.h", "gemm_amx.h", "gemm_amx_blocks.h",
-    "quant_gguf.h", "int8_gemm.h", "int8_rows.h", "fused_layer.h",
+    "quant_gguf.h", "quant_gguf_512.h", "int8_gemm.h", "int8_rows.h", "fused_layer.h",
 )  # fmt: skip
 
 _X86 = _std_platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")

@@ -104,29 +104,86 @@ def test_activation_rounding_ties_to_even(ops) -> None:  # noqa: ANN001
     assert torch.equal(y, torch.round(x))  # torch.round: half to even
 
 
+@pytest.mark.parametrize("group_rows", [8, 16])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q8_0", "Q6_K"])
-def test_interleave_layout(qtype: str) -> None:
-    """Record [g, b] holds row 8g + r's 4-byte chunk c at bytes 32c + 4r (q4: the block's Q4_1
-    bytes 4c..4c+3; q8: elements 4c..4c+3), then the scales row by row (q4: d[8], m[8]; q8: d[8],
-    or d0[8], d1[8] for one per 16); the padding rows of the last group are zero."""
+def test_interleave_layout(qtype: str, group_rows: int) -> None:
+    """Record [g, b] holds row G g + r's 4-byte chunk c at bytes 4 G c + 4r (q4: the block's
+    Q4_1 bytes 4c..4c+3; q8: elements 4c..4c+3), then the scales row by row (q4: d[G], m[G]; q8:
+    d[G], or d0[G], d1[G] for one per 16); the padding rows of the last group are zero."""
     rng = np.random.default_rng(4)
-    n, k = 11, 512
+    n, k, G = 2 * group_rows - 5, 512, group_rows
     p = repack(qtype, gguf_blocks(qtype, n, k, rng), n)
-    w = interleave(p)
+    w = interleave(p, G)
     nb = k // 32
-    quant_bytes = 128 if p.kind == "q4" else 256
+    quant_bytes = (16 if p.kind == "q4" else 32) * G
     per_block = p.scales[0].numel() // nb
-    assert w.shape == (2, nb, quant_bytes + 8 * per_block * p.scales.element_size())
+    assert w.shape == (2, nb, quant_bytes + G * per_block * p.scales.element_size())
     qs = p.qs.view(torch.uint8).reshape(n, nb, -1)
     scales = p.scales.reshape(n, nb, per_block)
-    for g, b, r in [(0, 0, 0), (0, 5, 7), (1, 15, 2), (1, 3, 1)]:
-        row = 8 * g + r
-        for c in range(quant_bytes // 32):
-            chunk = w[g, b, 32 * c + 4 * r : 32 * c + 4 * r + 4]
+    for g, b, r in [(0, 0, 0), (0, 5, G - 1), (1, 15, 2), (1, 3, 1)]:
+        row = G * g + r
+        for c in range(quant_bytes // (4 * G)):
+            chunk = w[g, b, 4 * G * c + 4 * r : 4 * G * c + 4 * r + 4]
             assert torch.equal(chunk, qs[row, b, 4 * c : 4 * c + 4])
-        got = w[g, b, quant_bytes:].contiguous().view(p.scales.dtype).reshape(per_block, 8)
+        got = w[g, b, quant_bytes:].contiguous().view(p.scales.dtype).reshape(per_block, G)
         assert torch.equal(got[:, r], scales[row, b])
-    assert not w[1, :, :quant_bytes].reshape(nb, -1, 8, 4)[:, :, 3:].any()  # rows 11..15
+    padding = w[1, :, :quant_bytes].reshape(nb, -1, G, 4)[:, :, G - 5 :]
+    assert padding.numel() and not padding.any()
+    with pytest.raises(ValueError, match="group_rows"):
+        interleave(p, 12)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_sixteen_row_records_equal_eight_row_records_bit_for_bit(ops, qtype: str) -> None:  # noqa: ANN001
+    """The 512-bit loops (16 rows per record, ``csrc/cpu/quant_gguf_512.h``) give the int32
+    block sums and float operations of the 8-row loops, so every output is the same float: 1-9
+    activation rows (the passes of 4 and their remainders), N = 37 pads the last group of
+    either size, float16 and float32 scales."""
+    if ops.gguf_group_rows != 16:
+        from pagedllm.platform import cpu_flags
+
+        flags = cpu_flags()
+        missing = [f for f in ("avx512_vnni", "avx512bw") if not getattr(flags, f, False)]
+        why = f"the CPU lacks {', '.join(missing)}" if missing else f"the {ops.variant} kernel variant"
+        pytest.skip(f"16-row records (512-bit loops) are off: {why}")
+    rng = np.random.default_rng(21)
+    n, k = 37, 512
+    packed = repack(qtype, gguf_blocks(qtype, n, k, rng), n)
+    run = ops.gguf_q4_linear if packed.kind == "q4" else ops.gguf_q8_linear
+    for p in (packed, packed.widened()):
+        eight, sixteen = interleave(p, 8), interleave(p, 16)
+        for m in (1, 2, 3, 4, 5, 9):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            assert torch.equal(run(x, sixteen, n), run(x, eight, n)), (m, p.scales.dtype)
+
+
+_REFUSE_SIXTEEN = """
+import numpy as np
+import pytest
+import torch
+from pagedllm.ops import load_cpu_ops
+from pagedllm.model.quant.gguf_native import interleave, repack
+from tests.model.test_gguf_native import gguf_blocks
+
+ops = load_cpu_ops()
+assert ops.gguf_group_rows == 8
+p = repack("Q4_1", gguf_blocks("Q4_1", 16, 64, np.random.default_rng(5)), 16)
+with pytest.raises(RuntimeError, match="16-row records need"):
+    ops.gguf_q4_linear(torch.randn(1, 64), interleave(p, 16), 16)
+"""
+
+
+def test_sixteen_row_records_refused_where_their_loops_are_off() -> None:
+    """With the 512-bit loops off (``PAGEDLLM_GGUF_ISA=avx2``, a fresh process) the kernels
+    report 8 rows per group and refuse 16-row records with an error naming them."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDLLM_GGUF_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", _REFUSE_SIXTEEN], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_kernel_rejects_a_weight_of_the_wrong_shape(ops) -> None:  # noqa: ANN001
@@ -212,9 +269,10 @@ torch.save(out, sys.argv[1])
 
 
 def test_vnni_loops_equal_the_avx2_loops_bit_for_bit(ops, tmp_path) -> None:  # noqa: ANN001
-    """On a CPU with AVX512-VNNI the q4 / q8 loops run vpdpbusd; the same int32 block sums and
-    float operations as the maddubs loops (``PAGEDLLM_GGUF_ISA=avx2``, a fresh process: the
-    choice is made once per process), so every output is the same float."""
+    """On a CPU with AVX512-VNNI the q4 / q8 loops run vpdpbusd (on 16-row records where the
+    CPU also has AVX512-BW); the same int32 block sums and float operations as the 8-row
+    maddubs loops (``PAGEDLLM_GGUF_ISA=avx2``, a fresh process: the choice is made once per
+    process), so every output is the same float."""
     import os
     import subprocess
     import sys

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -41,6 +42,7 @@
 #if defined(PAGEDLLM_GGUF_AVX2) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDLLM_GGUF_VNNI 1
 #define PAGEDLLM_GGUF_VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#include "quant_gguf_512.h"
 #endif
 
 #ifndef PAGEDLLM_GGUF_PREFETCH
@@ -52,6 +54,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 8;  // weight rows interleaved per group (one per 32-bit lane)
+constexpr int64_t kMaxRows = 16;  // the 512-bit loops' groups (quant_gguf_512.h)
 // How far ahead of the current block each weight row is prefetched (several rows stream at once).
 constexpr int64_t kPrefetchBytes = PAGEDLLM_GGUF_PREFETCH;
 
@@ -303,6 +306,13 @@ bool gguf_vnni_active() {
   }();
   return active;
 }
+
+// Whether 16-row records run (quant_gguf_512.h): the vpdpbusd loops are on and the CPU has
+// AVX512-BW for the 512-bit byte operations.
+bool gguf_512_active() {
+  static const bool active = gguf_vnni_active() && __builtin_cpu_supports("avx512bw");
+  return active;
+}
 #endif
 
 // Plain C++ versions of the same integer arithmetic on the same layouts (scalar kernel variant).
@@ -352,23 +362,23 @@ inline void q8_group_scalar(const uint8_t* w, int64_t nb, int64_t bytes, const i
 constexpr int64_t kGrain = 8;  // row groups per parallel task
 constexpr int kActRows = 4;    // activation rows per pass over a row group's blocks (M > 1)
 
-// Runs group(g, m0, count, outs) -- the 8 results of row group g for activation rows
-// m0 .. m0 + count - 1 (count <= kActRows), written to outs[0 .. count - 1] -- over all groups,
-// split over the cores; the last group's padding rows are not written out.
+// Runs group(g, m0, count, outs) -- the G results of row group g (G = 8 or 16 rows per group)
+// for activation rows m0 .. m0 + count - 1 (count <= kActRows), written to outs[0 .. count - 1]
+// -- over all groups, split over the cores; the last group's padding rows are not written out.
 template <typename F>
-void for_row_groups(int64_t M, int64_t N, float* out, const F& group) {
-  const int64_t groups = (N + kRows - 1) / kRows;
-  at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
-    alignas(32) float tmp[kActRows][kRows];
+void for_row_groups(int64_t M, int64_t N, int64_t G, float* out, const F& group) {
+  const int64_t groups = (N + G - 1) / G;
+  at::parallel_for(0, groups, std::max<int64_t>(1, kGrain * kRows / G), [&](int64_t g0, int64_t g1) {
+    alignas(64) float tmp[kActRows][kMaxRows];
     float* outs[kActRows];
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t r0 = g * kRows, rows = std::min(kRows, N - r0);
+      const int64_t r0 = g * G, rows = std::min(G, N - r0);
       for (int64_t m0 = 0; m0 < M; m0 += kActRows) {
         const int count = static_cast<int>(std::min<int64_t>(kActRows, M - m0));
         for (int i = 0; i < count; ++i)
-          outs[i] = rows == kRows ? out + (m0 + i) * N + r0 : tmp[i];
+          outs[i] = rows == G ? out + (m0 + i) * N + r0 : tmp[i];
         group(g, m0, count, outs);
-        if (rows < kRows)
+        if (rows < G)
           for (int i = 0; i < count; ++i) std::copy(tmp[i], tmp[i] + rows, out + (m0 + i) * N + r0);
       }
     }
@@ -376,25 +386,40 @@ void for_row_groups(int64_t M, int64_t N, float* out, const F& group) {
 }
 
 // Checks x and w, quantizes x and returns (y [M, N], activation codes, blocks per row,
-// record bytes).
+// record bytes, rows per group).
 struct Call {
   at::Tensor y;
   QuantizedRows a;
   int64_t nb;
   int64_t bytes;
+  int64_t group_rows;
 };
 
-Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, const char* op) {
+// Rows per record (8 or 16) from its size: `base` bytes of quants and scales per row, times the
+// rows. Refuses 16-row records on a CPU without the 512-bit loops, and other sizes.
+int64_t record_rows(int64_t bytes, std::initializer_list<int64_t> per_row, const char* op) {
+  for (const int64_t G : {kRows, kMaxRows})
+    for (const int64_t b : per_row)
+      if (bytes == G * b) {
+        TORCH_CHECK(G == kRows || gguf_group_rows() == kMaxRows, op,
+                    ": 16-row records need the AVX512-VNNI + BW loops, which this CPU or build "
+                    "lacks (interleave with gguf_group_rows() rows)");
+        return G;
+      }
+  TORCH_CHECK(false, op, ": ", bytes, " bytes per record matches no layout (csrc/cpu/quant_gguf.h)");
+}
+
+Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t group_rows,
+             const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
               ": x must be [M, K] float32 with unit inner stride");
   TORCH_CHECK(x.size(1) % kBlock == 0, op, ": K must be a multiple of 32, got ", x.size(1));
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), op,
-              ": w must be a contiguous uint8 [ceil(N / 8), K / 32, bytes] tensor");
-  TORCH_CHECK(n >= 0 && w.size(0) == (n + kRows - 1) / kRows, op, ": w has ", w.size(0),
-              " row groups, N = ", n, " needs ", (n + kRows - 1) / kRows);
+  TORCH_CHECK(n >= 0 && w.size(0) == (n + group_rows - 1) / group_rows, op, ": w has ",
+              w.size(0), " row groups of ", group_rows, ", N = ", n, " needs ",
+              (n + group_rows - 1) / group_rows);
   TORCH_CHECK(w.size(1) * kBlock == x.size(1), op, ": w has ", w.size(1),
               " blocks per row, K = ", x.size(1));
-  Call c{x.new_empty({x.size(0), n}), {}, w.size(1), w.size(2)};
+  Call c{x.new_empty({x.size(0), n}), {}, w.size(1), w.size(2), group_rows};
   if (x.size(0) > 0 && n > 0)
     c.a = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0));
   return c;
@@ -458,9 +483,27 @@ void q8_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const
 #endif
 }
 
+#ifdef PAGEDLLM_GGUF_VNNI
+template <typename S>
+void q4_run16(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+              const float* sa, int count, float* const* out) {
+  with_row_count(count, [&](auto r) {
+    gguf512::q4_group<S, decltype(r)::value>(w, nb, bytes, qa, da, sa, out, kPrefetchBytes);
+  });
+}
+
+template <bool Half>
+void q8_run16(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const float* da,
+              const float* /*sa*/, int count, float* const* out) {
+  with_row_count(count, [&](auto r) {
+    gguf512::q8_group<Half, decltype(r)::value>(w, nb, bytes, qa, da, out, kPrefetchBytes);
+  });
+}
+#endif
+
 void run_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N, GroupFn group) {
   const int64_t nb = c.nb, bytes = c.bytes;
-  for_row_groups(M, N, c.y.data_ptr<float>(),
+  for_row_groups(M, N, c.group_rows, c.y.data_ptr<float>(),
                  [&](int64_t g, int64_t m0, int count, float* const* o) {
                    group(w + g * nb * bytes, nb, bytes, c.a.qa + m0 * nb * kBlock,
                          c.a.da + m0 * nb, c.a.sa + m0 * nb, count, o);
@@ -469,25 +512,44 @@ void run_linear(const Call& c, const uint8_t* w, int64_t M, int64_t N, GroupFn g
 
 }  // namespace
 
+int64_t gguf_group_rows() {
+#ifdef PAGEDLLM_GGUF_VNNI
+  if (gguf_512_active()) return kMaxRows;
+#endif
+  return kRows;
+}
+
 at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
-  Call c = prepare(x, w, n, "gguf_q4_linear");
-  const int64_t scale_bytes = c.bytes - kQ4Quants;
-  TORCH_CHECK(scale_bytes == 2 * kRows * 2 || scale_bytes == 2 * kRows * 4,
-              "gguf_q4_linear: ", c.bytes, " bytes per record is neither float16 nor float32 (d, m)");
+  constexpr const char* op = "gguf_q4_linear";
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), op,
+              ": w must be a contiguous uint8 [ceil(N / G), K / 32, bytes] tensor");
+  // Per row: 16 bytes of quants, then d and m as float16 (4 bytes) or float32 (8).
+  const int64_t G = record_rows(w.size(2), {20, 24}, op);
+  Call c = prepare(x, w, n, G, op);
   if (x.size(0) == 0 || n == 0) return c.y;
-  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n,
-             scale_bytes == 2 * kRows * 2 ? q4_run<at::Half> : q4_run<float>);
+  const bool half = c.bytes == 20 * G;
+  GroupFn fn = half ? q4_run<at::Half> : q4_run<float>;
+#ifdef PAGEDLLM_GGUF_VNNI
+  if (G == kMaxRows) fn = half ? q4_run16<at::Half> : q4_run16<float>;
+#endif
+  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n, fn);
   return c.y;
 }
 
 at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
-  Call c = prepare(x, w, n, "gguf_q8_linear");
-  const int64_t scale_bytes = c.bytes - kQ8Quants;
-  TORCH_CHECK(scale_bytes == kRows * 2 || scale_bytes == 2 * kRows * 4, "gguf_q8_linear: ",
-              c.bytes, " bytes per record is neither one float16 scale per 32 nor two float32");
+  constexpr const char* op = "gguf_q8_linear";
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), op,
+              ": w must be a contiguous uint8 [ceil(N / G), K / 32, bytes] tensor");
+  // Per row: 32 bytes of quants, then one float16 scale (2 bytes) or two float32 (8).
+  const int64_t G = record_rows(w.size(2), {34, 40}, op);
+  Call c = prepare(x, w, n, G, op);
   if (x.size(0) == 0 || n == 0) return c.y;
-  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n,
-             scale_bytes == kRows * 2 ? q8_run<true> : q8_run<false>);
+  const bool half = c.bytes == 34 * G;
+  GroupFn fn = half ? q8_run<true> : q8_run<false>;
+#ifdef PAGEDLLM_GGUF_VNNI
+  if (G == kMaxRows) fn = half ? q8_run16<true> : q8_run16<false>;
+#endif
+  run_linear(c, w.data_ptr<uint8_t>(), x.size(0), n, fn);
   return c.y;
 }
 

@@ -5,8 +5,11 @@
 #include <ATen/core/Tensor.h>
 
 namespace pagedllm {
-// Both kernels take w [ceil(N / 8), K / 32, bytes] uint8: output rows in groups of 8 (the last
-// group zero-padded), one record per (row group, block of 32) of `bytes` bytes.
+// Both kernels take w [ceil(N / G), K / 32, bytes] uint8: output rows in groups of G = 8 (the last
+// group zero-padded), one record per (row group, block of 32) of `bytes` bytes. The records below
+// are for G = 8; with G = 16 (gguf_group_rows(), quant_gguf_512.h) every chunk is twice as wide
+// (row r's 4 bytes at 4r, r < 16) and every scale array holds 16, so the bytes double. The
+// kernels read G off the record size.
 //
 // 4-bit affine blocks (Q4_0, Q4_1, Q4_K repacked): w = d * q + m, q in 0..15. A record is
 //   128 bytes of quants -- 4 chunks of 32, chunk c holding for row r (bytes 4r..4r+3) that row's
@@ -19,4 +22,7 @@ at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
 //   4g..4g+3 -- then either d[8] float16, one scale per 32 (bytes = 272), or d0[8], d1[8]
 //   float32, one per 16 (bytes = 320).
 at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
+// The rows per group the fastest loops on this CPU read: 16 with AVX512-VNNI + BW (unless
+// PAGEDLLM_GGUF_ISA=avx2), else 8. Records of 8 rows run everywhere.
+int64_t gguf_group_rows();
 }  // namespace pagedllm

@@ -66,6 +66,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
   m.def("gguf_q4_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("gguf_q8_linear(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("gguf_group_rows() -> int", &pagedllm::gguf_group_rows);
   m.def("int8_pack_weight(Tensor qweight) -> Tensor");
   m.def("int8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
   m.def(

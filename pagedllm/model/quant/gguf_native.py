@@ -243,38 +243,44 @@ def dequantize_packed(p: PackedBlocks) -> torch.Tensor:
     return w.reshape(p.rows, -1)
 
 
-#: Output rows interleaved per record of the kernel layout (``csrc/cpu/quant_gguf.h``).
+#: Output rows interleaved per record of the kernel layout (``csrc/cpu/quant_gguf.h``) that runs
+#: on every CPU; ``CpuOps.gguf_group_rows`` is 16 where the 512-bit loops run.
 GROUP_ROWS = 8
 
 
-def interleave(p: PackedBlocks) -> torch.Tensor:
-    """``p`` in the kernels' row-interleaved layout: [ceil(N / 8), K / 32, bytes] uint8, one
-    record per (group of 8 rows, block of 32) holding the 8 rows' quants and then their scales,
-    so that a GEMV reads one stream and each 32-bit SIMD lane is one output row
-    (``csrc/cpu/quant_gguf.h`` gives the byte order). Padding rows (N not a multiple of 8) are
-    zero and their outputs dropped by the kernel.
+def interleave(p: PackedBlocks, group_rows: int = GROUP_ROWS) -> torch.Tensor:
+    """``p`` in the kernels' row-interleaved layout: [ceil(N / G), K / 32, bytes] uint8 with G =
+    ``group_rows`` (8, or 16 for the 512-bit loops), one record per (group of G rows, block of
+    32) holding the G rows' quants and then their scales, so that a GEMV reads one stream and
+    each 32-bit SIMD lane is one output row (``csrc/cpu/quant_gguf.h`` gives the byte order).
+    Padding rows (N not a multiple of G) are zero and their outputs dropped by the kernel.
 
-    q4: 128 bytes of quants (chunk c, row r: the row's bytes 4c..4c+3 of the block), then d[8]
-    and m[8] (float16: 160 bytes, float32: 192). q8: 256 bytes (chunk g, row r: elements
-    4g..4g+3), then d[8] float16 (one per 32: 272 bytes) or d0[8], d1[8] float32 (one per 16:
-    320 bytes).
+    For G = 8, q4: 128 bytes of quants (chunk c, row r: the row's bytes 4c..4c+3 of the block),
+    then d[8] and m[8] (float16: 160 bytes, float32: 192). q8: 256 bytes (chunk g, row r:
+    elements 4g..4g+3), then d[8] float16 (one per 32: 272 bytes) or d0[8], d1[8] float32 (one
+    per 16: 320 bytes). G = 16 doubles every chunk and scale array.
+
+    Raises:
+        ValueError: ``group_rows`` is neither 8 nor 16.
     """
-    pad = -p.rows % GROUP_ROWS
+    if group_rows not in (8, 16):
+        raise ValueError(f"group_rows must be 8 or 16, got {group_rows}")
+    pad = -p.rows % group_rows
     qs, scales = p.qs, p.scales
     if pad:
         qs = torch.cat([qs, qs.new_zeros(pad, *qs.shape[1:])])
         scales = torch.cat([scales, scales.new_zeros(pad, *scales.shape[1:])])
-    groups = qs.shape[0] // GROUP_ROWS
+    groups = qs.shape[0] // group_rows
     chunk = 4 if p.kind == "q4" else 8  # 4-byte chunks per row and block
     nb = qs.shape[1] // (4 * chunk)
     quants = (
         qs.view(torch.uint8)
-        .reshape(groups, GROUP_ROWS, nb, chunk, 4)
+        .reshape(groups, group_rows, nb, chunk, 4)
         .permute(0, 2, 3, 1, 4)
         .reshape(groups, nb, -1)
     )
     per_block = scales.numel() // (p.rows + pad) // nb  # q4: (d, m); q8: 1 or 2 scales
-    s = scales.reshape(groups, GROUP_ROWS, nb, per_block).permute(0, 2, 3, 1).contiguous()
+    s = scales.reshape(groups, group_rows, nb, per_block).permute(0, 2, 3, 1).contiguous()
     s_bytes = s.view(torch.uint8).reshape(groups, nb, -1)
     return torch.cat([quants, s_bytes], dim=-1).contiguous()
 
@@ -286,7 +292,8 @@ class KernelWeight:
     Attributes:
         kind: "q4" or "q8".
         rows: output rows N.
-        data: :func:`interleave`'s [ceil(N / 8), K / 32, bytes] uint8.
+        data: :func:`interleave`'s [ceil(N / G), K / 32, bytes] uint8, G =
+            ``CpuOps.gguf_group_rows``.
     """
 
     kind: str
@@ -317,7 +324,8 @@ class GGUFLinear(nn.Module):
                 merged[-1] = PackedBlocks.concat([merged[-1], p])
             else:
                 merged.append(p)
-        self.parts = [KernelWeight(p.kind, p.rows, interleave(p)) for p in merged]
+        rows = cpu_ops.gguf_group_rows
+        self.parts = [KernelWeight(p.kind, p.rows, interleave(p, rows)) for p in merged]
         self.ops = cpu_ops
         self.out_features = sum(p.rows for p in merged)
         self.bias = None if bias is None else bias.detach().float().contiguous()
