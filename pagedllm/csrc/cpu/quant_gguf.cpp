@@ -11,8 +11,9 @@
 // a GEMV reads one sequential stream and every 32-bit lane of a register is one output row:
 // the int-to-float conversion, the scale multiply and the accumulation are done once per block
 // for 8 rows instead of once per row (the idea of llama.cpp's interleaved Q4_0x8 repacking; the
-// record layout here is our own). Each row group is independent: at::parallel_for splits the
-// groups over the cores.
+// record layout here is our own). Where the CPU has AVX512-VNNI + BW the records hold 16 rows
+// and 512-bit loops read them (quant_gguf_512.h), bit-identical to these. Each row group is
+// independent: at::parallel_for splits the groups over the cores.
 //
 // At batch 1 (decode) the weights stream from memory once per token, so bytes per weight set the
 // speed: the scales are float16 wherever the GGUF value is exactly a float16 (Q4_0 / Q4_1 d and m,
@@ -368,7 +369,8 @@ constexpr int kActRows = 4;    // activation rows per pass over a row group's bl
 template <typename F>
 void for_row_groups(int64_t M, int64_t N, int64_t G, float* out, const F& group) {
   const int64_t groups = (N + G - 1) / G;
-  at::parallel_for(0, groups, std::max<int64_t>(1, kGrain * kRows / G), [&](int64_t g0, int64_t g1) {
+  const int64_t grain = std::max<int64_t>(1, kGrain * kRows / G);  // the same rows per task
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     alignas(64) float tmp[kActRows][kMaxRows];
     float* outs[kActRows];
     for (int64_t g = g0; g < g1; ++g) {
@@ -395,8 +397,8 @@ struct Call {
   int64_t group_rows;
 };
 
-// Rows per record (8 or 16) from its size: `base` bytes of quants and scales per row, times the
-// rows. Refuses 16-row records on a CPU without the 512-bit loops, and other sizes.
+// Rows per record (8 or 16) from its size, one of `per_row` bytes of quants and scales per row
+// times the rows. Refuses 16-row records where the 512-bit loops are off, and other sizes.
 int64_t record_rows(int64_t bytes, std::initializer_list<int64_t> per_row, const char* op) {
   for (const int64_t G : {kRows, kMaxRows})
     for (const int64_t b : per_row)
@@ -406,7 +408,8 @@ int64_t record_rows(int64_t bytes, std::initializer_list<int64_t> per_row, const
                     "lacks (interleave with gguf_group_rows() rows)");
         return G;
       }
-  TORCH_CHECK(false, op, ": ", bytes, " bytes per record matches no layout (csrc/cpu/quant_gguf.h)");
+  TORCH_CHECK(false, op, ": ", bytes,
+              " bytes per record matches no layout (csrc/cpu/quant_gguf.h)");
 }
 
 Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t group_rows,
