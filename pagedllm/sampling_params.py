@@ -154,7 +154,8 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 or -1 = off (-1 is stored as 0).
         min_p: in [0, 1]; drop tokens whose probability is below ``min_p`` times the top one.
-        seed: random seed making the request's samples reproducible; None = engine-drawn.
+        seed: random seed making the request's samples reproducible, an int64 (the OpenAI
+            API's range); None = engine-drawn.
         stop: strings that end generation; a plain ``str`` is normalised to a one-item list,
             None to ``[]``. Each must be non-empty.
         stop_token_ids: token ids (>= 0) that end generation; None is normalised to ``[]``.
@@ -264,6 +265,9 @@ class SamplingParams:
 
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # The OpenAI API's and vLLM's range; wider seeds would wrap onto smaller ones.
+            raise ValueError(f"seed must be in [-2**63, 2**63 - 1] (int64), got {self.seed!r}")
 
         # ---- lengths ------------------------------------------------------------------------
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

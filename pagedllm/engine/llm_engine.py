@@ -111,7 +111,10 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
     ) -> None:
         self.config = config
-        loaded = loaded or load_model(config.model, config.torch_dtype)
+        # quantization="gguf" computes the projections on the file's blocks: leave them
+        # unexpanded (no float32 copy of those weights at any point).
+        keep = config.quantization == "gguf"
+        loaded = loaded or load_model(config.model, config.torch_dtype, keep_gguf_blocks=keep)
         if config.chat_template_text is not None:
             loaded = loaded.with_chat_template(config.chat_template_text)
         self.tokenizer = loaded.tokenizer

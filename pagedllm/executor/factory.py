@@ -61,6 +61,11 @@ def create_executor(
     device = str(device_for_rank(resolve_device(config.device, tp), 0))
     if config.quantization == "gguf" and loaded.source.suffix.lower() != ".gguf":
         raise ValueError(f"quantization 'gguf' needs a GGUF model file; {loaded.source} is not one")
+    if loaded.gguf_blocks_kept and config.quantization != "gguf":
+        raise ValueError(
+            "this LoadedModel keeps projections in GGUF blocks (load_model(keep_gguf_blocks="
+            f"True)), which only quantization 'gguf' reads; got quantization {config.quantization!r}"
+        )
     if world == 1:
         worker = Worker(
             mc,

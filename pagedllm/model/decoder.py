@@ -177,6 +177,7 @@ class DecoderForCausalLM(nn.Module):
         #: The decoder layers this process runs (all of them unless ``keep_stage_layers``).
         self.stage_layers = range(config.num_hidden_layers)
         self.lm_head_packed: nn.Module | None = None  # PackedLinear, or Int8Linear
+        self.unloaded_params: list[str] = []  # meta placeholders left by load_weights
         #: This stage's layers as one C++ op (``use_fused_layers``), or None.
         self.fused_stack: FusedDecoderStack | None = None
         # Set by the engine (interrupt_decode_for_prefill): lets another thread stop a fused
@@ -454,11 +455,15 @@ class DecoderForCausalLM(nn.Module):
         (``model.sharding.shard_state_dict`` or a sharded loader); a short last vocabulary shard
         is padded with zero rows.
 
+        Parameters whose tensors are meta placeholders (projections kept in GGUF blocks) are
+        left unloaded and listed in ``unloaded_params``; ``quantize_linears`` must replace them
+        before the model runs (``Worker``).
+
         Raises:
             ValueError: naming a missing tensor or one with the wrong shape, or the tensors no
                 parameter reads (the checkpoint is a variant this class does not implement).
         """
-        load_named_weights(self, state_dict, pad_vocab=self.shard is not None)
+        self.unloaded_params = load_named_weights(self, state_dict, pad_vocab=self.shard is not None)
 
     def weight_bytes(self) -> int:
         """Bytes of parameters (tied embeddings counted once)."""

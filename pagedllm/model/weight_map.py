@@ -91,9 +91,11 @@ def split_fused_tensor(
 
 def load_named_weights(
     model: nn.Module, state_dict: dict[str, torch.Tensor], pad_vocab: bool = False
-) -> None:
+) -> list[str]:
     """Copy ``state_dict`` (Hugging Face names) into every parameter of ``model``, after
-    :func:`checkpoint_plan` has matched them (nothing is copied when it fails).
+    :func:`checkpoint_plan` has matched them (nothing is copied when it fails). A parameter
+    whose tensors are on the meta device (projections a GGUF file keeps in blocks,
+    ``load_gguf_weights(keep_blocks=True)``) is left as it is and its name returned.
 
     Args:
         model: the pagedllm model (parameters named as described in the module docstring).
@@ -101,13 +103,20 @@ def load_named_weights(
         pad_vocab: zero-pad a vocabulary parameter whose tensor has fewer rows (the short last
             tensor-parallel shard).
 
+    Returns:
+        the names of the parameters left unloaded (meta tensors), in plan order.
+
     Raises:
         ValueError: as :func:`checkpoint_plan` (a missing tensor, or tensors no parameter
             reads), or naming the parameter and both shapes when a tensor does not fit.
     """
+    unloaded: list[str] = []
     with torch.no_grad():
         for pname, param, owner, names in checkpoint_plan(model, state_dict):
             parts = [state_dict[n] for n in names]
+            if any(p.is_meta for p in parts):
+                unloaded.append(pname)
+                continue
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             loader = getattr(owner, "load_weight", None)
             if callable(loader):
@@ -127,6 +136,7 @@ def load_named_weights(
                     f"weight {shown!r}: expected {tuple(target.shape)}, got {tuple(value.shape)}"
                 )
             target.copy_(value.to(param.dtype))
+    return unloaded
 
 
 #: (parameter name, parameter, its owning module, the checkpoint tensors it reads in order).

@@ -49,6 +49,9 @@ Environment:
     PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products (scores and
         p . V) run on vdpbf16ps instead of AMX tiles (:meth:`CpuOps.attention_amx`; on by
         default where the CPU has amx_bf16).
+    PAGEDLLM_GGUF_ISA=avx2: the GGUF kernels run their 8-row AVX2 loops (not vpdpbusd, not the
+        16-row records); PAGEDLLM_INT8_ISA=avx2|scalar: the int8 GEMM's lower inner loops. Both
+        for tests on one CPU; another value leaves the best path on, with a warning.
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -261,6 +264,24 @@ def env_turns_off(name: str) -> bool:
     return False
 
 
+# Values the kernels' own instruction-set overrides take (read by the C++ code, once).
+_ISA_OVERRIDES = {"PAGEDLLM_GGUF_ISA": ("auto", "avx2"), "PAGEDLLM_INT8_ISA": ("auto", "avx2", "scalar")}
+
+
+def warn_unknown_isa_overrides() -> None:
+    """Warn about a ``PAGEDLLM_GGUF_ISA`` / ``PAGEDLLM_INT8_ISA`` value the kernels ignore (they
+    compare exactly: "AVX2" or " avx2" leaves the best path on)."""
+    for name, values in _ISA_OVERRIDES.items():
+        value = os.environ.get(name)
+        if value is not None and value not in values and value != "":
+            logger.warning(
+                "%s=%r is not one of %s (exact, lower case); the best path stays on",
+                name,
+                value,
+                ", ".join(values),
+            )
+
+
 def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
     """Build (first time) or load this CPU's kernel variant and return its typed ops; ``None``
     (after one warning) when that is impossible. Later calls return the same object."""
@@ -298,6 +319,7 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
                     is_python_module=False,  # torch.ops.load_library: registers torch.ops.pagedllm
                 )
             ops = CpuOps(variant)
+            warn_unknown_isa_overrides()
             for variable, switch in _KERNEL_SWITCHES:
                 if env_turns_off(variable):
                     getattr(ops, switch)(False)

@@ -62,6 +62,10 @@ class Worker:
         kv_cache_dtype: KV storage dtype (``EngineConfig.torch_kv_cache_dtype``); None = ``dtype``.
         gguf_native: a GGUF file whose quantized blocks replace the float linears
             (``EngineConfig.quantization == "gguf"``, ``model.quant.gguf_native``); None = off.
+            ``state_dict`` may then leave those projections as meta placeholders
+            (``load_model(keep_gguf_blocks=True)``): they are built from the file before any
+            packing, or, where the blocks cannot run (no C++ kernels, a dtype other than
+            float32), the file is expanded after all.
         quantization: ``EngineConfig.quantization``; under "int8" the decoder linears
             become W8A8 ``Int8Linear`` layers after loading and sharding (``model.quant.int8``).
         pipeline_micro_batches: micro-batches per step under pipeline parallelism
@@ -122,6 +126,8 @@ class Worker:
         self.model.eval()
         on_cpu = uses_cpu_ops(self.device)
         cpu_ops = backend.ops if on_cpu and isinstance(backend, CpuPagedAttention) else None
+        if self.model.unloaded_params:
+            self._load_kept_gguf_blocks(gguf_native, dtype, cpu_ops)
         if quantization == "int8":  # "gguf" is applied below, from the file's blocks
             quantize_model(self.model, quantization, cpu_ops)
         if on_cpu and packed_linear_available(dtype, self.device, cpu_ops=cpu_ops):
@@ -162,10 +168,41 @@ class Worker:
             num_blocks,
         )
 
+    def _load_kept_gguf_blocks(
+        self, path: Path | None, dtype: torch.dtype, cpu_ops: CpuOps | None
+    ) -> None:
+        """Fill the projections ``load_weights`` left unloaded (GGUF blocks kept by the loader):
+        ``GGUFLinear`` layers from ``path`` where the kernels run them, else the float weights
+        expanded from the file after all.
+
+        Raises:
+            ValueError: the state dict has placeholders but no GGUF file was given.
+            RuntimeError: a placeholder parameter that no GGUF layer replaced (the loader and
+                ``quantize_linears`` disagree: a bug).
+        """
+        from pagedllm.model.loader.gguf_loader import load_gguf_weights
+        from pagedllm.model.quant.gguf_native import quantize_linears
+
+        if path is None:
+            raise ValueError(
+                "the weights keep projections in GGUF blocks (load_model(keep_gguf_blocks=True)) "
+                "but quantization is not 'gguf'"
+            )
+        if cpu_ops is None or dtype != torch.float32:
+            _, state = load_gguf_weights(path, dtype)  # _quantize_gguf warns about the reason
+            self.model.load_weights(state)
+            return
+        quantize_linears(self.model, path, cpu_ops, lm_head=False)
+        names = {n for n, _ in self.model.named_parameters()}
+        left = [n for n in self.model.unloaded_params if n in names]
+        if left:
+            raise RuntimeError(f"GGUF projections left unloaded: {', '.join(left[:5])}")
+        self.model.unloaded_params = []
+
     def _quantize_gguf(self, path: Path, dtype: torch.dtype, cpu_ops: CpuOps | None) -> None:
         """Swap the float linears for ``GGUFLinear`` on ``path``'s blocks (needs the C++ CPU
         kernels and float32; otherwise the float model stays, with a warning)."""
-        from pagedllm.model.quant.gguf_native import quantize_linears
+        from pagedllm.model.quant.gguf_native import GGUFLinear, quantize_linears
 
         if cpu_ops is None or dtype != torch.float32:
             logger.warning(
@@ -175,8 +212,12 @@ class Worker:
                 dtype,
             )
             return
-        count = quantize_linears(self.model, path, cpu_ops)
-        logger.info("quantization=gguf: %d matrices computed on GGUF blocks", count)
+        quantize_linears(self.model, path, cpu_ops)  # the LM head, and the layers if not yet
+        logger.info(
+            "quantization=gguf: %d matrices computed on GGUF blocks, %d output rows per record",
+            sum(isinstance(m, GGUFLinear) for m in self.model.modules()),
+            cpu_ops.gguf_group_rows,
+        )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block moves (swap out, swap in, copy-on-write, in that order: a block

@@ -401,3 +401,61 @@ def test_bundled_gguf_recompute_and_speculation_change_nothing(ops, smollm) -> N
     speculative = LLM(**base, speculative_config=spec)
     assert run(speculative, prompts) == alone
     assert speculative.engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_kept_gguf_blocks_skip_the_float_expansion(ops, smollm) -> None:  # noqa: ANN001
+    """``load_model(keep_gguf_blocks=True)`` (what ``LLM(quantization="gguf")`` loads) leaves
+    every layer's seven projections as meta entries, so their float32 expansion never exists;
+    the worker builds them from the file's blocks before packing, and the outputs (tokens and
+    logprob floats) equal those of the fully expanded load quantized after packing. Where the
+    blocks cannot run (bfloat16), the worker expands the file after all; an engine without
+    quantization "gguf" refuses such a load by name."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model.loader import load_model
+
+    kept = load_model(None, torch.float32, keep_gguf_blocks=True)
+    meta = [n for n, t in kept.state_dict.items() if t.is_meta]
+    assert len(meta) == 30 * 7 and all(".self_attn." in n or ".mlp." in n for n in meta)
+    assert kept.gguf_blocks_kept and not smollm.gguf_blocks_kept
+    assert kept.state_dict.keys() == smollm.state_dict.keys()
+    assert all(t.shape == smollm.state_dict[n].shape for n, t in kept.state_dict.items())
+    assert kept.weight_bytes < smollm.weight_bytes / 4  # the embedding and the norms
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Name three colors:"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+    def run(loaded: object, dtype: str) -> list[list[float]]:
+        llm = LLM(loaded=loaded, dtype=dtype, quantization="gguf", max_model_len=256)
+        model = llm.engine.executor.worker.model
+        assert model.unloaded_params == []
+        assert not any(p.is_meta for p in model.parameters())
+        if dtype == "float32":
+            assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 30 * 4 + 1
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) + [e[t].logprob for e, t in
+                zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
+                for o in outs]  # fmt: skip
+
+    assert run(kept, "float32") == run(smollm, "float32")
+    assert run(kept, "bfloat16") == run(smollm, "bfloat16")
+    with pytest.raises(ValueError, match="keeps projections in GGUF blocks"):
+        LLM(loaded=kept, dtype="float32", max_model_len=256)
+
+
+@pytest.mark.parametrize("value", ["AVX2", " avx2", "bogus"])
+def test_unknown_isa_override_warns(monkeypatch, caplog, value: str) -> None:  # noqa: ANN001
+    """The kernels compare PAGEDLLM_GGUF_ISA exactly, so a value they ignore is named in a
+    warning (the best path stays on); the values they take pass quietly."""
+    import logging
+
+    from pagedllm.ops.loader import warn_unknown_isa_overrides
+
+    monkeypatch.setenv("PAGEDLLM_GGUF_ISA", value)
+    monkeypatch.setenv("PAGEDLLM_INT8_ISA", "scalar")
+    with caplog.at_level(logging.WARNING, logger="pagedllm.ops.loader"):
+        warn_unknown_isa_overrides()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"PAGEDLLM_GGUF_ISA={value!r} is not one of auto, avx2 (exact, lower case); the best "
+        "path stays on"
+    ]

@@ -42,6 +42,9 @@ from pagedllm.sampling_params import SamplingParams, SamplingType
         ("logit_bias", {5: math.nan}),
         ("logit_bias", {-1: 1.0}),
         ("seed", 1.5),
+        ("seed", 2**64 + 5),  # would wrap onto seed 5
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
         ("early_stopping", "sometimes"),
         ("length_penalty", math.inf),
     ],
@@ -50,6 +53,11 @@ def test_invalid_value_names_field(field, value):
     with pytest.raises(ValueError) as exc:
         SamplingParams(**{field: value})
     assert str(exc.value).startswith(field), str(exc.value)
+
+
+def test_seed_takes_the_int64_range():
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_error_message_format():

@@ -434,7 +434,7 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 
 def load_gguf_weights(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, keep_blocks: bool = False
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Load the architecture and all weights of a GGUF file, with Hugging Face names.
 
@@ -442,11 +442,19 @@ def load_gguf_weights(
     whatever ``gguf.quants`` implements), reshaped to PyTorch order (linears ``[out, in]``,
     embedding ``[vocab, hidden]``, norms ``[hidden]``), q/k rows un-permuted (Llama), Gemma's
     norm offset removed (``gguf_tensor_to_hf``), stacked MoE experts and fused projections split
-    (``gguf_expand.gguf_tensor_to_hf_parts``), then cast to ``dtype``. No ``lm_head.weight`` is returned when the embedding is tied.
+    (``gguf_expand.gguf_tensor_to_hf_parts``), then cast to ``dtype``. No ``lm_head.weight`` is
+    returned when the embedding is tied.
+
+    With ``keep_blocks`` (``quantization="gguf"``) the tensors whose blocks the layers will
+    compute natively (``quant.gguf_native.native_tensor_names``) are not expanded: their entries
+    are tensors on the meta device (right names and shapes, no memory), which
+    ``load_named_weights`` leaves unloaded and the worker replaces by ``GGUFLinear`` layers
+    read from the file. So the float32 expansion of those projections never exists.
 
     Args:
         path: the ``.gguf`` file.
         dtype: torch.float32, torch.bfloat16 or torch.float16.
+        keep_blocks: leave the natively computed projections unexpanded (meta entries).
 
     Returns:
         ``(config, state_dict)``; ``config.eos_token_ids`` holds only the GGUF EOS id.
@@ -466,10 +474,21 @@ def load_gguf_weights(
     reader = open_gguf(path)
     config = gguf_arch_config(reader, path)
     check_gguf_tensor_names([t.name for t in reader.tensors], config)
+    kept: set[str] = set()
+    if keep_blocks:
+        from pagedllm.model.quant.gguf_native import native_tensor_names
+
+        kept = native_tensor_names(config, reader)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name in ROPE_TENSORS:
             continue  # folded into config.rope_scaling
+        if tensor.name in kept:
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            placeholder = torch.empty(shape, dtype=torch.float32, device="meta")
+            for hf_name, weight in gguf_tensor_to_hf_parts(tensor.name, placeholder, config).items():
+                state[hf_name] = weight.to(dtype)
+            continue
         try:
             array = _dequantize(tensor)
         except ValueError:

@@ -39,7 +39,11 @@ class LoadedModel:
             No ``lm_head.weight`` when ``config.tie_word_embeddings``.
         tokenizer: the model's tokenizer (with its chat template when it has one).
         source: the ``.gguf`` file or Hugging Face folder that was loaded (absolute).
-        weight_bytes: bytes of ``state_dict`` (sum of ``numel * element_size``).
+        weight_bytes: bytes of ``state_dict`` (sum of ``numel * element_size``; entries on the
+            meta device, projections left in GGUF blocks, count nothing).
+        gguf_blocks_kept: ``state_dict`` has meta entries for the projections a
+            ``quantization="gguf"`` worker computes from the file's blocks
+            (``load_model(keep_gguf_blocks=True)``); other engines need the full expansion.
     """
 
     config: ModelArchConfig
@@ -47,6 +51,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     source: Path
     weight_bytes: int
+    gguf_blocks_kept: bool = False
 
     def with_chat_template(self, template: str) -> LoadedModel:
         """A copy whose tokenizer renders chats with ``template`` (Jinja text) instead of its own;
@@ -98,7 +103,9 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[Path, str]
 
 
 def load_model(
-    model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+    model: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    keep_gguf_blocks: bool = False,
 ) -> LoadedModel:
     """Load config, weights and tokenizer of a supported model (``pagedllm.model.registry``).
 
@@ -108,6 +115,9 @@ def load_model(
             one ``.gguf`` file, or a Hugging Face folder (``config.json`` + ``*.safetensors``).
         dtype: torch.float32 (default), torch.bfloat16 or torch.float16. GGUF tensors are
             dequantized to float32 first, then cast.
+        keep_gguf_blocks: for ``quantization="gguf"``: a GGUF file's natively computed
+            projections are not expanded (``load_gguf_weights(keep_blocks=True)``); ignored for
+            a Hugging Face folder.
 
     Returns:
         A :class:`LoadedModel`. ``config.eos_token_ids`` collects the tokenizer's EOS, the GGUF
@@ -122,7 +132,7 @@ def load_model(
     """
     path, kind = resolve_model_path(model)
     if kind == "gguf":
-        config, state = load_gguf_weights(path, dtype)
+        config, state = load_gguf_weights(path, dtype, keep_blocks=keep_gguf_blocks)
         check_checkpoint_tensors(config, state)
         tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
         gguf_eos = config.eos_token_ids[0] if config.eos_token_ids else None
@@ -134,9 +144,15 @@ def load_model(
         config.eos_token_ids = eos_token_ids(tokenizer, hf_folder=path)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
         config.bos_token_id = int(tokenizer.bos_token_id)
-    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in state.values() if not t.is_meta)
+    kept = any(t.is_meta for t in state.values())
     return LoadedModel(
-        config=config, state_dict=state, tokenizer=tokenizer, source=path, weight_bytes=weight_bytes
+        config=config,
+        state_dict=state,
+        tokenizer=tokenizer,
+        source=path,
+        weight_bytes=weight_bytes,
+        gguf_blocks_kept=kept,
     )
 
 
