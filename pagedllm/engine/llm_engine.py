@@ -167,6 +167,10 @@ class LLMEngine:
         )  # fmt: skip
         self.num_blocks = num_blocks  # per rank under tensor / pipeline parallelism
         self.weight_bytes: int = loaded.weight_bytes  # all ranks together
+        if loaded.gguf_blocks_kept:  # the projections' blocks, not in the expanded state dict
+            from pagedllm.model.quant.gguf_native import native_block_bytes
+
+            self.weight_bytes += native_block_bytes(mc, loaded.source)
         num_swap_blocks = config.swap_space // (self.block_bytes + draft_block_bytes)
         #: KV capacity per GiB of kv_cache_memory (per rank), scales included.
         self.kv_tokens_per_gib = (1 << 30) // self.block_bytes * config.block_size
@@ -175,8 +179,14 @@ class LLMEngine:
             "(2 x %d layers x %d kv heads x %d dims, scales included), %d tokens per GiB | "
             "%d blocks x %d tokens = %d tokens in cache (%.1f MiB)",
             loaded.source,
-            loaded.weight_bytes / 2**20,
-            f" as loaded, before quantization={config.quantization}" if config.quantization else "",
+            self.weight_bytes / 2**20,
+            (
+                " (the GGUF projections in blocks)"
+                if loaded.gguf_blocks_kept
+                else f" as loaded, before quantization={config.quantization}"
+            )
+            if config.quantization
+            else "",
             str(kv_dtype).replace("torch.", ""),
             config.kv_cache_dtype,
             self.block_bytes / config.block_size,
