@@ -168,7 +168,7 @@ class LLMEngine:
         self.num_blocks = num_blocks  # per rank under tensor / pipeline parallelism
         self.weight_bytes: int = loaded.weight_bytes  # all ranks together
         if loaded.gguf_blocks_kept:  # the projections' blocks, not in the expanded state dict
-            from pagedllm.model.quant.gguf_native import native_block_bytes
+            from pagedllm.model.quant.gguf_model import native_block_bytes
 
             self.weight_bytes += native_block_bytes(mc, loaded.source)
         num_swap_blocks = config.swap_space // (self.block_bytes + draft_block_bytes)

@@ -61,7 +61,7 @@ class Worker:
             index).
         kv_cache_dtype: KV storage dtype (``EngineConfig.torch_kv_cache_dtype``); None = ``dtype``.
         gguf_native: a GGUF file whose quantized blocks replace the float linears
-            (``EngineConfig.quantization == "gguf"``, ``model.quant.gguf_native``); None = off.
+            (``EngineConfig.quantization == "gguf"``, ``model.quant.gguf_model``); None = off.
             ``state_dict`` may then leave those projections as meta placeholders
             (``load_model(keep_gguf_blocks=True)``): they are built from the file before any
             packing, or, where the blocks cannot run (no C++ kernels, a dtype other than
@@ -181,7 +181,7 @@ class Worker:
                 ``quantize_linears`` disagree: a bug).
         """
         from pagedllm.model.loader.gguf_loader import load_gguf_weights
-        from pagedllm.model.quant.gguf_native import quantize_linears
+        from pagedllm.model.quant.gguf_model import quantize_linears
 
         if path is None:
             raise ValueError(
@@ -202,7 +202,8 @@ class Worker:
     def _quantize_gguf(self, path: Path, dtype: torch.dtype, cpu_ops: CpuOps | None) -> None:
         """Swap the float linears for ``GGUFLinear`` on ``path``'s blocks (needs the C++ CPU
         kernels and float32; otherwise the float model stays, with a warning)."""
-        from pagedllm.model.quant.gguf_native import GGUFLinear, quantize_linears
+        from pagedllm.model.quant.gguf_model import quantize_linears
+        from pagedllm.model.quant.gguf_native import GGUFLinear
 
         if cpu_ops is None or dtype != torch.float32:
             logger.warning(

@@ -252,7 +252,10 @@ class StackedExperts(nn.Module):
 
     def pack(self, cpu_ops: CpuOps | None) -> int:
         """Prepack every expert (``model.packed_linear``; call after loading, fp32 CPU only).
-        Returns the number of packed matrices."""
+        Returns the number of packed matrices (0 when the experts already run packed, e.g. on
+        GGUF blocks: ``quant.gguf_model``)."""
+        if self.packed:
+            return 0
         gemm = cpu_gemm_ops(cpu_ops, self.gate_up_weight.dtype)
         plain = self.glu is None and self.gate_up_bias is None
         fuse = gemm is not None and plain and self.act == "silu" and self.inter % 8 == 0

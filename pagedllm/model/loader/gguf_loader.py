@@ -446,7 +446,7 @@ def load_gguf_weights(
     returned when the embedding is tied.
 
     With ``keep_blocks`` (``quantization="gguf"``) the tensors whose blocks the layers will
-    compute natively (``quant.gguf_native.native_tensor_names``) are not expanded: their entries
+    compute natively (``quant.gguf_model.native_tensor_names``) are not expanded: their entries
     are tensors on the meta device (right names and shapes, no memory), which
     ``load_named_weights`` leaves unloaded and the worker replaces by ``GGUFLinear`` layers
     read from the file. So the float32 expansion of those projections never exists.
@@ -476,7 +476,7 @@ def load_gguf_weights(
     check_gguf_tensor_names([t.name for t in reader.tensors], config)
     kept: set[str] = set()
     if keep_blocks:
-        from pagedllm.model.quant.gguf_native import native_tensor_names
+        from pagedllm.model.quant.gguf_model import native_tensor_names
 
         kept = native_tensor_names(config, reader)
     state: dict[str, torch.Tensor] = {}
