@@ -111,9 +111,13 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
     ) -> None:
         self.config = config
-        # quantization="gguf" computes the projections on the file's blocks: leave them
-        # unexpanded (no float32 copy of those weights at any point).
-        keep = config.quantization == "gguf"
+        # quantization="gguf" computes the projections on the file's blocks (float32 on the
+        # CPU): leave them unexpanded, so no float32 copy of those weights ever exists.
+        keep = (
+            config.quantization == "gguf"
+            and config.torch_dtype == torch.float32
+            and str(config.device) == "cpu"
+        )
         loaded = loaded or load_model(config.model, config.torch_dtype, keep_gguf_blocks=keep)
         if config.chat_template_text is not None:
             loaded = loaded.with_chat_template(config.chat_template_text)

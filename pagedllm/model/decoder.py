@@ -355,7 +355,8 @@ class DecoderForCausalLM(nn.Module):
     def pack_linears(self, cpu_ops: CpuOps | None = None) -> int:
         """Prepack every projection and the LM head (``model.packed_linear``: pagedllm's own GEMM
         when ``cpu_ops``, the C++ CPU kernels, run the avx2 variant, oneDNN otherwise); call after
-        ``load_weights``. Returns the number of packed matrices."""
+        ``load_weights``. An LM head already set (a GGUF layer built before packing) is kept.
+        Returns the number of packed matrices."""
         # Gate/up with the SwiGLU epilogue first (own GEMM only), then every other projection;
         # row-parallel layers (all-reduce) only where the own GEMM runs them.
         count = pack_swiglu_layers(self.layers, cpu_ops)
@@ -364,6 +365,8 @@ class DecoderForCausalLM(nn.Module):
             count += pack_row_parallel_layers(self.layers, cpu_ops)
             if not cpu_gemm_ops(cpu_ops, self.lm_head_weight.dtype):
                 return count  # the vocabulary shard stays on ATen, as the layers above
+        if self.lm_head_packed is not None:
+            return count  # the LM head already runs on the GGUF file's blocks
         # Under a group this is the rank's vocabulary shard (gathered to rank 0).
         self.lm_head_packed = PackedLinear(self.lm_head_weight, cpu_ops)
         return count + 1

@@ -192,7 +192,7 @@ class Worker:
             _, state = load_gguf_weights(path, dtype)  # _quantize_gguf warns about the reason
             self.model.load_weights(state)
             return
-        quantize_linears(self.model, path, cpu_ops, lm_head=False)
+        quantize_linears(self.model, path, cpu_ops)  # the LM head too: it is not packed then
         names = {n for n, _ in self.model.named_parameters()}
         left = [n for n in self.model.unloaded_params if n in names]
         if left:

@@ -195,22 +195,25 @@ def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
 
 
 def native_block_bytes(config: ModelArchConfig, path: str | Path) -> int:
-    """Bytes the file stores for :func:`native_tensor_names`' tensors: the weight memory a
+    """Bytes the file stores for :func:`native_tensor_names`' tensors and the LM head's (its
+    GGUF layer, also built where the embedding is tied): the weight memory a
     ``load_model(keep_gguf_blocks=True)`` state dict leaves out of ``weight_bytes`` (the
     kernels' repacked copy is about as large: float32 scales for Q4_K / Q6_K add ~4 %)."""
     from pagedllm.model.loader.gguf_loader import open_gguf
 
     reader = open_gguf(path)
     names = native_tensor_names(config, reader)
-    return sum(int(t.n_bytes) for t in reader.tensors if t.name in names)
+    by_name = {t.name: t for t in reader.tensors}
+    head = by_name.get("output.weight", by_name.get("token_embd.weight"))
+    if head is not None and head.tensor_type.name in SUPPORTED_TYPES:
+        names.add(head.name)  # the LM head's GGUF layer (beside a tied embedding's floats)
+    return sum(int(by_name[n].n_bytes) for n in names)
 
 
-def quantize_linears(
-    model: nn.Module, path: str | Path, cpu_ops: CpuOps, lm_head: bool = True
-) -> int:
+def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int:
     """Replace every projection of ``model`` whose GGUF tensors (``path``) are all of a
-    ``SUPPORTED_TYPES`` block type by a :class:`GGUFLinear` built from those blocks, and (with
-    ``lm_head``) the LM head by one built from ``output.weight`` (else the tied
+    ``SUPPORTED_TYPES`` block type by a :class:`GGUFLinear` built from those blocks, and the LM
+    head (unless it already is one) by one built from ``output.weight`` (else the tied
     ``token_embd.weight``). A QKV projection stored as one fused ``attn_qkv`` ([all q; all k; all
     v], as the loader splits it) is built from that tensor's blocks, its q/k rows reordered where
     llama.cpp permuted them, as the separate tensors' are. Projections with float tensors, models
@@ -256,7 +259,7 @@ def quantize_linears(
     head = "lm_head.weight" if "lm_head.weight" in by_hf else "model.embed_tokens.weight"
     head_tensor = by_hf.get(head)
     if (
-        lm_head
+        not isinstance(getattr(model, "lm_head_packed", None), GGUFLinear)
         and head_tensor is not None
         and head_tensor.tensor_type.name in SUPPORTED_TYPES
         and getattr(model, "group", None) is None
