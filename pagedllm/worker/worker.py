@@ -193,6 +193,11 @@ class Worker:
             self.model.load_weights(state)
             return
         quantize_linears(self.model, path, cpu_ops)  # the LM head too: it is not packed then
+        if "lm_head_weight" in self.model.unloaded_params and self.model.lm_head_packed is not None:
+            # An untied head left in blocks: the GGUF layer computes the logits (one rank, so
+            # lm_head_logits never reads the float rows); drop the unloaded parameter.
+            del self.model.lm_head_weight
+            self.model.lm_head_weight = torch.empty(0, self.model.config.hidden_size)
         names = {n for n, _ in self.model.named_parameters()}
         left = [n for n in self.model.unloaded_params if n in names]
         if left:

@@ -53,6 +53,7 @@ def test_moe_experts_run_on_the_files_blocks(arch: str, tmp_path: Path) -> None:
     exps = [t for t in gguf.GGUFReader(path).tensors if "_exps" in t.name]
     assert exps and all(t.tensor_type == gguf.GGMLQuantizationType.Q8_0 for t in exps)
     full, kept = _loaded(tmp_path / "hf", path, False), _loaded(tmp_path / "hf", path, True)
+    assert kept.state_dict["lm_head.weight"].is_meta  # untied: the head stays in blocks too
     expert_names = [n for n, t in kept.state_dict.items() if t.is_meta and ".experts." in n]
     num_experts = getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
     assert len(expert_names) == len(exps) * num_experts  # each stack cut into one per expert
@@ -66,6 +67,10 @@ def test_moe_experts_run_on_the_files_blocks(arch: str, tmp_path: Path) -> None:
         model = llm.engine.executor.worker.model
         stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, StackedExperts)]
         assert stacks and not any(p.is_meta for p in model.parameters())
+        assert isinstance(model.lm_head_packed, GGUFLinear)
+        assert model.lm_head_weight.numel() == (
+            0 if loaded is kept else hf.config.vocab_size * hf.config.hidden_size
+        )
         for name, experts in stacks:
             assert "gate_up_weight" not in experts._parameters
             assert all(isinstance(m, GGUFLinear) for m in experts.packed_gate_up)
@@ -80,7 +85,10 @@ def test_moe_experts_run_on_the_files_blocks(arch: str, tmp_path: Path) -> None:
             w_d = full.state_dict[down_names[5]]
             x = torch.randn(3, w_gu.shape[1], generator=g)
             h = torch.randn(3, w_d.shape[1], generator=g)
-            for lin, w, a in ((experts.packed_gate_up[5], w_gu, x), (experts.packed_down[5], w_d, h)):
+            for lin, w, a in (
+                (experts.packed_gate_up[5], w_gu, x),
+                (experts.packed_down[5], w_d, h),
+            ):
                 scale = (a.abs() @ w.abs().T).clamp_min(1e-6)
                 err = (lin(a) - int8_activation_reference(a, w)).abs() / scale
                 assert err.max() < 1e-5

@@ -176,10 +176,11 @@ def _native_experts(target: _ExpertTarget, cpu_ops: CpuOps) -> int:
 
 def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
     """The GGUF tensor names (``blk.N.attn_q.weight``, ...) whose blocks
-    :func:`quantize_linears` computes natively for the layers of ``config``'s model (the LM
-    head not included): the loader can leave them quantized instead of expanding them to
-    float32 (``gguf_loader.load_gguf_weights(keep_blocks=True)``). Decided on the model built on
-    the meta device, by the rule :func:`quantize_linears` applies to the loaded one."""
+    :func:`quantize_linears` computes natively for the layers of ``config``'s model, and an
+    untied LM head's (a tied one is the embedding too): the loader can leave them quantized
+    instead of expanding them to float32 (``gguf_loader.load_gguf_weights(keep_blocks=True)``).
+    Decided on the model built on the meta device, by the rule :func:`quantize_linears` applies
+    to the loaded one."""
     from pagedllm.attention import get_attention_backend
     from pagedllm.model.registry import model_class
 
@@ -191,6 +192,9 @@ def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
     names = {by_hf[n].name for t in _layer_targets(model, by_hf, cls) for n in t.names}
     if not cls.splits_hf_weights:
         names |= {t.name for x in _expert_targets(model, reader) for t in x.tensors}
+        head = by_hf.get("lm_head.weight")  # an untied head (a tied one is the embedding too)
+        if head is not None and head.tensor_type.name in SUPPORTED_TYPES:
+            names.add(head.name)
     return names
 
 
