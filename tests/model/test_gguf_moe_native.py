@@ -26,10 +26,7 @@ def _loaded(folder: Path, path: Path, keep_blocks: bool) -> Any:
     cfg, state = load_gguf_weights(path, keep_blocks=keep_blocks)
     cfg.eos_token_ids = hf_loaded.config.eos_token_ids
     cfg.bos_token_id = hf_loaded.config.bos_token_id
-    kept = any(t.is_meta for t in state.values())
-    return dataclasses.replace(
-        hf_loaded, config=cfg, state_dict=state, source=path, gguf_blocks_kept=kept
-    )
+    return dataclasses.replace(hf_loaded, config=cfg, state_dict=state, source=path)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -41,9 +41,6 @@ class LoadedModel:
         source: the ``.gguf`` file or Hugging Face folder that was loaded (absolute).
         weight_bytes: bytes of ``state_dict`` (sum of ``numel * element_size``; entries on the
             meta device, projections left in GGUF blocks, count nothing).
-        gguf_blocks_kept: ``state_dict`` has meta entries for the projections a
-            ``quantization="gguf"`` worker computes from the file's blocks
-            (``load_model(keep_gguf_blocks=True)``); other engines need the full expansion.
     """
 
     config: ModelArchConfig
@@ -51,7 +48,13 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     source: Path
     weight_bytes: int
-    gguf_blocks_kept: bool = False
+
+    @property
+    def gguf_blocks_kept(self) -> bool:
+        """Whether ``state_dict`` has meta entries for the projections a ``quantization="gguf"``
+        worker computes from the file's blocks (``load_model(keep_gguf_blocks=True)``); other
+        engines need the full expansion."""
+        return any(t.is_meta for t in self.state_dict.values())
 
     def with_chat_template(self, template: str) -> LoadedModel:
         """A copy whose tokenizer renders chats with ``template`` (Jinja text) instead of its own;
@@ -145,14 +148,8 @@ def load_model(
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
         config.bos_token_id = int(tokenizer.bos_token_id)
     weight_bytes = sum(t.numel() * t.element_size() for t in state.values() if not t.is_meta)
-    kept = any(t.is_meta for t in state.values())
     return LoadedModel(
-        config=config,
-        state_dict=state,
-        tokenizer=tokenizer,
-        source=path,
-        weight_bytes=weight_bytes,
-        gguf_blocks_kept=kept,
+        config=config, state_dict=state, tokenizer=tokenizer, source=path, weight_bytes=weight_bytes
     )
 
 
