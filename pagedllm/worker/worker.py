@@ -192,14 +192,16 @@ class Worker:
             _, state = load_gguf_weights(path, dtype)  # _quantize_gguf warns about the reason
             self.model.load_weights(state)
             return
+        params = dict(self.model.named_parameters())
+        unloaded = {id(params[n]) for n in self.model.unloaded_params if n in params}
         quantize_linears(self.model, path, cpu_ops)  # the LM head too: it is not packed then
-        if "lm_head_weight" in self.model.unloaded_params and self.model.lm_head_packed is not None:
-            # An untied head left in blocks: the GGUF layer computes the logits (one rank, so
-            # lm_head_logits never reads the float rows); drop the unloaded parameter.
+        if id(self.model.lm_head_weight) in unloaded and self.model.lm_head_packed is not None:
+            # A head left in blocks (untied, or tied to an embedding now a GGUFEmbedding): the
+            # GGUF layer computes the logits (one rank, so lm_head_logits never reads the float
+            # rows); drop the unloaded parameter.
             del self.model.lm_head_weight
             self.model.lm_head_weight = torch.empty(0, self.model.config.hidden_size)
-        names = {n for n, _ in self.model.named_parameters()}
-        left = [n for n in self.model.unloaded_params if n in names]
+        left = [n for n, p in self.model.named_parameters() if id(p) in unloaded]
         if left:
             raise RuntimeError(f"GGUF projections left unloaded: {', '.join(left[:5])}")
         self.model.unloaded_params = []

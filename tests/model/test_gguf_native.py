@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from pagedllm.model.quant.gguf_native import (
     BLOCK_BYTES,
     SUPPORTED_TYPES,
+    GGUFEmbedding,
     GGUFLinear,
     PackedBlocks,
     dequantize_packed,
@@ -57,6 +58,22 @@ def test_repack_is_exact(qtype: str) -> None:
     packed = repack(qtype, data, 6)
     assert packed.kind == ("q4" if qtype.startswith("Q4") else "q8")
     assert torch.equal(dequantize_packed(packed), reference(qtype, data, 6, 512))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_embedding_rows_equal_the_float32_expansion(qtype: str) -> None:
+    """A token embedding kept in blocks looks up exactly the rows ``gguf.quants.dequantize``
+    expands, for ids of any shape (repeated ids included)."""
+    rng = np.random.default_rng(5)
+    data = gguf_blocks(qtype, 40, 512, rng)
+    table = reference(qtype, data, 40, 512)
+    embedding = GGUFEmbedding(repack(qtype, data, 40))
+    ids = torch.tensor([[39, 0, 7], [7, 21, 3]])
+    out = embedding(ids)
+    assert out.shape == (2, 3, 512) and out.dtype == torch.float32
+    assert torch.equal(out, table[ids])
+    assert torch.equal(embedding(torch.arange(40)), table)
+    assert embedding.weight_bytes() <= 0.32 * table.numel() * 4  # q8 + float32 per 16 at most
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q6_K"])
@@ -406,8 +423,9 @@ def test_bundled_gguf_recompute_and_speculation_change_nothing(ops, smollm) -> N
 @pytest.mark.slow
 def test_kept_gguf_blocks_skip_the_float_expansion(ops, smollm) -> None:  # noqa: ANN001
     """``load_model(keep_gguf_blocks=True)`` (what ``LLM(quantization="gguf")`` loads) leaves
-    every layer's seven projections as meta entries, so their float32 expansion never exists;
-    the worker builds them from the file's blocks before packing, and the outputs (tokens and
+    every layer's seven projections and the token embedding as meta entries, so their float32
+    expansion never exists; the worker builds them from the file's blocks before packing (the
+    embedding's rows equal the expansion's bit for bit), and the outputs (tokens and
     logprob floats) equal those of the fully expanded load quantized after packing. Where the
     blocks cannot run (bfloat16), the worker expands the file after all; an engine without
     quantization "gguf" refuses such a load by name."""
@@ -416,11 +434,13 @@ def test_kept_gguf_blocks_skip_the_float_expansion(ops, smollm) -> None:  # noqa
 
     kept = load_model(None, torch.float32, keep_gguf_blocks=True)
     meta = [n for n, t in kept.state_dict.items() if t.is_meta]
+    assert "model.embed_tokens.weight" in meta  # Q8_0: looked up from its blocks
+    meta.remove("model.embed_tokens.weight")
     assert len(meta) == 30 * 7 and all(".self_attn." in n or ".mlp." in n for n in meta)
     assert kept.gguf_blocks_kept and not smollm.gguf_blocks_kept
     assert kept.state_dict.keys() == smollm.state_dict.keys()
     assert all(t.shape == smollm.state_dict[n].shape for n, t in kept.state_dict.items())
-    assert kept.weight_bytes < smollm.weight_bytes / 4  # the embedding and the norms
+    assert kept.weight_bytes < smollm.weight_bytes / 100  # the norms
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Name three colors:"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
@@ -434,7 +454,13 @@ def test_kept_gguf_blocks_skip_the_float_expansion(ops, smollm) -> None:  # noqa
             native = [m for m in model.modules() if isinstance(m, GGUFLinear)]
             assert len(native) == 30 * 4 + 1
         if loaded is kept and dtype == "float32":  # the blocks left out count as weights
-            blocks = sum(m.weight_bytes() for m in native)  # the layers' and the LM head's
+            assert isinstance(model.embed_tokens, GGUFEmbedding)
+            assert model.lm_head_weight.numel() == 0  # the tied head runs on its GGUF layer
+            ids = torch.tensor([[0, 1, 49151], [7042, 30, 198]])
+            table = smollm.state_dict["model.embed_tokens.weight"]
+            assert torch.equal(model.embed_tokens(ids), table[ids])  # bit for bit
+            native.append(model.embed_tokens)  # the layers', the LM head's, the embedding's
+            blocks = sum(m.weight_bytes() for m in native)
             extra = llm.engine.weight_bytes - kept.weight_bytes
             assert abs(extra - blocks) < 0.1 * blocks, (extra, blocks)
         outs = llm.generate(prompts, params, use_tqdm=False)

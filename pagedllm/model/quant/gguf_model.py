@@ -17,7 +17,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.model.quant.gguf_native import SUPPORTED_TYPES, GGUFLinear, PackedBlocks, repack
+from pagedllm.model.quant.gguf_native import (
+    SUPPORTED_TYPES,
+    GGUFEmbedding,
+    GGUFLinear,
+    PackedBlocks,
+    repack,
+)
 
 if TYPE_CHECKING:
     from pagedllm.model.config import ModelArchConfig
@@ -174,11 +180,38 @@ def _native_experts(target: _ExpertTarget, cpu_ops: CpuOps) -> int:
     return 2 * e
 
 
+def _embedding_tensor(model: nn.Module, by_hf: dict[str, Any]) -> Any | None:
+    """The GGUF ``token_embd.weight`` tensor when ``model``'s token embedding (a plain
+    ``nn.Embedding``, one rank; possibly on the meta device) can run on its blocks
+    (:class:`GGUFEmbedding`): a supported block type of the embedding's shape; else None."""
+    embedding = getattr(model, "embed_tokens", None)
+    tensor = by_hf.get("model.embed_tokens.weight")
+    if (
+        type(embedding) is not nn.Embedding
+        or getattr(model, "group", None) is not None
+        or tensor is None
+        or tensor.tensor_type.name not in SUPPORTED_TYPES
+    ):
+        return None
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return tensor if shape == tuple(embedding.weight.shape) else None
+
+
+def _embedding_unloaded(model: nn.Module) -> bool:
+    """Whether ``model``'s token embedding is a placeholder ``load_weights`` left unloaded
+    (``unloaded_params``; a tied head's parameter may name it ``lm_head_weight``)."""
+    params = dict(model.named_parameters())
+    table = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    unloaded = getattr(model, "unloaded_params", ())
+    return table is not None and any(params.get(n) is table for n in unloaded)
+
+
 def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
     """The GGUF tensor names (``blk.N.attn_q.weight``, ...) whose blocks
-    :func:`quantize_linears` computes natively for the layers of ``config``'s model, and an
-    untied LM head's (a tied one is the embedding too): the loader can leave them quantized
-    instead of expanding them to float32 (``gguf_loader.load_gguf_weights(keep_blocks=True)``).
+    :func:`quantize_linears` computes natively for the layers of ``config``'s model, the token
+    embedding's (looked up from its blocks) and an untied LM head's: the loader can leave them
+    quantized instead of expanding them to float32
+    (``gguf_loader.load_gguf_weights(keep_blocks=True)``).
     Decided on the model built on the meta device, by the rule :func:`quantize_linears` applies
     to the loaded one."""
     from pagedllm.attention import get_attention_backend
@@ -195,23 +228,30 @@ def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
         head = by_hf.get("lm_head.weight")  # an untied head (a tied one is the embedding too)
         if head is not None and head.tensor_type.name in SUPPORTED_TYPES:
             names.add(head.name)
+        embedding = _embedding_tensor(model, by_hf)
+        if embedding is not None:
+            names.add(embedding.name)
     return names
 
 
 def native_block_bytes(config: ModelArchConfig, path: str | Path) -> int:
     """Bytes the file stores for :func:`native_tensor_names`' tensors and the LM head's (its
-    GGUF layer, also built where the embedding is tied): the weight memory a
-    ``load_model(keep_gguf_blocks=True)`` state dict leaves out of ``weight_bytes`` (the
-    kernels' repacked copy is about as large: float32 scales for Q4_K / Q6_K add ~4 %)."""
+    GGUF layer, also built where the embedding is tied; a tied embedding kept in blocks is
+    held twice, once per layout): the weight memory a ``load_model(keep_gguf_blocks=True)``
+    state dict leaves out of ``weight_bytes``. The repacked copies are about as large for
+    Q4_0, Q4_1 and Q8_0 and larger for the others (Q4_K ~1.33x: float32 scales; Q5_0 and Q6_K
+    ~1.5x: widened to 8 bits)."""
     from pagedllm.model.loader.gguf_loader import open_gguf
 
     reader = open_gguf(path)
     names = native_tensor_names(config, reader)
     by_name = {t.name: t for t in reader.tensors}
+    total = sum(int(by_name[n].n_bytes) for n in names)
     head = by_name.get("output.weight", by_name.get("token_embd.weight"))
-    if head is not None and head.tensor_type.name in SUPPORTED_TYPES:
-        names.add(head.name)  # the LM head's GGUF layer (beside a tied embedding's floats)
-    return sum(int(by_name[n].n_bytes) for n in names)
+    head = head if head is not None and head.tensor_type.name in SUPPORTED_TYPES else None
+    if head is not None and (head.name not in names or head.name == "token_embd.weight"):
+        total += int(head.n_bytes)  # the LM head's GGUF layer
+    return total
 
 
 def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int:
@@ -222,9 +262,11 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
     v], as the loader splits it) is built from that tensor's blocks, its q/k rows reordered where
     llama.cpp permuted them, as the separate tensors' are. Projections with float tensors, models
     whose class splits fused tensors itself and the class's ``folded_projections`` stay as they
-    are. A MoE layer's SwiGLU experts get one layer per expert for gate/up and one for down, cut
-    from llama.cpp's stacked ``ffn_*_exps`` blocks (not GPT-OSS's, whose experts have their own
-    activation and biases). Runs before or after ``pack_linears`` (the same projections either way).
+    are. A token embedding the loader left unloaded (``model.unloaded_params``) becomes a
+    :class:`GGUFEmbedding` on ``token_embd.weight``'s blocks (one repack, shared with a tied
+    head). A MoE layer's SwiGLU experts get one layer per expert for gate/up and one for down,
+    cut from llama.cpp's stacked ``ffn_*_exps`` blocks (not GPT-OSS's, whose experts have their
+    own activation and biases). Runs before or after ``pack_linears`` (the same projections either way).
     Returns the number of matrices replaced.
 
     Raises:
@@ -260,6 +302,10 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
         down = x.experts.packed_down
         if down is None or not any(isinstance(m, GGUFLinear) for m in down):
             count += _native_experts(x, cpu_ops)
+    embedding: PackedBlocks | None = None
+    if _embedding_unloaded(model) and _embedding_tensor(model, by_hf) is not None:
+        embedding = parts_for(["model.embed_tokens.weight"])[0]
+        model.embed_tokens = GGUFEmbedding(embedding)
     head = "lm_head.weight" if "lm_head.weight" in by_hf else "model.embed_tokens.weight"
     head_tensor = by_hf.get(head)
     if (
@@ -268,6 +314,7 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
         and head_tensor.tensor_type.name in SUPPORTED_TYPES
         and getattr(model, "group", None) is None
     ):
-        model.lm_head_packed = GGUFLinear(parts_for([head]), cpu_ops)  # type: ignore[assignment]
+        parts = [embedding] if embedding is not None and head != "lm_head.weight" else None
+        model.lm_head_packed = GGUFLinear(parts or parts_for([head]), cpu_ops)  # type: ignore[assignment]
         count += 1
     return count

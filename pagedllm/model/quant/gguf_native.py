@@ -352,3 +352,42 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = "+".join(p.kind for p in self.parts)
         return f"out_features={self.out_features}, {kinds}, gguf native"
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding kept in GGUF blocks (``quantization="gguf"``): the looked-up rows are
+    dequantized on the fly instead of the whole [V, d] table being expanded to float32 at load.
+    The rows equal the float32 expansion bit for bit (:func:`dequantize_packed` is exact: every
+    product of a block scale and a quant fits float32's mantissa, and a q4 offset is added once,
+    as ``gguf.quants`` does).
+
+    Args:
+        table: the embedding matrix [V, d] (:class:`PackedBlocks`, not interleaved).
+
+    Forward: ids (any shape) int64 -> [*ids.shape, d] float32.
+    """
+
+    def __init__(self, table: PackedBlocks) -> None:
+        super().__init__()
+        self.kind = table.kind
+        self.qs: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("qs", table.qs, persistent=False)
+        self.register_buffer("scales", table.scales, persistent=False)
+        self.num_embeddings = table.rows
+        self.embedding_dim = int(table.qs.shape[1]) * (2 if table.kind == "q4" else 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = PackedBlocks(self.kind, self.qs[flat], self.scales[flat])
+        return dequantize_packed(rows).view(*ids.shape, self.embedding_dim)
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the quantized table (quants and scales)."""
+        return self.qs.numel() * self.qs.element_size() + (
+            self.scales.numel() * self.scales.element_size()
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}, gguf blocks"
+
