@@ -226,15 +226,16 @@ def repack(qtype: str, data: np.ndarray, rows: int) -> PackedBlocks:
 
 
 def dequantize_packed(p: PackedBlocks) -> torch.Tensor:
-    """The float32 [N, K] matrix a :class:`PackedBlocks` holds (tests and reference)."""
+    """The float32 [N, K] matrix a :class:`PackedBlocks` holds (tests and reference;
+    :class:`GGUFEmbedding`'s looked-up rows)."""
     if p.kind == "q4":
         qs = p.qs.reshape(p.rows, -1, 16)
         q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(p.rows, -1, 32).float()
         dm = p.scales.float()
         w = q * dm[..., :1] + dm[..., 1:]
         return w.reshape(p.rows, -1)
-    wide = p.widened()
-    w = wide.qs.float().reshape(p.rows, -1, 16) * wide.scales[..., None]
+    per = p.qs.shape[1] // p.scales.shape[1]  # 32 or 16 weights per scale
+    w = p.qs.float().reshape(p.rows, -1, per).mul_(p.scales.float()[..., None])
     return w.reshape(p.rows, -1)
 
 
