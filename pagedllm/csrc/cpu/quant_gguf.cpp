@@ -78,9 +78,10 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One block of 32: q = nearbyint(a * inv) (round half to even, as the scalar path); returns
-// sum(q). The same float operations as the scalar path, so the codes are bit-identical.
-inline int quantize_block(const float* a, float inv, int8_t* q) {
+// One block of 32: q = nearbyint(a * inv) (round half to even, as the scalar path), stored
+// offset by 128 (q ^ 0x80: q + 128 as an unsigned byte) when `offset`; returns sum(q). The same
+// float operations as the scalar path, so the codes are bit-identical.
+inline int quantize_block(const float* a, float inv, bool offset, int8_t* q) {
   const __m256 iv = _mm256_set1_ps(inv);
   __m256i i[4];
   for (int c = 0; c < 4; ++c)
@@ -88,7 +89,8 @@ inline int quantize_block(const float* a, float inv, int8_t* q) {
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
   // packs interleave the 128-bit lanes; the permute restores element order.
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  if (offset) p = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
@@ -98,7 +100,9 @@ inline int quantize_block(const float* a, float inv, int8_t* q) {
 }
 #endif
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t stride) {
+// offset: the codes stored as q + 128 in unsigned bytes (the 512-bit q8 loops' operand form,
+// quant_gguf_512.h); sa is the same either way.
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t stride, bool offset) {
   thread_local std::vector<int8_t> qa;
   thread_local std::vector<float> da, sa;
   const int64_t nb = K / kBlock;
@@ -118,14 +122,15 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t stride
         mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(a + 8 * c)));
       amax = hmax(mx);
       const float d = amax / 127.f;
-      sum = quantize_block(a, d > 0.f ? 1.f / d : 0.f, q);
+      sum = quantize_block(a, d > 0.f ? 1.f / d : 0.f, offset, q);
 #else
       for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(a[j]));
       const float d = amax / 127.f;
       const float inv = d > 0.f ? 1.f / d : 0.f;
       for (int64_t j = 0; j < kBlock; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(a[j] * inv));
-        sum += q[j];
+        const int code = static_cast<int>(std::nearbyint(a[j] * inv));
+        sum += code;
+        q[j] = static_cast<int8_t>(offset ? code ^ 0x80 : code);
       }
 #endif
       da[m * nb + b] = d;
@@ -387,8 +392,8 @@ void for_row_groups(int64_t M, int64_t N, int64_t G, float* out, const F& group)
   });
 }
 
-// Checks x and w, quantizes x and returns (y [M, N], activation codes, blocks per row,
-// record bytes, rows per group).
+// Checks x and w, quantizes x (codes offset by 128 with offset_codes) and returns (y [M, N],
+// activation codes, blocks per row, record bytes, rows per group).
 struct Call {
   at::Tensor y;
   QuantizedRows a;
@@ -413,7 +418,7 @@ int64_t record_rows(int64_t bytes, std::initializer_list<int64_t> per_row, const
 }
 
 Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t group_rows,
-             const char* op) {
+             bool offset_codes, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
               ": x must be [M, K] float32 with unit inner stride");
   TORCH_CHECK(x.size(1) % kBlock == 0, op, ": K must be a multiple of 32, got ", x.size(1));
@@ -424,7 +429,7 @@ Call prepare(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t group_
               " blocks per row, K = ", x.size(1));
   Call c{x.new_empty({x.size(0), n}), {}, w.size(1), w.size(2), group_rows};
   if (x.size(0) > 0 && n > 0)
-    c.a = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0));
+    c.a = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), offset_codes);
   return c;
 }
 
@@ -528,7 +533,7 @@ at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
               ": w must be a contiguous uint8 [ceil(N / G), K / 32, bytes] tensor");
   // Per row: 16 bytes of quants, then d and m as float16 (4 bytes) or float32 (8).
   const int64_t G = record_rows(w.size(2), {20, 24}, op);
-  Call c = prepare(x, w, n, G, op);
+  Call c = prepare(x, w, n, G, /*offset_codes=*/false, op);
   if (x.size(0) == 0 || n == 0) return c.y;
   const bool half = c.bytes == 20 * G;
   GroupFn fn = half ? q4_run<at::Half> : q4_run<float>;
@@ -545,7 +550,8 @@ at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {
               ": w must be a contiguous uint8 [ceil(N / G), K / 32, bytes] tensor");
   // Per row: 32 bytes of quants, then one float16 scale (2 bytes) or two float32 (8).
   const int64_t G = record_rows(w.size(2), {34, 40}, op);
-  Call c = prepare(x, w, n, G, op);
+  // The 16-row loops take the codes offset by 128 (quant_gguf_512.h q8_group).
+  Call c = prepare(x, w, n, G, /*offset_codes=*/G == kMaxRows, op);
   if (x.size(0) == 0 || n == 0) return c.y;
   const bool half = c.bytes == 34 * G;
   GroupFn fn = half ? q8_run<true> : q8_run<false>;

@@ -78,14 +78,18 @@ PAGEDLLM_GGUF_512_TARGET void q4_group(const uint8_t* w, int64_t nb, int64_t byt
 }
 
 // quant_gguf.cpp's q8_group_body on a 16-row record: 8 chunks of 64 bytes (lane r: row r's
-// elements 4g..4g+3), then d[16] float16 or d0[16], d1[16] float32. |w| is the unsigned operand
-// and w's sign moves onto the activation codes (a masked negation: AVX-512 has no vpsignb; where
-// w is 0 the product is 0 either way, and codes are never -128).
+// elements 4g..4g+3), then d[16] float16 or d0[16], d1[16] float32. The activation codes come
+// offset by 128 (quantize_rows' offset form: a + 128 as unsigned bytes), so vpdpbusd takes them
+// as its unsigned operand and the weights as its signed one as they are: sum (a + 128) w -
+// 128 sum w = sum a w, exactly (int32 throughout), with 128 sum w computed once per half block
+// for all R activation rows. The 8-row loops move w's sign onto the codes instead (one more
+// operation per activation row and chunk); both give the same int32 sums.
 template <bool Half, int R>
 PAGEDLLM_GGUF_512_TARGET void q8_group(const uint8_t* w, int64_t nb, int64_t bytes,
-                                       const int8_t* qa, const float* da, float* const* out,
+                                       const int8_t* ua, const float* da, float* const* out,
                                        int64_t prefetch_bytes) {
   const __m512i zero = _mm512_setzero_si512();
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
@@ -100,17 +104,18 @@ PAGEDLLM_GGUF_512_TARGET void q8_group(const uint8_t* w, int64_t nb, int64_t byt
       scale[1] = load16(s + kRows);
     }
     for (int h = 0; h < 2; ++h) {
-      __m512i sums[R];
-      for (int i = 0; i < R; ++i) sums[i] = _mm512_setzero_si512();
-      for (int g = 4 * h; g < 4 * h + 4; ++g) {
-        const __m512i v = _mm512_loadu_si512(w + 64 * g);
-        const __m512i magnitude = _mm512_abs_epi8(v);
-        const __mmask64 negative = _mm512_movepi8_mask(v);
-        for (int i = 0; i < R; ++i) {
-          const __m512i av = bcast4(qa + (i * nb + b) * kBlock + 4 * g);
-          sums[i] = dpbusd(sums[i], magnitude, _mm512_mask_sub_epi8(av, negative, zero, av));
-        }
+      __m512i v[4];
+      __m512i bias = zero;  // 128 sum w per lane over this half's 16 elements
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm512_loadu_si512(w + 64 * (4 * h + j));
+        bias = dpbusd(bias, offset, v[j]);
       }
+      const __m512i start = _mm512_sub_epi32(zero, bias);
+      __m512i sums[R];
+      for (int i = 0; i < R; ++i) sums[i] = start;
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < R; ++i)
+          sums[i] = dpbusd(sums[i], bcast4(ua + (i * nb + b) * kBlock + 4 * (4 * h + j)), v[j]);
       for (int i = 0; i < R; ++i)
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]),
                                  _mm512_mul_ps(scale[h], _mm512_set1_ps(da[i * nb + b])), acc[i]);
