@@ -73,6 +73,10 @@ def test_embedding_rows_equal_the_float32_expansion(qtype: str) -> None:
     assert out.shape == (2, 3, 512) and out.dtype == torch.float32
     assert torch.equal(out, table[ids])
     assert torch.equal(embedding(torch.arange(40)), table)
+    assert embedding(torch.empty(0, dtype=torch.long)).shape == (0, 512)
+    for bad in (-1, 40):
+        with pytest.raises(IndexError, match=r"\[0, 40\)"):
+            embedding(torch.tensor([3, bad]))
     assert embedding.weight_bytes() <= 0.32 * table.numel() * 4  # q8 + float32 per 16 at most
 
 

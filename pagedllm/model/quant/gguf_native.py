@@ -228,15 +228,16 @@ def repack(qtype: str, data: np.ndarray, rows: int) -> PackedBlocks:
 def dequantize_packed(p: PackedBlocks) -> torch.Tensor:
     """The float32 [N, K] matrix a :class:`PackedBlocks` holds (tests and reference;
     :class:`GGUFEmbedding`'s looked-up rows)."""
+    k = p.qs.shape[1] * (2 if p.kind == "q4" else 1)  # explicit sizes: rows may be 0
     if p.kind == "q4":
-        qs = p.qs.reshape(p.rows, -1, 16)
-        q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(p.rows, -1, 32).float()
+        qs = p.qs.reshape(p.rows, k // 32, 16)
+        q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(p.rows, k // 32, 32).float()
         dm = p.scales.float()
         w = q * dm[..., :1] + dm[..., 1:]
-        return w.reshape(p.rows, -1)
-    per = p.qs.shape[1] // p.scales.shape[1]  # 32 or 16 weights per scale
-    w = p.qs.float().reshape(p.rows, -1, per).mul_(p.scales.float()[..., None])
-    return w.reshape(p.rows, -1)
+        return w.reshape(p.rows, k)
+    per = k // p.scales.shape[1]  # 32 or 16 weights per scale
+    w = p.qs.float().reshape(p.rows, k // per, per).mul_(p.scales.float()[..., None])
+    return w.reshape(p.rows, k)
 
 
 #: Output rows interleaved per record of the kernel layout (``csrc/cpu/quant_gguf.h``) that runs
@@ -366,6 +367,9 @@ class GGUFEmbedding(nn.Module):
         table: the embedding matrix [V, d] (:class:`PackedBlocks`, not interleaved).
 
     Forward: ids (any shape) int64 -> [*ids.shape, d] float32.
+
+    Raises:
+        IndexError: an id outside [0, V) (as ``nn.Embedding``).
     """
 
     def __init__(self, table: PackedBlocks) -> None:
@@ -380,6 +384,8 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
         rows = PackedBlocks(self.kind, self.qs[flat], self.scales[flat])
         return dequantize_packed(rows).view(*ids.shape, self.embedding_dim)
 
