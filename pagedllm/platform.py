@@ -61,6 +61,7 @@ class CpuFlags:
     avx512dq: bool = False
     avx512_bf16: bool = False
     avx512_vnni: bool = False
+    avx_vnni: bool = False
     amx_bf16: bool = False
     amx_int8: bool = False
     source: str = "unknown"
@@ -77,7 +78,7 @@ class CpuFlags:
         """The known flags that are present, space-separated (for logs)."""
         names = [
             "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-            "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
+            "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
         ]  # fmt: skip
         present = [n for n in names if getattr(self, n)]
         return " ".join(present) if present else "none of avx2/avx512/amx"
@@ -85,7 +86,7 @@ class CpuFlags:
 
 _FIELDS = (
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-    "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
+    "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
 )  # fmt: skip
 
 

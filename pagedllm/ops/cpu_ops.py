@@ -45,6 +45,7 @@ class CpuOps:
         self._gguf_q4_linear = lib.gguf_q4_linear.default
         self._gguf_q8_linear = lib.gguf_q8_linear.default
         self._gguf_group_rows = int(lib.gguf_group_rows.default())
+        self._gguf_isa = str(lib.gguf_isa.default())
         self._int8_pack_weight = lib.int8_pack_weight.default
         self._int8_quantize_rows = lib.int8_quantize_rows.default
         self._int8_linear = lib.int8_linear.default
@@ -221,9 +222,17 @@ class CpuOps:
     @property
     def gguf_group_rows(self) -> int:
         """Output rows per record of the GGUF layout the fastest loops on this CPU read: 16
-        with AVX512-VNNI + AVX512-BW (512-bit loops), else 8 (``PAGEDLLM_GGUF_ISA=avx2`` forces
-        8). Both layouts give bit-identical outputs; 8-row records run on every CPU."""
+        with AVX512-VNNI + AVX512-BW (512-bit loops), else 8 (``PAGEDLLM_GGUF_ISA=avx2`` or
+        ``avx_vnni`` forces 8). Both layouts give bit-identical outputs; 8-row records run on
+        every CPU."""
         return self._gguf_group_rows
+
+    @property
+    def gguf_isa(self) -> str:
+        """The GGUF loops' integer step on this CPU: ``"avx512_vnni"``, ``"avx_vnni"`` (the VEX
+        vpdpbusd of AVX-VNNI CPUs without AVX-512), ``"avx2"`` (maddubs) or ``"scalar"``;
+        ``PAGEDLLM_GGUF_ISA=avx2|avx_vnni`` forces a lower one. All give bit-identical outputs."""
+        return self._gguf_isa
 
     def gguf_q4_linear(self, x: Tensor, w: Tensor, n: int) -> Tensor:
         """``x [M, K] float32 @ W^T`` -> ``[M, n]`` float32 for 4-bit affine blocks of 32 in the
@@ -275,7 +284,8 @@ class CpuOps:
         return self._int8_linear_record(x, record, out_features, bias)
 
     def int8_gemm_isa(self) -> str:
-        """The int8 inner loop this CPU runs: ``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``."""
+        """The int8 inner loop this CPU runs: ``"avx512_vnni"``, ``"avx_vnni"``, ``"avx2"`` or
+        ``"scalar"`` (``PAGEDLLM_INT8_ISA`` forces a lower one)."""
         return str(self._int8_gemm_isa())
 
     # ---- the decoder layers of a step (fused_layer.cpp) -----------------------------------

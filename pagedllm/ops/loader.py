@@ -49,9 +49,11 @@ Environment:
     PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products (scores and
         p . V) run on vdpbf16ps instead of AMX tiles (:meth:`CpuOps.attention_amx`; on by
         default where the CPU has amx_bf16).
-    PAGEDLLM_GGUF_ISA=avx2: the GGUF kernels run their 8-row AVX2 loops (not vpdpbusd, not the
-        16-row records); PAGEDLLM_INT8_ISA=avx2|scalar: the int8 GEMM's lower inner loops. Both
-        for tests on one CPU; another value leaves the best path on, with a warning.
+    PAGEDLLM_GGUF_ISA=avx2|avx_vnni: the GGUF kernels run their 8-row AVX2 (maddubs) or
+        AVX-VNNI (VEX vpdpbusd) loops, not the AVX512-VNNI ones nor the 16-row records;
+        PAGEDLLM_INT8_ISA=avx_vnni|avx2|scalar: the int8 GEMM's lower inner loops. Both for tests
+        on one CPU (a path the CPU lacks is ignored); another value leaves the best path on, with
+        a warning.
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -265,7 +267,10 @@ def env_turns_off(name: str) -> bool:
 
 
 # Values the kernels' own instruction-set overrides take (read by the C++ code, once).
-_ISA_OVERRIDES = {"PAGEDLLM_GGUF_ISA": ("auto", "avx2"), "PAGEDLLM_INT8_ISA": ("auto", "avx2", "scalar")}
+_ISA_OVERRIDES = {
+    "PAGEDLLM_GGUF_ISA": ("auto", "avx2", "avx_vnni"),
+    "PAGEDLLM_INT8_ISA": ("auto", "avx_vnni", "avx2", "scalar"),
+}
 
 
 def warn_unknown_isa_overrides() -> None:

@@ -222,9 +222,11 @@ class Worker:
             return
         quantize_linears(self.model, path, cpu_ops)  # the LM head, and the layers if not yet
         logger.info(
-            "quantization=gguf: %d matrices computed on GGUF blocks, %d output rows per record",
+            "quantization=gguf: %d matrices computed on GGUF blocks, %d output rows per record, "
+            "%s integer steps",
             sum(isinstance(m, GGUFLinear) for m in self.model.modules()),
             cpu_ops.gguf_group_rows,
+            cpu_ops.gguf_isa,
         )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -285,14 +285,17 @@ for qtype in SUPPORTED_TYPES:
         out[f"{qtype}-{m}"] = lin(torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)))
         lin16 = GGUFLinear([repack(qtype, gguf_blocks(qtype, n, k, rng), n).widened()], ops)
         out[f"{qtype}-{m}-f32"] = lin16(torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)))
+out["isa"] = ops.gguf_isa
 torch.save(out, sys.argv[1])
 """
 
 
-def test_vnni_loops_equal_the_avx2_loops_bit_for_bit(ops, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avx_vnni"])
+def test_vnni_loops_equal_the_avx2_loops_bit_for_bit(ops, tmp_path, isa: str) -> None:  # noqa: ANN001
     """On a CPU with AVX512-VNNI the q4 / q8 loops run vpdpbusd (on 16-row records where the
-    CPU also has AVX512-BW); the same int32 block sums and float operations as the 8-row
-    maddubs loops (``PAGEDLLM_GGUF_ISA=avx2``, a fresh process: the choice is made once per
+    CPU also has AVX512-BW), on one with AVX-VNNI its VEX form (``PAGEDLLM_GGUF_ISA=avx_vnni``
+    forces it where both exist); the same int32 block sums and float operations as the 8-row
+    maddubs loops (``PAGEDLLM_GGUF_ISA=avx2``; fresh processes: the choice is made once per
     process), so every output is the same float."""
     import os
     import subprocess
@@ -300,20 +303,23 @@ def test_vnni_loops_equal_the_avx2_loops_bit_for_bit(ops, tmp_path) -> None:  # 
 
     from pagedllm.platform import cpu_flags
 
-    flags = cpu_flags()
-    if not (flags.avx512_vnni and flags.avx2):
-        pytest.skip("vpdpbusd loops: the CPU lacks the avx512_vnni flag")
+    if not getattr(cpu_flags(), isa):
+        pytest.skip(f"{isa} loops: the CPU lacks the {isa} flag")
+    if ops.gguf_isa == "scalar":
+        pytest.skip(f"{isa} loops: the {ops.variant} kernel variant has no SIMD GGUF loops")
     outs = {}
-    for isa in ("auto", "avx2"):
-        env = {**os.environ, "PAGEDLLM_GGUF_ISA": isa}
-        path = tmp_path / f"{isa}.pt"
+    for forced in ("auto" if isa == "avx512_vnni" else isa, "avx2"):
+        env = {**os.environ, "PAGEDLLM_GGUF_ISA": forced}
+        path = tmp_path / f"{forced}.pt"
         done = subprocess.run([sys.executable, "-c", _PATH_OUTPUTS, str(path)], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        outs[isa] = torch.load(path)
-    assert outs["auto"].keys() == outs["avx2"].keys()
-    for key, y in outs["auto"].items():
-        assert torch.equal(y, outs["avx2"][key]), key
+        outs[forced] = torch.load(path)
+    vnni, avx2 = outs.values()
+    assert vnni.pop("isa") == isa and avx2.pop("isa") == "avx2"
+    assert vnni.keys() == avx2.keys()
+    for key, y in vnni.items():
+        assert torch.equal(y, avx2[key]), key
 
 
 def test_mixed_parts_bias_and_leading_dims(ops) -> None:  # noqa: ANN001
@@ -491,6 +497,6 @@ def test_unknown_isa_override_warns(monkeypatch, caplog, value: str) -> None:  #
     with caplog.at_level(logging.WARNING, logger="pagedllm.ops.loader"):
         warn_unknown_isa_overrides()
     assert [r.getMessage() for r in caplog.records] == [
-        f"PAGEDLLM_GGUF_ISA={value!r} is not one of auto, avx2 (exact, lower case); the best "
-        "path stays on"
+        f"PAGEDLLM_GGUF_ISA={value!r} is not one of auto, avx2, avx_vnni (exact, lower case); "
+        "the best path stays on"
     ]

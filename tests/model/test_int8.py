@@ -271,7 +271,7 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512_vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avx_vnni", "avx2", "scalar"])
 def test_each_isa_path_equals_the_reference_and_is_batch_invariant(ops, isa):
     """Every inner loop this CPU can run, forced in a fresh process (``PAGEDLLM_INT8_ISA``; the
     choice is made once per process), over row counts that cover whole and partial 8-row blocks
@@ -283,6 +283,10 @@ def test_each_isa_path_equals_the_reference_and_is_batch_invariant(ops, isa):
     flags = cpu_flags()
     if isa == "avx512_vnni" and not flags.avx512_vnni:
         pytest.skip("AVX512-VNNI path: the CPU lacks the avx512_vnni flag")
+    if isa == "avx_vnni" and not flags.avx_vnni:
+        pytest.skip("AVX-VNNI path: the CPU lacks the avx_vnni flag")
+    if isa == "avx_vnni" and ops.int8_gemm_isa() == "scalar":
+        pytest.skip("AVX-VNNI path: the scalar kernel variant has no SIMD loops")
     if isa == "avx2" and not flags.avx2:
         pytest.skip("AVX2 path: the CPU lacks the avx2 flag")
     if isa == "avx512_vnni" and ops.int8_gemm_isa() != "avx512_vnni":

@@ -87,6 +87,10 @@ def test_flags_of_each_cpu_kind() -> None:
     assert spr.has("amx_tile") and not spr.has("sve")
     assert "amx_int8" in spr.summary()
 
+    # An Alder Lake laptop: AVX-VNNI (VEX vpdpbusd) without AVX-512.
+    adl = parse_cpuinfo("flags\t: sse4_2 avx2 fma f16c avx_vnni")
+    assert adl.avx_vnni and not adl.avx512_vnni and "avx_vnni" in adl.summary()
+
     arm = parse_cpuinfo(GRAVITON)
     assert arm.has("asimd") and not arm.avx2
     assert missing_flags("avx2", arm) == ["avx2", "fma", "f16c"]

@@ -20,6 +20,8 @@
 //   llama.cpp's q8 dot products): |x|, |w| <= 127 gives pair sums <= 32258, never saturated.
 // - AVX512-VNNI: vpdpbusd (u8 x s8 -> int32 without saturation) on x + 128, minus 128 * the
 //   weight row sums (precomputed at load).
+// - AVX-VNNI: the same vpdpbusd, VEX-encoded on 256-bit registers, in the AVX2 loop's 4 x 16
+//   tiles (16 registers: no room for the 8 x 32 tile).
 // - scalar: plain loops (kernels built without AVX2).
 #include "int8_gemm.h"
 #include "int8_rows.h"
@@ -132,24 +134,62 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void kernel_vnni512(
       _mm512_storeu_si512(c + i * 2 * NR + p * NR, _mm512_sub_epi32(acc[i * PANELS + p], zero_point));
   }
 }
-#endif
 
+// acc += u (u8) . w (s8) per 4-byte lane, VEX-encoded (AVX-VNNI: ymm0-15, hence "x").
+__attribute__((target("avx2,avxvnni"), always_inline)) inline void dpbusd_vex(__m256i& acc,
+                                                                             __m256i u,
+                                                                             __m256i w) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(w));
+}
+
+// kernel_avx2's tile c[ROWS][NR] on vpdpbusd: the activations arrive as u8 with the +128 zero
+// point applied (as for kernel_vnni512), minus 128 * wsum [NR] (the panel's weight row sums).
+template <int ROWS>
+__attribute__((target("avx2,avxvnni"))) void kernel_avxvnni(const int32_t* a, const int8_t* b,
+                                                           int64_t G, const int32_t* wsum,
+                                                           int32_t* c, int ldc) {
+  __m256i lo[ROWS], hi[ROWS];
+  for (int i = 0; i < ROWS; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b + g * NR * KG));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b + g * NR * KG + 32));
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256i u = _mm256_set1_epi32(a[g * MR + i]);
+      dpbusd_vex(lo[i], u, w0);
+      dpbusd_vex(hi[i], u, w1);
+    }
+  }
+  const __m256i* ws = reinterpret_cast<const __m256i*>(wsum);
+  const __m256i zp_lo = _mm256_slli_epi32(_mm256_loadu_si256(ws), 7);
+  const __m256i zp_hi = _mm256_slli_epi32(_mm256_loadu_si256(ws + 1), 7);
+  for (int i = 0; i < ROWS; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc), _mm256_sub_epi32(lo[i], zp_lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc + 8),
+                        _mm256_sub_epi32(hi[i], zp_hi));
+  }
+}
+#endif
 
 Isa detect_isa() {
   Isa best = Isa::kScalar;
+  bool avxvnni = false;
 #if defined(PAGEDLLM_INT8_AVX2)
   best = Isa::kAvx2;
 #endif
 #if defined(PAGEDLLM_INT8_VNNI512)
+  avxvnni = __builtin_cpu_supports("avxvnni");
+  if (avxvnni) best = Isa::kAvxVnni;
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) best = Isa::kVnni512;
 #endif
-  // PAGEDLLM_INT8_ISA=avx2|scalar picks a lower path (tests run every path on one CPU); a path
-  // above the best one is ignored.
+  // PAGEDLLM_INT8_ISA=avx_vnni|avx2|scalar picks a lower path (tests run every path on one
+  // CPU); a path the CPU or build lacks is ignored.
   const char* forced = std::getenv("PAGEDLLM_INT8_ISA");
   if (forced != nullptr) {
     const std::string name(forced);
     if (name == "scalar") return Isa::kScalar;
     if (name == "avx2" && best != Isa::kScalar) return Isa::kAvx2;
+    if (name == "avx_vnni" && avxvnni) return Isa::kAvxVnni;
   }
   return best;
 }
@@ -175,19 +215,24 @@ float read_outlier_threshold() {
   return threshold;
 }
 
+// ws: the panel's weight row sums (the AVX-VNNI loop's zero point).
 template <int ROWS>
-void tile_rows(Isa isa, const int32_t* a, const int8_t* b, int64_t G, int32_t* c, int ldc) {
+void tile_rows(Isa isa, const int32_t* a, const int8_t* b, int64_t G, const int32_t* ws,
+               int32_t* c, int ldc) {
+#if defined(PAGEDLLM_INT8_VNNI512)
+  if (isa == Isa::kAvxVnni) return kernel_avxvnni<ROWS>(a, b, G, ws, c, ldc);
+#endif
 #if defined(PAGEDLLM_INT8_AVX2)
   if (isa == Isa::kAvx2) return kernel_avx2<ROWS>(a, b, G, c, ldc);
 #endif
-  (void)isa;
+  (void)isa, (void)ws;
   kernel_scalar<ROWS>(a, b, G, c, ldc);
 }
 
 // One block of the output: c[rows][2 * NR] for rows <= 2 * MR (rows 0-3 from activation tile a0,
-// 4-7 from a1) against `panels` (1 or 2) weight panels b0, b1. The AVX2 and scalar loops run it
-// as 4 x 16 tiles; AVX512-VNNI in one 8 x 32 kernel (its activations arrive with the +128 zero
-// point already applied).
+// 4-7 from a1) against `panels` (1 or 2) weight panels b0, b1 (ws0, ws1: their weight row sums).
+// The AVX-VNNI, AVX2 and scalar loops run it as 4 x 16 tiles; AVX512-VNNI in one 8 x 32 kernel
+// (the VNNI loops' activations arrive with the +128 zero point already applied).
 #if defined(PAGEDLLM_INT8_VNNI512)
 template <int ROWS>
 void block_vnni_rows(int panels, const int32_t* a0, const int32_t* a1, const int8_t* b0,
@@ -214,20 +259,19 @@ void block(Isa isa, int rows, int panels, const int32_t* a0, const int32_t* a1, 
       default: return block_vnni_rows<1>(panels, a0, a1, b0, b1, G, ws0, ws1, c);
     }
   }
-#else
-  (void)ws0, (void)ws1;
 #endif
   for (int half = 0; half * MR < rows; ++half) {
     const int r = std::min(MR, rows - half * MR);
     const int32_t* a = half ? a1 : a0;
     for (int p = 0; p < panels; ++p) {
       const int8_t* b = p ? b1 : b0;
+      const int32_t* ws = p ? ws1 : ws0;
       int32_t* cp = c + half * MR * ldc + p * NR;
       switch (r) {
-        case 4: tile_rows<4>(isa, a, b, G, cp, ldc); break;
-        case 3: tile_rows<3>(isa, a, b, G, cp, ldc); break;
-        case 2: tile_rows<2>(isa, a, b, G, cp, ldc); break;
-        default: tile_rows<1>(isa, a, b, G, cp, ldc); break;
+        case 4: tile_rows<4>(isa, a, b, G, ws, cp, ldc); break;
+        case 3: tile_rows<3>(isa, a, b, G, ws, cp, ldc); break;
+        case 2: tile_rows<2>(isa, a, b, G, ws, cp, ldc); break;
+        default: tile_rows<1>(isa, a, b, G, ws, cp, ldc); break;
       }
     }
   }
@@ -241,7 +285,7 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
                float* yd) {
   const int64_t G = (K + KG - 1) / KG;
   // x -> int8 tiles [2 * ceil(M / 8)][G][4] (one int32 = 4 k of one row; rows past M and k past
-  // K zero, rows past M never read; on the VNNI path each byte + 128, as u8) and the row scales.
+  // K zero, rows past M never read; on the VNNI paths each byte + 128, as u8) and the row scales.
   const Isa isa = active_isa();
   const int64_t blocks = (M + 2 * MR - 1) / (2 * MR);
   // Per calling thread and reused: a decode step makes hundreds of these calls.
@@ -261,7 +305,8 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
   float* ov = out_v.data();
   int32_t* on = out_n.data();
   const float threshold = int8_outlier_threshold(), limit = outlier_limit(threshold);
-  const uint32_t zero_point = isa == Isa::kVnni512 ? 0x80808080u : 0u;
+  const bool vnni = isa == Isa::kVnni512 || isa == Isa::kAvxVnni;
+  const uint32_t zero_point = vnni ? 0x80808080u : 0u;
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> row(G * KG, 0);
     for (int64_t m = m0; m < m1; ++m) {
@@ -327,6 +372,7 @@ float int8_outlier_threshold() {
 std::string int8_gemm_isa() {
   switch (active_isa()) {
     case Isa::kVnni512: return "avx512_vnni";
+    case Isa::kAvxVnni: return "avx_vnni";
     case Isa::kAvx2: return "avx2";
     default: return "scalar";
   }

@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #define PAGEDLLM_INT8_AVX2 1
 #endif
+// Target attributes (GCC): the AVX512-VNNI and AVX-VNNI loops are compiled into every AVX2 build
+// and picked at run time.
 #if defined(PAGEDLLM_INT8_AVX2) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDLLM_INT8_VNNI512 1
 #endif
@@ -26,8 +28,10 @@ namespace {  // one translation unit includes this
 constexpr int NR = kInt8Panel;
 constexpr int KG = 4;  // k per group (one int32 of activations)
 
-// The inner loops, picked at run time (int8_gemm.cpp active_isa).
-enum class Isa { kScalar, kAvx2, kVnni512 };
+// The inner loops, picked at run time (int8_gemm.cpp active_isa). kAvxVnni: vpdpbusd
+// VEX-encoded on 256-bit registers (AVX-VNNI: Intel client CPUs from Alder Lake on, without
+// AVX-512); its rows' quantization, scaling and outliers take the scalar / AVX2 forms.
+enum class Isa { kScalar, kAvx2, kAvxVnni, kVnni512 };
 
 // dst[j] = (c[j] * sx) * sw[j] (+ bias[j]) for j < cols <= 2 * NR: the order of the PyTorch
 // fallback. A column takes the same path whatever the row count, so a row's result does not

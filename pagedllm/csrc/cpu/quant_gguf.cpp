@@ -38,11 +38,13 @@
 #define PAGEDLLM_GGUF_AVX2 1
 #endif
 
-// AVX512-VNNI (with AVX512-VL: vpdpbusd on 256-bit registers) replaces maddubs + madd + add by
-// one instruction; picked at run time (GCC: target attributes).
+// AVX512-VNNI (with AVX512-VL: vpdpbusd on 256-bit registers) or AVX-VNNI (the same instruction
+// VEX-encoded: Intel client CPUs from Alder Lake on, without AVX-512) replaces maddubs + madd +
+// add by one instruction; picked at run time (GCC: target attributes).
 #if defined(PAGEDLLM_GGUF_AVX2) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDLLM_GGUF_VNNI 1
 #define PAGEDLLM_GGUF_VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define PAGEDLLM_GGUF_AVXVNNI_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 #include "quant_gguf_512.h"
 #endif
 
@@ -171,7 +173,8 @@ inline void prefetch_record(const uint8_t* w, int64_t bytes) {
 //   (8 * 2 * 15 * 127 = 30480), so they add as int16 and widen once per block;
 // - Q8Maddubs: maddubs widened at every step (|w| up to 127 would overflow int16);
 // - Vnni: vpdpbusd, int32 throughout (AVX512-VNNI + VL; inline asm because GCC's builtin copies
-//   the tied accumulator through another register at every use, seen in int8_gemm.cpp).
+//   the tied accumulator through another register at every use, seen in int8_gemm.cpp);
+// - AvxVnni: the same vpdpbusd VEX-encoded (AVX-VNNI; ymm0-15 only, hence the "x" operands).
 struct Q4Maddubs {
   static __m256i step(__m256i acc, __m256i u, __m256i v) {
     return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, v));
@@ -189,6 +192,13 @@ struct Q8Maddubs {
 struct Vnni {
   PAGEDLLM_GGUF_VNNI_TARGET static __m256i step(__m256i acc, __m256i u, __m256i v) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(v));
+    return acc;
+  }
+  static __m256i finish(__m256i acc) { return acc; }
+};
+struct AvxVnni {
+  PAGEDLLM_GGUF_AVXVNNI_TARGET static __m256i step(__m256i acc, __m256i u, __m256i v) {
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(v));
     return acc;
   }
   static __m256i finish(__m256i acc) { return acc; }
@@ -302,21 +312,42 @@ PAGEDLLM_GGUF_VNNI_TARGET void q8_group_vnni(const uint8_t* w, int64_t nb, int64
   q8_group_body<Vnni, Half, R>(w, nb, bytes, qa, da, out);
 }
 
-// Whether the vpdpbusd loops run: the CPU has AVX512-VNNI and AVX512-VL, and
-// PAGEDLLM_GGUF_ISA is not "avx2" (which forces the maddubs loops, for tests on one CPU).
-bool gguf_vnni_active() {
-  static const bool active = [] {
-    const char* forced = std::getenv("PAGEDLLM_GGUF_ISA");
-    if (forced != nullptr && std::string(forced) == "avx2") return false;
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-  }();
-  return active;
+template <typename S, int R>
+PAGEDLLM_GGUF_AVXVNNI_TARGET void q4_group_avxvnni(const uint8_t* w, int64_t nb, int64_t bytes,
+                                                   const int8_t* qa, const float* da,
+                                                   const float* sa, float* const* out) {
+  q4_group_body<AvxVnni, S, R>(w, nb, bytes, qa, da, sa, out);
+}
+template <bool Half, int R>
+PAGEDLLM_GGUF_AVXVNNI_TARGET void q8_group_avxvnni(const uint8_t* w, int64_t nb, int64_t bytes,
+                                                   const int8_t* qa, const float* da,
+                                                   float* const* out) {
+  q8_group_body<AvxVnni, Half, R>(w, nb, bytes, qa, da, out);
 }
 
-// Whether 16-row records run (quant_gguf_512.h): the vpdpbusd loops are on and the CPU has
+// The integer step of the 8-row loops on this CPU: vpdpbusd where the CPU has AVX512-VNNI +
+// AVX512-VL (EVEX) or else AVX-VNNI (VEX), maddubs otherwise. PAGEDLLM_GGUF_ISA=avx2 forces
+// maddubs and =avx_vnni the VEX form (where the CPU has it), for tests of every loop on one CPU.
+enum class DotIsa { kMaddubs, kAvxVnni, kVnni };
+DotIsa gguf_dot_isa() {
+  static const DotIsa isa = [] {
+    const bool avxvnni = __builtin_cpu_supports("avxvnni");
+    const char* forced = std::getenv("PAGEDLLM_GGUF_ISA");
+    const std::string name = forced ? forced : "";
+    if (name == "avx2") return DotIsa::kMaddubs;
+    if (name == "avx_vnni" && avxvnni) return DotIsa::kAvxVnni;
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
+      return DotIsa::kVnni;
+    return avxvnni ? DotIsa::kAvxVnni : DotIsa::kMaddubs;
+  }();
+  return isa;
+}
+
+// Whether 16-row records run (quant_gguf_512.h): the AVX512-VNNI loops are on and the CPU has
 // AVX512-BW for the 512-bit byte operations.
 bool gguf_512_active() {
-  static const bool active = gguf_vnni_active() && __builtin_cpu_supports("avx512bw");
+  static const bool active =
+      gguf_dot_isa() == DotIsa::kVnni && __builtin_cpu_supports("avx512bw");
   return active;
 }
 #endif
@@ -458,9 +489,13 @@ void q4_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const
             const float* sa, int count, float* const* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
 #ifdef PAGEDLLM_GGUF_VNNI
-  if (gguf_vnni_active())
+  if (gguf_dot_isa() == DotIsa::kVnni)
     return with_row_count(count, [&](auto r) {
       q4_group_vnni<S, decltype(r)::value>(w, nb, bytes, qa, da, sa, out);
+    });
+  if (gguf_dot_isa() == DotIsa::kAvxVnni)
+    return with_row_count(count, [&](auto r) {
+      q4_group_avxvnni<S, decltype(r)::value>(w, nb, bytes, qa, da, sa, out);
     });
 #endif
   with_row_count(count, [&](auto r) {
@@ -477,9 +512,13 @@ void q8_run(const uint8_t* w, int64_t nb, int64_t bytes, const int8_t* qa, const
             const float* /*sa*/, int count, float* const* out) {
 #ifdef PAGEDLLM_GGUF_AVX2
 #ifdef PAGEDLLM_GGUF_VNNI
-  if (gguf_vnni_active())
+  if (gguf_dot_isa() == DotIsa::kVnni)
     return with_row_count(count, [&](auto r) {
       q8_group_vnni<Half, decltype(r)::value>(w, nb, bytes, qa, da, out);
+    });
+  if (gguf_dot_isa() == DotIsa::kAvxVnni)
+    return with_row_count(count, [&](auto r) {
+      q8_group_avxvnni<Half, decltype(r)::value>(w, nb, bytes, qa, da, out);
     });
 #endif
   with_row_count(count, [&](auto r) {
@@ -525,6 +564,20 @@ int64_t gguf_group_rows() {
   if (gguf_512_active()) return kMaxRows;
 #endif
   return kRows;
+}
+
+std::string gguf_isa() {
+#ifdef PAGEDLLM_GGUF_VNNI
+  switch (gguf_dot_isa()) {
+    case DotIsa::kVnni: return "avx512_vnni";
+    case DotIsa::kAvxVnni: return "avx_vnni";
+    default: return "avx2";
+  }
+#elif defined(PAGEDLLM_GGUF_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
 }
 
 at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) {

@@ -4,6 +4,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace pagedllm {
 // Both kernels take w [ceil(N / G), K / 32, bytes] uint8: output rows in groups of G = 8 (the last
 // group zero-padded), one record per (row group, block of 32) of `bytes` bytes. The records below
@@ -23,6 +25,10 @@ at::Tensor gguf_q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
 //   float32, one per 16 (bytes = 320).
 at::Tensor gguf_q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n);
 // The rows per group the fastest loops on this CPU read: 16 with AVX512-VNNI + BW (unless
-// PAGEDLLM_GGUF_ISA=avx2), else 8. Records of 8 rows run everywhere.
+// PAGEDLLM_GGUF_ISA=avx2 or avx_vnni), else 8. Records of 8 rows run everywhere.
 int64_t gguf_group_rows();
+// The integer step the loops run: "avx512_vnni" (vpdpbusd, EVEX), "avx_vnni" (vpdpbusd, VEX:
+// AVX-VNNI CPUs without AVX-512, or forced by PAGEDLLM_GGUF_ISA=avx_vnni), "avx2" (maddubs;
+// forced by PAGEDLLM_GGUF_ISA=avx2) or "scalar" (kernels built without AVX2).
+std::string gguf_isa();
 }  // namespace pagedllm

@@ -2,7 +2,7 @@
 //
 // Each schema names its arguments and marks those written in place (Tensor(a!)), so the ops are
 // ordinary dispatcher ops (torch.ops.pagedllm.rms_norm, ...). The tensor ops get a CPU kernel;
-// simd_level, gemm_bf16_supported, gemm_amx, int8_gemm_isa, attention_bf16_dot and
+// simd_level, gemm_bf16_supported, gemm_amx, gguf_isa, int8_gemm_isa, attention_bf16_dot and
 // attention_amx have no tensor argument and are registered for every backend. Typed Python wrappers:
 // pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
 // pagedllm/ops/loader.py), and a process loads exactly one of them.
@@ -67,6 +67,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gguf_q4_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("gguf_q8_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("gguf_group_rows() -> int", &pagedllm::gguf_group_rows);
+  m.def("gguf_isa() -> str", &pagedllm::gguf_isa);
   m.def("int8_pack_weight(Tensor qweight) -> Tensor");
   m.def("int8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
   m.def(
