@@ -148,7 +148,10 @@ template <int ROWS>
 __attribute__((target("avx2,avxvnni"))) void kernel_avxvnni(const int32_t* a, const int8_t* b,
                                                            int64_t G, const int32_t* wsum,
                                                            int32_t* c, int ldc) {
+  // Every loop over the rows unrolled, so that GCC keeps lo / hi in registers (with a loop
+  // left rolled it kept them on the stack, a load and a store around every vpdpbusd).
   __m256i lo[ROWS], hi[ROWS];
+#pragma GCC unroll 4
   for (int i = 0; i < ROWS; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
   for (int64_t g = 0; g < G; ++g) {
     const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b + g * NR * KG));
@@ -163,6 +166,7 @@ __attribute__((target("avx2,avxvnni"))) void kernel_avxvnni(const int32_t* a, co
   const __m256i* ws = reinterpret_cast<const __m256i*>(wsum);
   const __m256i zp_lo = _mm256_slli_epi32(_mm256_loadu_si256(ws), 7);
   const __m256i zp_hi = _mm256_slli_epi32(_mm256_loadu_si256(ws + 1), 7);
+#pragma GCC unroll 4
   for (int i = 0; i < ROWS; ++i) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc), _mm256_sub_epi32(lo[i], zp_lo));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc + 8),
