@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.quant.gguf_native import (
+    KERNEL_BYTES_PER_32,
     SUPPORTED_TYPES,
     GGUFEmbedding,
     GGUFLinear,
@@ -235,22 +236,25 @@ def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
 
 
 def native_block_bytes(config: ModelArchConfig, path: str | Path) -> int:
-    """Bytes the file stores for :func:`native_tensor_names`' tensors and the LM head's (its
-    GGUF layer, also built where the embedding is tied; a tied embedding kept in blocks is
-    held twice, once per layout): the weight memory a ``load_model(keep_gguf_blocks=True)``
-    state dict leaves out of ``weight_bytes``. The repacked copies are about as large for
-    Q4_0, Q4_1 and Q8_0 and larger for the others (Q4_K ~1.33x: float32 scales; Q5_0 and Q6_K
-    ~1.5x: widened to 8 bits)."""
+    """Bytes the repacked blocks of :func:`native_tensor_names`' tensors and of the LM head
+    (its GGUF layer, also built where the embedding is tied; a tied embedding kept in blocks is
+    held twice, once per layout) take (``KERNEL_BYTES_PER_32``; the padding rows of the
+    interleaved records left out): the weight memory a ``load_model(keep_gguf_blocks=True)``
+    state dict leaves out of ``weight_bytes``. About the file's bytes for Q4_0, Q4_1 and Q8_0;
+    Q4_K ~1.33x (float32 scales), Q5_0 and Q6_K ~1.5x (widened to 8 bits)."""
     from pagedllm.model.loader.gguf_loader import open_gguf
+
+    def kernel_bytes(tensor: Any) -> int:
+        return int(tensor.n_elements) // 32 * KERNEL_BYTES_PER_32[tensor.tensor_type.name]
 
     reader = open_gguf(path)
     names = native_tensor_names(config, reader)
     by_name = {t.name: t for t in reader.tensors}
-    total = sum(int(by_name[n].n_bytes) for n in names)
+    total = sum(kernel_bytes(by_name[n]) for n in names)
     head = by_name.get("output.weight", by_name.get("token_embd.weight"))
     head = head if head is not None and head.tensor_type.name in SUPPORTED_TYPES else None
     if head is not None and (head.name not in names or head.name == "token_embd.weight"):
-        total += int(head.n_bytes)  # the LM head's GGUF layer
+        total += kernel_bytes(head)  # the LM head's GGUF layer
     return total
 
 

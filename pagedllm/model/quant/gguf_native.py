@@ -49,6 +49,16 @@ BLOCK_BYTES: dict[str, tuple[int, int]] = {
     "Q5_0": (22, 32),
     "Q6_K": (210, 256),
 }
+#: GGUF type name -> bytes per 32 weights once repacked (quants, then scales: float16 where the
+#: file's scale is one, float32 for Q4_K's and Q6_K's products; see the module docstring).
+KERNEL_BYTES_PER_32: dict[str, int] = {
+    "Q4_0": 16 + 4,
+    "Q4_1": 16 + 4,
+    "Q4_K": 16 + 8,
+    "Q8_0": 32 + 2,
+    "Q5_0": 32 + 2,
+    "Q6_K": 32 + 8,
+}
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 Q8_TYPES = ("Q8_0", "Q5_0", "Q6_K")
 SUPPORTED_TYPES = Q4_TYPES + Q8_TYPES
