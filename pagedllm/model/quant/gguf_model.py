@@ -270,8 +270,8 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
     :class:`GGUFEmbedding` on ``token_embd.weight``'s blocks (one repack, shared with a tied
     head). A MoE layer's SwiGLU experts get one layer per expert for gate/up and one for down,
     cut from llama.cpp's stacked ``ffn_*_exps`` blocks (not GPT-OSS's, whose experts have their
-    own activation and biases). Runs before or after ``pack_linears`` (the same projections either way).
-    Returns the number of matrices replaced.
+    own activation and biases). Runs before or after ``pack_linears`` (the same projections
+    either way). Returns the number of matrices replaced (the embedding not counted).
 
     Raises:
         ValueError: the file is not a valid GGUF file, or a tensor's rows do not fit the model.
@@ -318,7 +318,8 @@ def quantize_linears(model: nn.Module, path: str | Path, cpu_ops: CpuOps) -> int
         and head_tensor.tensor_type.name in SUPPORTED_TYPES
         and getattr(model, "group", None) is None
     ):
-        parts = [embedding] if embedding is not None and head != "lm_head.weight" else None
-        model.lm_head_packed = GGUFLinear(parts or parts_for([head]), cpu_ops)  # type: ignore[assignment]
+        # A tied head reuses the embedding's repack.
+        parts = parts_for([head]) if embedding is None or head == "lm_head.weight" else [embedding]
+        model.lm_head_packed = GGUFLinear(parts, cpu_ops)  # type: ignore[assignment]
         count += 1
     return count

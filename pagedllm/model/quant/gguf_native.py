@@ -407,4 +407,3 @@ class GGUFEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}, gguf blocks"
-
