@@ -181,7 +181,7 @@ class Worker:
                 ``quantize_linears`` disagree: a bug).
         """
         from pagedllm.model.loader.gguf_loader import load_gguf_weights
-        from pagedllm.model.quant.gguf_model import quantize_linears
+        from pagedllm.model.quant.gguf_model import quantize_linears, unloaded_parameter_ids
 
         if path is None:
             raise ValueError(
@@ -192,8 +192,7 @@ class Worker:
             _, state = load_gguf_weights(path, dtype)  # _quantize_gguf warns about the reason
             self.model.load_weights(state)
             return
-        params = dict(self.model.named_parameters())
-        unloaded = {id(params[n]) for n in self.model.unloaded_params if n in params}
+        unloaded = unloaded_parameter_ids(self.model)
         quantize_linears(self.model, path, cpu_ops)  # the LM head too: it is not packed then
         if id(self.model.lm_head_weight) in unloaded and self.model.lm_head_packed is not None:
             # A head left in blocks (untied, or tied to an embedding now a GGUFEmbedding): the

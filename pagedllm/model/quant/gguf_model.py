@@ -198,13 +198,18 @@ def _embedding_tensor(model: nn.Module, by_hf: dict[str, Any]) -> Any | None:
     return tensor if shape == tuple(embedding.weight.shape) else None
 
 
-def _embedding_unloaded(model: nn.Module) -> bool:
-    """Whether ``model``'s token embedding is a placeholder ``load_weights`` left unloaded
-    (``unloaded_params``; a tied head's parameter may name it ``lm_head_weight``)."""
+def unloaded_parameter_ids(model: nn.Module) -> set[int]:
+    """The ``id`` of every parameter ``load_weights`` left unloaded (``model.unloaded_params``
+    names them, and a tied embedding may be named ``lm_head_weight`` there, so identity is what
+    tells which module's weight it is)."""
     params = dict(model.named_parameters())
+    return {id(params[n]) for n in getattr(model, "unloaded_params", ()) if n in params}
+
+
+def _embedding_unloaded(model: nn.Module) -> bool:
+    """Whether ``model``'s token embedding is a placeholder ``load_weights`` left unloaded."""
     table = getattr(getattr(model, "embed_tokens", None), "weight", None)
-    unloaded = getattr(model, "unloaded_params", ())
-    return table is not None and any(params.get(n) is table for n in unloaded)
+    return table is not None and id(table) in unloaded_parameter_ids(model)
 
 
 def native_tensor_names(config: ModelArchConfig, reader: Any) -> set[str]:
