@@ -285,7 +285,8 @@ class CpuOps:
 
     def int8_gemm_isa(self) -> str:
         """The int8 inner loop this CPU runs: ``"avx512_vnni"``, ``"avx_vnni"``, ``"avx2"`` or
-        ``"scalar"`` (``PAGEDLLM_INT8_ISA`` forces a lower one)."""
+        ``"scalar"`` (``PAGEDLLM_INT8_ISA`` forces a lower one), or ``"amx_int8"`` (AMX tiles,
+        only when ``PAGEDLLM_INT8_ISA=amx_int8`` asks for them on a CPU with amx_int8)."""
         return str(self._int8_gemm_isa())
 
     # ---- the decoder layers of a step (fused_layer.cpp) -----------------------------------

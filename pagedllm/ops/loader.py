@@ -53,7 +53,8 @@ Environment:
         AVX-VNNI (VEX vpdpbusd) loops, not the AVX512-VNNI ones nor the 16-row records;
         PAGEDLLM_INT8_ISA=avx_vnni|avx2|scalar: the int8 GEMM's lower inner loops. Both for tests
         on one CPU (a path the CPU lacks is ignored); another value leaves the best path on, with
-        a warning.
+        a warning. PAGEDLLM_INT8_ISA=amx_int8: the int8 GEMM on AMX tiles (TDPBUSD), where the
+        CPU has amx_int8; not the default until measured against avx512_vnni on such a CPU.
     PAGEDLLM_KERNEL_CACHE_DIR: the build root, overriding ``$PAGEDLLM_CACHE_DIR/torch_extensions``.
     PAGEDLLM_KERNEL_BUILD_TIMEOUT: seconds to wait for another process's build (default 1800);
         past it the loader falls back with a warning naming the lock file.
@@ -269,7 +270,7 @@ def env_turns_off(name: str) -> bool:
 # Values the kernels' own instruction-set overrides take (read by the C++ code, once).
 _ISA_OVERRIDES = {
     "PAGEDLLM_GGUF_ISA": ("auto", "avx2", "avx_vnni"),
-    "PAGEDLLM_INT8_ISA": ("auto", "avx_vnni", "avx2", "scalar"),
+    "PAGEDLLM_INT8_ISA": ("auto", "amx_int8", "avx_vnni", "avx2", "scalar"),
 }
 
 

@@ -257,7 +257,7 @@ for n, k in [(40, 130), (33, 17), (96, 64), (5, 1)]:  # 3, 3, 6 and 1 panels of 
     w, b = torch.randn(n, k), torch.randn(n)
     lin = Int8Linear(w, b, ops)
     qw, sw = quantize_symmetric(w)
-    for rows in (1, 3, 4, 5, 8, 9, 13, 17):
+    for rows in (1, 3, 4, 5, 8, 9, 13, 16, 17, 33):
         x = torch.randn(rows, k) * 3
         x[rows // 2, : min(k, 40)] = 30.0  # more outliers than the kernel lists per row
         got = lin(x)
@@ -271,16 +271,21 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512_vnni", "avx_vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["amx_int8", "avx512_vnni", "avx_vnni", "avx2", "scalar"])
 def test_each_isa_path_equals_the_reference_and_is_batch_invariant(ops, isa):
     """Every inner loop this CPU can run, forced in a fresh process (``PAGEDLLM_INT8_ISA``; the
     choice is made once per process), over row counts that cover whole and partial 8-row blocks
-    and shapes with odd panel counts (the VNNI kernel takes panels two at a time)."""
+    (16-row blocks for the AMX tiles) and shapes with odd panel counts (the VNNI kernel and the
+    AMX tiles take panels two at a time) and K across whole and partial 64-k tile rows."""
     import os
     import subprocess
     import sys
 
     flags = cpu_flags()
+    if isa == "amx_int8" and not flags.amx_int8:
+        pytest.skip("AMX-INT8 path: the CPU lacks the amx_int8 flag")
+    if isa == "amx_int8" and ops.variant != "avx512":
+        pytest.skip(f"AMX-INT8 path: the {ops.variant} kernel variant is built without AMX")
     if isa == "avx512_vnni" and not flags.avx512_vnni:
         pytest.skip("AVX512-VNNI path: the CPU lacks the avx512_vnni flag")
     if isa == "avx_vnni" and not flags.avx_vnni:
@@ -298,10 +303,10 @@ def test_each_isa_path_equals_the_reference_and_is_batch_invariant(ops, isa):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def test_amx_int8_path_skips_without_amx():
-    if not cpu_flags().amx_int8:
-        pytest.skip("AMX-INT8 path: the CPU lacks the amx_int8 flag")
-    pytest.skip("AMX-INT8 tiles are not implemented yet (avx512_vnni runs on AMX CPUs)")
+def test_amx_int8_tiles_are_opt_in(ops):
+    """Not yet measured against AVX512-VNNI on an AMX Xeon, the AMX tiles run only when asked
+    for: on every CPU the default loop is another one."""
+    assert ops.int8_gemm_isa() != "amx_int8"
 
 
 def test_quantize_linear_layers_replaces_plain_and_row_parallel():

@@ -1,13 +1,15 @@
-// Intel AMX tile plumbing shared by the bf16 GEMM (gemm_amx.cpp) and the attention scores
-// (attention_amx.cpp): the tile configuration, the CPU and kernel checks, and literal-number
-// wrappers of the tile intrinsics. Only the avx512 kernel variant on x86-64 defines
-// PAGEDLLM_AMX; elsewhere this header declares only tiles_usable(), always false.
+// Intel AMX tile plumbing shared by the bf16 GEMM (gemm_amx.cpp), the attention scores
+// (attention_amx.cpp) and the int8 GEMM's TDPBUSD tiles (int8_gemm.cpp): the tile
+// configuration, the CPU and kernel checks, and literal-number wrappers of the tile intrinsics.
+// Only the avx512 kernel variant on x86-64 defines PAGEDLLM_AMX; elsewhere this header declares
+// only tiles_usable() and int8_tiles_usable(), always false.
 //
-// One configuration serves both users: palette 1 with all 8 tiles at 16 rows x 64 bytes (an A
-// tile is 16 rows x 32 bf16, a B tile 16 (k, k + 1) pair rows x 16 columns, a C tile 16 x 16
-// fp32). TDPBF16PS computes C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1]
-// in fp32 (Intel 64 and IA-32 Architectures Software Developer's Manual, TDPBF16PS): an element
-// depends only on its A row and B column, never on the other rows of the tile.
+// One configuration serves all users: palette 1 with all 8 tiles at 16 rows x 64 bytes (an A
+// tile is 16 rows x 32 bf16 or 64 u8, a B tile 16 (k, k + 1) pair rows or 16 rows of 4 k x 16
+// columns, a C tile 16 x 16 fp32 or int32). TDPBF16PS computes C[m][n] += sum over k of
+// A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1] in fp32 (Intel 64 and IA-32 Architectures
+// Software Developer's Manual, TDPBF16PS): an element depends only on its A row and B column,
+// never on the other rows of the tile.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -43,6 +45,12 @@ inline bool cpu_has_amx_bf16() {
   return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
 }
 
+inline bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
+}
+
 // Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16+); the grant covers all threads.
 inline bool request_tile_state() {
@@ -55,6 +63,13 @@ inline bool request_tile_state() {
 // tile state (asked once).
 inline bool tiles_usable() {
   static const bool ok = cpu_has_amx_bf16() && request_tile_state();
+  return ok;
+}
+
+// Whether this process may run AMX int8 tiles (TDPBUSD): the CPU has them and the kernel granted
+// the tile state.
+inline bool int8_tiles_usable() {
+  static const bool ok = cpu_has_amx_int8() && request_tile_state();
   return ok;
 }
 
@@ -160,6 +175,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dp_tile() {
 namespace pagedllm {
 namespace amx {
 inline bool tiles_usable() { return false; }
+inline bool int8_tiles_usable() { return false; }
 }  // namespace amx
 }  // namespace pagedllm
 #endif  // x86-64 with AVX-512

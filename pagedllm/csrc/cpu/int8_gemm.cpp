@@ -22,9 +22,18 @@
 //   weight row sums (precomputed at load).
 // - AVX-VNNI: the same vpdpbusd, VEX-encoded on 256-bit registers, in the AVX2 loop's 4 x 16
 //   tiles (16 registers: no room for the 8 x 32 tile).
+// - AMX-INT8 (Intel Xeons from Sapphire Rapids on; only when PAGEDLLM_INT8_ISA=amx_int8 asks for
+//   it, until it has been measured against AVX512-VNNI on such a CPU): TDPBUSD, u8 x s8 -> int32
+//   on tiles (Intel SDM, TDPBUSD), C[m][n] += sum over 64 k of A[m][k] B[k / 4][4 n + k % 4].
+//   The weight panels' 64-byte groups are already the B tile's rows (16 groups = one 1 KiB
+//   tile, loaded in place); x is quantized into plain u8 rows (+128, as for vpdpbusd) padded to
+//   whole 64-byte tile rows with zero bytes, so the k past the panel's last group add nothing
+//   whatever B holds there. A block is 16 rows x 2 panels (C tiles 0-1, A tile 4, B tiles 6-7).
 // - scalar: plain loops (kernels built without AVX2).
 #include "int8_gemm.h"
 #include "int8_rows.h"
+
+#include "amx_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -175,6 +184,43 @@ __attribute__((target("avx2,avxvnni"))) void kernel_avxvnni(const int32_t* a, co
 }
 #endif
 
+#if defined(PAGEDLLM_AMX)
+constexpr int kAmxRows = 16;           // rows of an A / C tile
+constexpr int kAmxGroups = 16;         // 4-k groups per tile row (64 k)
+constexpr int kAmxTileBytes = kAmxGroups * NR * KG;  // one B tile: 16 groups of a panel, 1 KiB
+
+// c [16][2 * NR] int32 (row stride 2 * NR) = the 16 u8 rows of a (row stride lda bytes, each
+// x + 128 over the k of full (+ 1 when tail) tile rows of 64, zero bytes past the row's last
+// group) times the panels b0, b1 ([G][NR][KG] int8): `full` whole B tiles from the panels, then
+// when `tail` one more from tail0 / tail1 (the panels' last G % 16 groups, zero-padded to a tile,
+// so no load reads past a panel). Without the zero point: the caller subtracts 128 * wsum.
+__attribute__((target("amx-tile,amx-int8"))) void block_amx(const uint8_t* a, int64_t lda,
+                                                           const int8_t* b0, const int8_t* b1,
+                                                           const int8_t* tail0,
+                                                           const int8_t* tail1, int64_t full,
+                                                           bool tail, int32_t* c) {
+  constexpr int64_t ldc = 2 * NR * sizeof(int32_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t t = 0; t < full; ++t) {
+    _tile_loadd(4, a + t * kAmxGroups * KG, lda);
+    _tile_loadd(6, b0 + t * kAmxTileBytes, NR * KG);
+    _tile_loadd(7, b1 + t * kAmxTileBytes, NR * KG);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+  }
+  if (tail) {
+    _tile_loadd(4, a + full * kAmxGroups * KG, lda);
+    _tile_loadd(6, tail0, NR * KG);
+    _tile_loadd(7, tail1, NR * KG);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+  }
+  _tile_stored(0, c, ldc);
+  _tile_stored(1, c + NR, ldc);
+}
+#endif
+
 Isa detect_isa() {
   Isa best = Isa::kScalar;
   bool avxvnni = false;
@@ -187,10 +233,12 @@ Isa detect_isa() {
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) best = Isa::kVnni512;
 #endif
   // PAGEDLLM_INT8_ISA=avx_vnni|avx2|scalar picks a lower path (tests run every path on one
-  // CPU); a path the CPU or build lacks is ignored.
+  // CPU), amx_int8 the AMX tiles (not yet the default); a path the CPU or build lacks is ignored.
   const char* forced = std::getenv("PAGEDLLM_INT8_ISA");
   if (forced != nullptr) {
     const std::string name(forced);
+    if (name == "amx_int8" && best == Isa::kVnni512 && amx::int8_tiles_usable())
+      return Isa::kAmxInt8;
     if (name == "scalar") return Isa::kScalar;
     if (name == "avx2" && best != Isa::kScalar) return Isa::kAvx2;
     if (name == "avx_vnni" && avxvnni) return Isa::kAvxVnni;
@@ -290,42 +338,96 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
   const int64_t G = (K + KG - 1) / KG;
   // x -> int8 tiles [2 * ceil(M / 8)][G][4] (one int32 = 4 k of one row; rows past M and k past
   // K zero, rows past M never read; on the VNNI paths each byte + 128, as u8) and the row scales.
+  // For the AMX tiles instead plain rows [ceil(M / 16) * 16][Gt] of such words, Gt = G rounded
+  // up to whole tile rows, the words past G and the rows past M zero.
   const Isa isa = active_isa();
+  const bool amx = isa == Isa::kAmxInt8;
   const int64_t blocks = (M + 2 * MR - 1) / (2 * MR);
+  const int64_t Gt = amx ? (G + 15) / 16 * 16 : G, Mt = (M + 15) / 16 * 16;
   // Per calling thread and reused: a decode step makes hundreds of these calls.
   // Room for kOutlierSlots outliers per row (SmolLM2's rows have ~2 on average).
   const int32_t cap = static_cast<int32_t>(std::min<int64_t>(K, kOutlierSlots));
   thread_local std::vector<int32_t> x_tiles, out_k, out_n;
   thread_local std::vector<float> x_scales, out_v;
-  x_tiles.resize(2 * blocks * G * MR);
+  int32_t* xd =
+      vec::aligned_scratch(x_tiles, static_cast<size_t>(amx ? Mt * Gt : 2 * blocks * G * MR));
   x_scales.resize(M);
   out_k.resize(M * cap);  // row m's first outliers at [m * cap, m * cap + min(out_n[m], cap))
   out_v.resize(M * cap);
   out_n.resize(M);
   // Raw pointers for the lambdas: a thread_local named inside one is the worker thread's own.
-  int32_t* xd = x_tiles.data();
   float* sa = x_scales.data();
   int32_t* ok = out_k.data();
   float* ov = out_v.data();
   int32_t* on = out_n.data();
   const float threshold = int8_outlier_threshold(), limit = outlier_limit(threshold);
-  const bool vnni = isa == Isa::kVnni512 || isa == Isa::kAvxVnni;
+  const bool vnni = isa == Isa::kVnni512 || isa == Isa::kAvxVnni || amx;
   const uint32_t zero_point = vnni ? 0x80808080u : 0u;
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> row(G * KG, 0);
     for (int64_t m = m0; m < m1; ++m) {
       sa[m] = quantize_row_isa(isa, xp + m * ldx, K, row.data(), threshold, ok + m * cap,
                                ov + m * cap, cap, on + m);
-      int32_t* dst = xd + (m / MR) * G * MR + m % MR;
+      // Word g of the row at dst[g * step].
+      int32_t* dst = amx ? xd + m * Gt : xd + (m / MR) * G * MR + m % MR;
+      const int64_t step = amx ? 1 : MR;
       for (int64_t g = 0; g < G; ++g) {
         uint32_t word;
         std::memcpy(&word, row.data() + g * KG, KG);
-        dst[g * MR] = static_cast<int32_t>(word ^ zero_point);
+        dst[g * step] = static_cast<int32_t>(word ^ zero_point);
       }
+      if (amx) std::fill(dst + G, dst + Gt, 0);
     }
   });
-
+  // Output row m, columns [n0, n0 + cols) of the panel pair from b0, from its int32 sums ci.
+  auto finish_row = [&](const int32_t* ci, int64_t m, int64_t n0, int64_t cols,
+                        const int8_t* b0) {
+    scale_out(isa, ci, sa[m], sw + n0, bd ? bd + n0 : nullptr, yd + m * N + n0,
+              static_cast<int>(cols));
+    if (on[m])
+      add_outliers_isa(isa, b0, G,
+                       Outliers{xp + m * ldx, K, limit, ok + m * cap, ov + m * cap, on[m], cap},
+                       sw + n0, yd + m * N + n0, static_cast<int>(cols));
+  };
   const int64_t panel_pairs = (panels + 1) / 2;
+#if defined(PAGEDLLM_AMX)
+  if (amx) {
+    std::fill(xd + M * Gt, xd + Mt * Gt, 0);
+    const auto* xa = reinterpret_cast<const uint8_t*>(xd);
+    const int64_t lda = Gt * KG, full = G / kAmxGroups;
+    const bool tail = full * kAmxGroups < G;
+    at::parallel_for(0, panel_pairs, 1, [&](int64_t q0, int64_t q1) {
+      amx::load_tile_config();
+      alignas(64) int32_t c[kAmxRows * 2 * NR];
+      alignas(64) int8_t tails[2][kAmxTileBytes] = {};  // groups past G stay zero
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q, n0 = p * NR, cols = std::min<int64_t>(2 * NR, N - n0);
+        const bool pair = panels - p >= 2;
+        const int8_t* b0 = b + p * G * NR * KG;
+        const int8_t* b1 = pair ? b0 + G * NR * KG : b0;
+        const int32_t* ws1 = pair ? ws + n0 + NR : ws + n0;
+        if (tail) {
+          const int64_t bytes = (G - full * kAmxGroups) * NR * KG;
+          std::memcpy(tails[0], b0 + full * kAmxTileBytes, bytes);
+          std::memcpy(tails[1], b1 + full * kAmxTileBytes, bytes);
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+          block_amx(xa + m0 * lda, lda, b0, b1, tails[0], tails[1], full, tail, c);
+          for (int64_t m = m0; m < std::min(M, m0 + kAmxRows); ++m) {
+            int32_t* ci = c + (m - m0) * 2 * NR;
+            for (int j = 0; j < NR; ++j) {  // the +128 zero point of the u8 rows
+              ci[j] -= ws[n0 + j] * 128;
+              ci[NR + j] -= ws1[j] * 128;
+            }
+            finish_row(ci, m, n0, cols, b0);
+          }
+        }
+      }
+      amx::release_tiles();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, panel_pairs, 1, [&](int64_t q0, int64_t q1) {
     alignas(64) int32_t c[2 * MR * 2 * NR];
     for (int64_t q = q0; q < q1; ++q) {
@@ -338,16 +440,7 @@ void int8_gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t*
         const int rows = static_cast<int>(std::min<int64_t>(2 * MR, M - t * 2 * MR));
         const int32_t* a0 = xd + 2 * t * G * MR;
         block(isa, rows, np, a0, a0 + G * MR, b0, b1, G, ws + n0, ws1, c);
-        for (int i = 0; i < rows; ++i) {
-          const int64_t m = t * 2 * MR + i;
-          scale_out(isa, c + i * 2 * NR, sa[m], sw + n0, bd ? bd + n0 : nullptr, yd + m * N + n0,
-                    static_cast<int>(cols));
-          if (on[m])
-            add_outliers_isa(isa, b0, G,
-                             Outliers{xp + m * ldx, K, limit, ok + m * cap, ov + m * cap, on[m],
-                                      cap},
-                             sw + n0, yd + m * N + n0, static_cast<int>(cols));
-        }
+        for (int i = 0; i < rows; ++i) finish_row(c + i * 2 * NR, t * 2 * MR + i, n0, cols, b0);
       }
     }
   });
@@ -375,6 +468,7 @@ float int8_outlier_threshold() {
 
 std::string int8_gemm_isa() {
   switch (active_isa()) {
+    case Isa::kAmxInt8: return "amx_int8";
     case Isa::kVnni512: return "avx512_vnni";
     case Isa::kAvxVnni: return "avx_vnni";
     case Isa::kAvx2: return "avx2";

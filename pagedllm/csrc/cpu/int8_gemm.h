@@ -32,6 +32,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // 64-byte aligned. x [M, K] float32 -> [M, out_features] float32 (+ bias [out_features]).
 at::Tensor int8_linear_record(const at::Tensor& x, const at::Tensor& record, int64_t out_features,
                               const c10::optional<at::Tensor>& bias);
-// Which inner loop int8_linear runs on this CPU: "avx512_vnni", "avx_vnni", "avx2" or "scalar".
+// Which inner loop int8_linear runs on this CPU: "avx512_vnni", "avx_vnni", "avx2" or "scalar"
+// ("amx_int8" only when PAGEDLLM_INT8_ISA=amx_int8 asks for the AMX tiles on a CPU with them).
 std::string int8_gemm_isa();
 }  // namespace pagedllm

@@ -30,8 +30,13 @@ constexpr int KG = 4;  // k per group (one int32 of activations)
 
 // The inner loops, picked at run time (int8_gemm.cpp active_isa). kAvxVnni: vpdpbusd
 // VEX-encoded on 256-bit registers (AVX-VNNI: Intel client CPUs from Alder Lake on, without
-// AVX-512); its rows' quantization, scaling and outliers take the scalar / AVX2 forms.
-enum class Isa { kScalar, kAvx2, kAvxVnni, kVnni512 };
+// AVX-512); its rows' quantization, scaling and outliers take the scalar / AVX2 forms. kAmxInt8:
+// TDPBUSD tiles (Intel Xeons with AMX); the helpers below give its rows the kVnni512 forms.
+enum class Isa { kScalar, kAvx2, kAvxVnni, kVnni512, kAmxInt8 };
+
+// The form of the per-row helpers below for an inner loop: the AMX tiles' rows are the
+// AVX512-VNNI loop's (every AMX CPU has AVX512-VNNI).
+inline Isa row_isa(Isa isa) { return isa == Isa::kAmxInt8 ? Isa::kVnni512 : isa; }
 
 // dst[j] = (c[j] * sx) * sw[j] (+ bias[j]) for j < cols <= 2 * NR: the order of the PyTorch
 // fallback. A column takes the same path whatever the row count, so a row's result does not
@@ -67,7 +72,7 @@ __attribute__((target("avx512f"))) void scale_out_avx512(const int32_t* c, float
 void scale_out(Isa isa, const int32_t* c, float sx, const float* sw, const float* bias, float* dst,
                int cols) {
 #if defined(PAGEDLLM_INT8_VNNI512)
-  if (isa == Isa::kVnni512) return scale_out_avx512(c, sx, sw, bias, dst, cols);
+  if (row_isa(isa) == Isa::kVnni512) return scale_out_avx512(c, sx, sw, bias, dst, cols);
 #endif
   (void)isa;
   scale_out_scalar(c, sx, sw, bias, dst, cols);
@@ -212,7 +217,7 @@ __attribute__((target("avx512f,avx512bw"))) void add_outliers_avx512(
 float quantize_row_isa(Isa isa, const float* x, int64_t K, int8_t* q, float threshold,
                        int32_t* out_k, float* out_v, int32_t cap, int32_t* n_out) {
 #if defined(PAGEDLLM_INT8_VNNI512)
-  if (isa == Isa::kVnni512)
+  if (row_isa(isa) == Isa::kVnni512)
     return quantize_row_avx512(x, K, q, threshold, out_k, out_v, cap, n_out);
 #endif
   (void)isa;
@@ -222,7 +227,8 @@ float quantize_row_isa(Isa isa, const float* x, int64_t K, int8_t* q, float thre
 void add_outliers_isa(Isa isa, const int8_t* b0, int64_t G, const Outliers& outliers,
                       const float* sw, float* dst, int cols) {
 #if defined(PAGEDLLM_INT8_VNNI512)
-  if (isa == Isa::kVnni512) return add_outliers_avx512(b0, G, outliers, sw, dst, cols);
+  if (row_isa(isa) == Isa::kVnni512)
+    return add_outliers_avx512(b0, G, outliers, sw, dst, cols);
 #endif
   (void)isa;
   add_outliers(b0, G, outliers, sw, dst, cols);
