@@ -2,9 +2,8 @@
 CPU with AVX512-BF16): x rounded to bf16 (ties to even), products of bf16 pairs summed in fp32.
 
 The reference is fp32 arithmetic on the bf16-rounded operands, so the only difference is the
-order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 3, 2 and 1 full
-panels, a partial last panel), one tile of up to 6 rows and balanced 6-12-row tiles from 7 rows on
-(3-panel groups where no tile has more than 8 rows: 7-8 and 13-16 rows),
+order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 2 and 1 full panels,
+a partial last panel), one tile of up to 6 rows and balanced 6-12-row tiles from 7 rows on,
 partial tiles, odd K (a zero-padded pair) and the three epilogues (store, accumulate into out,
 SwiGLU), at 1 and 2 threads.
 
@@ -99,7 +98,7 @@ def test_bf16_swiglu_epilogue(bf16_ops, m, inter, k):
 
 def test_a_row_gets_the_same_bits_in_any_batch(bf16_ops):
     """Rows are independent: a row's output is the same float alone, in a tile of up to 6 rows,
-    a balanced tile of 6-12 rows (3-panel groups at 8 and 16 rows) or a 450-row batch, for a store and for the accumulate (residual
+    a balanced tile of 6-12 rows (8 and 16 rows: tiles of 8) or a 450-row batch, for a store and for the accumulate (residual
     add) epilogue, whose AMX tiles start from the residual in whole and edge tiles alike (what
     lets decode, prefill and speculation agree bit for bit). On AMX the 450 and 400 rows run on
     the row split of prefill sizes (each thread its own rows, every panel), the others on the

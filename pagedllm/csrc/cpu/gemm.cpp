@@ -12,8 +12,7 @@
 // x 32 bits; x rows are rounded to bf16 pairs per call and vdpbf16ps adds both products of a pair
 // to fp32 accumulators; 6 rows x 4 panels per call (24 accumulators), so each broadcast of x
 // feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute (from 7
-// rows on: balanced tiles of 6-12 rows, all of a tile's rows x 2 panels per call instead, or x 3
-// panels when no tile has more than 8 rows).
+// rows on: balanced tiles of 6-12 rows, all of a tile's rows x 2 panels per call instead).
 //
 // Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On a 2-core AVX2 EPYC (Zen 3),
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
@@ -304,9 +303,7 @@ struct RowTiles {
 // panels, then 2 or 1 (6 rows x 4 panels = 24 accumulators). Wide (M >= 7, balanced tiles of
 // 6-12 rows): groups of 2 panels (2 x 12 accumulators), so every weight vector loaded feeds a
 // whole tile (6-row halves of 4 panels made 7 rows cost 1.25x 6 rows, the second half
-// re-reading the panels from L2 with few accumulator chains); groups of 3 where no tile has more
-// than 8 rows (M = 7-8, 13-16: 3 x 8 accumulators; with 2 x 8 the 16-row linears of SmolLM2-135M
-// took ~6 % longer on Zen 5, best of 4 runs). A group's first call prefetches
+// re-reading the panels from L2 with few accumulator chains). A group's first call prefetches
 // its own panels ahead; its later calls share the next group's panels (one each from four calls
 // on; with fewer, each takes several, and a lone call takes them all as a second stream), so the
 // weights stream into L2 while this group computes.
@@ -317,14 +314,11 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int6
   const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
   const bool wide = tiles.balanced;
   const int64_t calls = t_end - t_begin;  // micro-kernel calls per panel group in this block
-  int tallest = 0;
-  for (int64_t t = t_begin; t < t_end; ++t) tallest = std::max(tallest, tiles.rows(t));
-  const int group = !wide ? 4 : tallest <= 8 ? 3 : 2;  // panels per call
   alignas(64) float edge[MR * NR];
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
-    const int np = left >= group ? group : left >= 2 ? 2 : 1;
-    const int64_t next_np = std::min<int64_t>(group, p1 - (p + np));
+    const int np = left >= 4 && !wide ? 4 : left >= 2 ? 2 : 1;
+    const int64_t next_np = std::min<int64_t>(wide ? 2 : 4, p1 - (p + np));
     const uint32_t* bp = b + p * ps;
     const uint32_t* next = bp + np * ps;
     const int64_t later = std::min(calls - 1, next_np);  // calls sharing the next group's panels
@@ -351,8 +345,6 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int6
         const Prefetch pf = prefetch_for(call++);
         if (np == 4)  // narrow: the one tile has at most 6 rows
           tile_bf16<E, 4, 6>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
-        else if (np == 3)  // wide tiles of at most 8 rows
-          tile_bf16<E, 3, 8>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
         else if (np == 2)
           tile_bf16<E, 2>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
         else
