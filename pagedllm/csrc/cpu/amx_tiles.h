@@ -39,17 +39,15 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
-inline bool cpu_has_amx_bf16() {
+// Whether CPUID leaf 7 (subleaf 0) sets EDX bit 24 (AMX-TILE) and bit `feature` (22: AMX-BF16,
+// 25: AMX-INT8).
+inline bool cpu_has_amx(int feature) {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+  return (d >> 24 & 1) && (d >> feature & 1);
 }
-
-inline bool cpu_has_amx_int8() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
-}
+inline bool cpu_has_amx_bf16() { return cpu_has_amx(22); }
+inline bool cpu_has_amx_int8() { return cpu_has_amx(25); }
 
 // Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16+); the grant covers all threads.
