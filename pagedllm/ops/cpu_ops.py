@@ -55,6 +55,7 @@ class CpuOps:
         self._attention_bf16_dot = lib.attention_bf16_dot.default
         self._attention_amx = lib.attention_amx.default
         self._gemm_amx = lib.gemm_amx.default
+        self._gemm_bf16_fma = lib.gemm_bf16_fma.default
         self._simd = str(self._simd_level())
 
     def __repr__(self) -> str:
@@ -195,6 +196,15 @@ class CpuOps:
         ``vdpbf16ps``. ``enable`` turns them on / off for the process first (no effect where
         they cannot run); ``None`` only asks."""
         return bool(self._gemm_amx(-1 if enable is None else int(enable)))
+
+    def gemm_bf16_fma(self, enable: bool | None = None) -> bool:
+        """Whether the GEMMs run bf16 panels (where AMX tiles do not) on fp32 FMAs, each bf16
+        pair widened to two fp32 vectors in registers, instead of ``vdpbf16ps``: the same
+        products (x rounded to bf16), summed in k order. On by default on Intel CPUs, where
+        ``vdpbf16ps`` issues at a quarter of the FMA rate (half the FLOPs); off on AMD, where
+        both issue at the same rate. ``enable`` switches it for the process first (no effect
+        where bf16 panels cannot run); ``None`` only asks."""
+        return bool(self._gemm_bf16_fma(-1 if enable is None else int(enable)))
 
     def gemm_pack_weight(self, weight: Tensor) -> Tensor:
         """``[N, K]`` float32 weight -> ``[ceil(N / 16), K, 16]`` float32 panels for

@@ -49,6 +49,9 @@ Environment:
     PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products (scores and
         p . V) run on vdpbf16ps instead of AMX tiles (:meth:`CpuOps.attention_amx`; on by
         default where the CPU has amx_bf16).
+    PAGEDLLM_GEMM_BF16_FMA=0 (or false / no / off): bf16 GEMM panels outside AMX tiles run on
+        vdpbf16ps instead of fp32 FMAs on widened weights (:meth:`CpuOps.gemm_bf16_fma`; on by
+        default on Intel CPUs).
     PAGEDLLM_GGUF_ISA=avx2|avx_vnni: the GGUF kernels run their 8-row AVX2 (maddubs) or
         AVX-VNNI (VEX vpdpbusd) loops, not the AVX512-VNNI ones nor the 16-row records;
         PAGEDLLM_INT8_ISA=avx_vnni|avx2|scalar: the int8 GEMM's lower inner loops. Both for tests
@@ -248,6 +251,7 @@ _KERNEL_SWITCHES = (
     ("PAGEDLLM_ATTENTION_BF16_DOT", "attention_bf16_dot"),
     ("PAGEDLLM_GEMM_AMX", "gemm_amx"),
     ("PAGEDLLM_ATTENTION_AMX", "attention_amx"),
+    ("PAGEDLLM_GEMM_BF16_FMA", "gemm_bf16_fma"),
 )
 
 
@@ -342,7 +346,8 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
             override = os.environ.get("PAGEDLLM_CPU_ARCH_FLAGS", "").strip()
             logger.info(
                 "pagedllm C++ CPU kernels: variant %s (cpu flags: %s)%s, bf16 attention dot "
-                "products %s (on AMX tiles %s), AMX bf16 GEMM %s, ready in %.1f s from %s",
+                "products %s (on AMX tiles %s), AMX bf16 GEMM %s, bf16 GEMM panels on %s, "
+                "ready in %.1f s from %s",
                 variant,
                 cpu_flags().summary(),
                 f", simd {_build.simd_level} from PAGEDLLM_CPU_ARCH_FLAGS={override!r}"
@@ -351,6 +356,7 @@ def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
                 "on" if ops.attention_bf16_dot() else "off",
                 "on" if ops.attention_amx() else "off",
                 "on" if ops.gemm_amx() else "off",
+                "fp32 FMAs" if ops.gemm_bf16_fma() else "vdpbf16ps",
                 seconds,
                 directory,
             )

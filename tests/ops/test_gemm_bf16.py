@@ -1,5 +1,7 @@
-"""The own GEMM on bf16 panels (``csrc/cpu/gemm.cpp``, vdpbf16ps: the avx512 kernel variant on a
-CPU with AVX512-BF16): x rounded to bf16 (ties to even), products of bf16 pairs summed in fp32.
+"""The own GEMM on bf16 panels (``csrc/cpu/gemm.cpp``, the avx512 kernel variant on a CPU with
+AVX512-BF16): x rounded to bf16 (ties to even), products of bf16 pairs summed in fp32, by
+vdpbf16ps or by fp32 FMAs on the panels widened in registers (``CpuOps.gemm_bf16_fma``, the
+default on Intel CPUs); each test runs both loops.
 
 The reference is fp32 arithmetic on the bf16-rounded operands, so the only difference is the
 order of the fp32 sums. Shapes cover every panel grouping of the driver (4, 2 and 1 full panels,
@@ -15,6 +17,8 @@ shapes across several groups and a partial last group)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,22 +29,37 @@ from pagedllm.platform import cpu_flags
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(params=["vdpbf16ps", "amx"])
+@pytest.fixture(params=["vdpbf16ps", "fma", "amx"])
 def bf16_ops(cpu_ops, request):
-    """The C++ ops with the bf16 panels on one kernel (the param); AMX tiles restored after."""
+    """The C++ ops with the bf16 panels on one kernel (the param): vdpbf16ps, fp32 FMAs on
+    widened panels, or AMX tiles (where K allows them; other K on the CPU's default loop); the
+    process's settings restored after."""
+    with bf16_ops_on(cpu_ops, request.param) as ops:
+        yield ops
+
+
+@contextlib.contextmanager
+def bf16_ops_on(cpu_ops, kernel):
+    """Skips unless bf16 panels can run ``kernel`` here; the ops with it on, the process's
+    settings restored after."""
     if not cpu_flags().avx512_bf16:
         pytest.skip("bf16 GEMM panels need a CPU with avx512_bf16 (not in /proc/cpuinfo)")
     if cpu_ops.simd_level() != "avx512" or not cpu_ops.gemm_bf16_supported():
         pytest.skip(
             f"bf16 GEMM panels need the avx512 kernel variant; this runs {cpu_ops.variant!r}"
         )
-    amx = request.param == "amx"
+    amx = kernel == "amx"
     if amx and not (cpu_flags().amx_bf16 and cpu_ops.gemm_amx()):
         pytest.skip("AMX GEMM tiles need a CPU with amx_bf16 and amx_tile (not in /proc/cpuinfo)")
-    was = cpu_ops.gemm_amx()
+    was_amx, was_fma = cpu_ops.gemm_amx(), cpu_ops.gemm_bf16_fma()
     cpu_ops.gemm_amx(amx)
-    yield cpu_ops
-    cpu_ops.gemm_amx(was)
+    if not amx:
+        assert cpu_ops.gemm_bf16_fma(kernel == "fma") == (kernel == "fma")
+    try:
+        yield cpu_ops
+    finally:
+        cpu_ops.gemm_amx(was_amx)
+        cpu_ops.gemm_bf16_fma(was_fma)
 
 
 def _want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -188,3 +207,31 @@ def test_bf16_lm_head_logits_are_the_gemms_float32_sums(bf16_ops, monkeypatch):
     assert torch.equal(logits, bf16_ops.gemm_linear(h.float(), head.packed, 300))
     assert not torch.equal(logits, logits.to(BF16).float())  # not rounded to bf16
     _close(logits, _want(h.float(), w), 64)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 33), (5, 64, 576), (12, 100, 64), (70, 48, 130)])
+def test_fma_loop_is_the_fp32_gemm_on_the_rounded_operands(cpu_ops, m, n, k):
+    """The FMA loop widens each bf16 pair in registers and adds the products in k order, as the
+    fp32 kernel does: its outputs equal the fp32 GEMM's on the bf16-rounded x and weights bit
+    for bit (store, residual add and SwiGLU epilogues), at decode and prefill row counts."""
+    with bf16_ops_on(cpu_ops, "fma") as ops:
+        _check_fma_loop(ops, m, n, k)
+
+
+def _check_fma_loop(bf16_ops, m, n, k):
+    g = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=g).to(BF16)
+    x = torch.randn(m, k, generator=g)
+    xr, wf = x.to(BF16).float(), w.float()
+    got = bf16_ops.gemm_linear(x, bf16_ops.gemm_pack_weight(w), n)
+    assert torch.equal(got, bf16_ops.gemm_linear(xr, bf16_ops.gemm_pack_weight(wf), n))
+    base = torch.randn(m, n, generator=g)
+    got_add, want_add = base.clone(), base.clone()
+    bf16_ops.gemm_linear_add_(got_add, x, bf16_ops.gemm_pack_weight(w))
+    bf16_ops.gemm_linear_add_(want_add, xr, bf16_ops.gemm_pack_weight(wf))
+    assert torch.equal(got_add, want_add)
+    gu = torch.randn(2 * 16, k, generator=g).to(BF16)
+    assert torch.equal(
+        bf16_ops.gemm_swiglu(x, bf16_ops.gemm_pack_swiglu_weight(gu)),
+        bf16_ops.gemm_swiglu(xr, bf16_ops.gemm_pack_swiglu_weight(gu.float())),
+    )

@@ -13,6 +13,8 @@
 // to fp32 accumulators; 6 rows x 4 panels per call (24 accumulators), so each broadcast of x
 // feeds 4 instructions, and the next 4 panels are prefetched into L2 while these compute (from 7
 // rows on: balanced tiles of 6-12 rows, all of a tile's rows x 2 panels per call instead).
+// On Intel CPUs the same panels run on fp32 FMAs instead (micro_kernel_bf16_fma): vdpbf16ps
+// issues there at a quarter of the FMA rate.
 //
 // Why not oneDNN's packed matmul (what torch's mkldnn linear runs)? On a 2-core AVX2 EPYC (Zen 3),
 // at the decode step's 64 rows it reached ~105-115 GFLOP/s against ~130-150 for this kernel (the
@@ -33,6 +35,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -93,6 +96,19 @@ inline void finish_row(const float* lo, const float* hi, float* c) {
 }
 
 #if defined(PAGEDLLM_GEMM_AVX512)
+// A bf16 micro-kernel's prefetches for k step k (always inlined: it runs in the kernels' loops).
+__attribute__((always_inline)) inline void prefetch_step(const Prefetch& pf, int64_t k) {
+  for (int j = 0; j < pf.count; ++j) {
+    const char* line = reinterpret_cast<const char*>(pf.at + j * pf.stride + k * NR);
+    if (pf.l2)
+      _mm_prefetch(line, _MM_HINT_T1);
+    else
+      _mm_prefetch(line, _MM_HINT_T0);
+  }
+  for (int j = 0; j < pf.count2; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(pf.at2 + j * pf.stride2 + k * NR), _MM_HINT_T1);
+}
+
 // A finished AVX-512 tile (one register per row, 16 columns) into c with epilogue E.
 template <int ROWS, int E>
 inline void store_tile(const __m512* acc, float* c, int64_t ldc) {
@@ -119,34 +135,27 @@ inline void store_tile(const __m512* acc, float* c, int64_t ldc) {
   }
 }
 
-// bf16 panels: a_tile [K2][MR] and the panel [K2][16] hold (k, k + 1) bf16 pairs in 32 bits;
+// bf16 panels: a_tile [K2][lda] and the panel [K2][16] hold (k, k + 1) bf16 pairs in 32 bits;
 // vdpbf16ps adds both products of a pair to the fp32 accumulator. NP panels at once (b, then
 // b + panel_stride; outputs c, then c + c_step): each broadcast of x feeds NP instructions.
 // Per k step it prefetches pf.count lines, pf.at + j * pf.stride + k * NR (see run_bf16).
 template <int ROWS, int E, int NP>
-__attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, const uint32_t* b,
-                                                           int64_t K2, int64_t panel_stride,
+__attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, int64_t lda,
+                                                           const uint32_t* b, int64_t K2,
+                                                           int64_t panel_stride,
                                                            float* c, int64_t c_step, int64_t ldc,
                                                            Prefetch pf) {
   __m512 acc[NP][ROWS];
 #pragma GCC unroll 24
   for (int n = 0; n < NP * ROWS; ++n) acc[n / ROWS][n % ROWS] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
-    for (int j = 0; j < pf.count; ++j) {
-      const char* line = reinterpret_cast<const char*>(pf.at + j * pf.stride + k * NR);
-      if (pf.l2)
-        _mm_prefetch(line, _MM_HINT_T1);
-      else
-        _mm_prefetch(line, _MM_HINT_T0);
-    }
-    for (int j = 0; j < pf.count2; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(pf.at2 + j * pf.stride2 + k * NR), _MM_HINT_T1);
+    prefetch_step(pf, k);
     __m512bh bv[NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_load_si512(b + j * panel_stride + k * NR);
 #pragma GCC unroll 12
     for (int i = 0; i < ROWS; ++i) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(a[k * MR + i]);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(a[k * lda + i]);
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], av, bv[j]);
     }
@@ -154,11 +163,49 @@ __attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, 
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) store_tile<ROWS, E>(acc[j], c + j * c_step, ldc);
 }
+
+// The same bf16 panels on fp32 FMAs (gemm_bf16_fma_enabled()): a_tile [2 K2][lda] holds x's
+// bf16-rounded values as floats, k by k; a bf16 pair widens to two fp32 vectors by a shift (k)
+// and a mask (k + 1), so each accumulator adds its products in k order, as the fp32 kernel's do.
+// On Intel Xeons without AMX, vdpbf16ps issues one per ~2 cycles against two FMAs per cycle,
+// which makes this loop ~1.7x the vdpbf16ps loop's FLOP rate at compute-bound row counts.
+template <int ROWS, int E, int NP>
+void micro_kernel_bf16_fma(const float* a, int64_t lda, const uint32_t* b, int64_t K2,
+                           int64_t panel_stride, float* c, int64_t c_step, int64_t ldc,
+                           Prefetch pf) {
+  __m512 acc[NP][ROWS];
+#pragma GCC unroll 24
+  for (int n = 0; n < NP * ROWS; ++n) acc[n / ROWS][n % ROWS] = _mm512_setzero_ps();
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K2; ++k) {
+    prefetch_step(pf, k);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {  // k = 2k (low bf16 of each pair), then 2k + 1
+      __m512 bv[NP];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const __m512i v = _mm512_load_si512(b + j * panel_stride + k * NR);
+        bv[j] = _mm512_castsi512_ps(half ? _mm512_and_si512(v, high_half)
+                                         : _mm512_slli_epi32(v, 16));
+      }
+      const float* ak = a + (2 * k + half) * lda;
+#pragma GCC unroll 12
+      for (int i = 0; i < ROWS; ++i) {
+        const __m512 av = _mm512_set1_ps(ak[i]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_fmadd_ps(av, bv[j], acc[j][i]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) store_tile<ROWS, E>(acc[j], c + j * c_step, ldc);
+}
 #endif
 
-// c[0:rows, 0:NR] (row stride ldc) = a_tile[K][MR] . panel[K][NR]; rows <= ROWS <= MR.
+// c[0:rows, 0:NR] (row stride ldc) = a_tile[K][lda] . panel[K][NR]; rows <= ROWS <= lda, MR.
 template <int ROWS, bool PREFETCH, int E>
-inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
+inline void micro_kernel(const float* a, int64_t lda, const float* b, int64_t K, float* c,
+                         int64_t ldc) {
 #if defined(PAGEDLLM_GEMM_AVX512)
   // One register per row; each lane adds its column's products in k order, as the AVX2 kernel's
   // lanes do, so both variants' sums have the same bits.
@@ -170,7 +217,7 @@ inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, in
     const __m512 bv = _mm512_load_ps(b + k * NR);
 #pragma GCC unroll 12
     for (int i = 0; i < ROWS; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[k * MR + i]), bv, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[k * lda + i]), bv, acc[i]);
   }
   store_tile<ROWS, E>(acc, c, ldc);
 #elif defined(PAGEDLLM_GEMM_AVX2)
@@ -186,7 +233,7 @@ inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, in
     const __m256 b1 = _mm256_load_ps(b + k * NR + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < ROWS; ++i) {
-      const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
+      const __m256 av = _mm256_broadcast_ss(a + k * lda + i);
       lo[i] = _mm256_fmadd_ps(av, b0, lo[i]);
       hi[i] = _mm256_fmadd_ps(av, b1, hi[i]);
     }
@@ -215,35 +262,39 @@ inline void micro_kernel(const float* a, const float* b, int64_t K, float* c, in
   float acc[ROWS][NR] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] += a[k * MR + i] * b[k * NR + j];
+      for (int j = 0; j < NR; ++j) acc[i][j] += a[k * lda + i] * b[k * NR + j];
   for (int i = 0; i < ROWS; ++i) finish_row<E>(acc[i], acc[i] + 8, c + i * ldc);
 #endif
 }
 
 // micro_kernel<rows> for 1 <= rows <= ROWS (= MR at the top call).
 template <bool PREFETCH, int E, int ROWS = MR>
-void tile(int rows, const float* a, const float* b, int64_t K, float* c, int64_t ldc) {
+void tile(int rows, const float* a, int64_t lda, const float* b, int64_t K, float* c,
+          int64_t ldc) {
   if constexpr (ROWS == 1) {
-    micro_kernel<1, PREFETCH, E>(a, b, K, c, ldc);
+    micro_kernel<1, PREFETCH, E>(a, lda, b, K, c, ldc);
   } else if (rows == ROWS) {
-    micro_kernel<ROWS, PREFETCH, E>(a, b, K, c, ldc);
+    micro_kernel<ROWS, PREFETCH, E>(a, lda, b, K, c, ldc);
   } else {
-    tile<PREFETCH, E, ROWS - 1>(rows, a, b, K, c, ldc);
+    tile<PREFETCH, E, ROWS - 1>(rows, a, lda, b, K, c, ldc);
   }
 }
 
-// micro_kernel_bf16<rows> for 1 <= rows <= ROWS over NP panels; only called where
-// gemm_bf16_supported().
-template <int E, int NP, int ROWS = MR>
-void tile_bf16(int rows, const uint32_t* a, const uint32_t* b, int64_t K2, int64_t panel_stride,
-               float* c, int64_t c_step, int64_t ldc, Prefetch pf) {
+// micro_kernel_bf16<rows> (FMA: micro_kernel_bf16_fma, a then [2 K2][lda] floats) for
+// 1 <= rows <= ROWS over NP panels; only called where gemm_bf16_supported().
+template <int E, int NP, bool FMA, int ROWS = MR>
+void tile_bf16(int rows, const void* a, int64_t lda, const uint32_t* b, int64_t K2,
+               int64_t panel_stride, float* c, int64_t c_step, int64_t ldc, Prefetch pf) {
 #if defined(PAGEDLLM_GEMM_AVX512)
-  if constexpr (ROWS == 1) {
-    micro_kernel_bf16<1, E, NP>(a, b, K2, panel_stride, c, c_step, ldc, pf);
-  } else if (rows == ROWS) {
-    micro_kernel_bf16<ROWS, E, NP>(a, b, K2, panel_stride, c, c_step, ldc, pf);
+  if (ROWS > 1 && rows < ROWS) {
+    if constexpr (ROWS > 1)
+      tile_bf16<E, NP, FMA, ROWS - 1>(rows, a, lda, b, K2, panel_stride, c, c_step, ldc, pf);
+  } else if constexpr (FMA) {
+    micro_kernel_bf16_fma<ROWS, E, NP>(static_cast<const float*>(a), lda, b, K2, panel_stride,
+                                       c, c_step, ldc, pf);
   } else {
-    tile_bf16<E, NP, ROWS - 1>(rows, a, b, K2, panel_stride, c, c_step, ldc, pf);
+    micro_kernel_bf16<ROWS, E, NP>(static_cast<const uint32_t*>(a), lda, b, K2, panel_stride,
+                                   c, c_step, ldc, pf);
   }
 #else
   TORCH_CHECK(false, "bf16 GEMM panels need the avx512 kernel variant");
@@ -294,6 +345,9 @@ struct RowTiles {
   int64_t M, count;
   bool balanced;
   RowTiles(int64_t m, bool bal) : M(m), count((m + MR - 1) / MR), balanced(bal) {}
+  // A tile's k stride in rows: MR, or M for a lone tile (a decode batch of up to MR rows), whose
+  // packed rows then stay dense: 1 row of K = 1536 as [K][12] spans 72 KiB, more than L1.
+  int64_t lda() const { return count == 1 ? M : MR; }
   int64_t begin(int64_t t) const { return balanced ? t * M / count : std::min(M, t * MR); }
   int rows(int64_t t) const { return static_cast<int>(begin(t + 1) - begin(t)); }
 };
@@ -306,15 +360,17 @@ struct RowTiles {
 // re-reading the panels from L2 with few accumulator chains). A group's first call prefetches
 // its own panels ahead; its later calls share the next group's panels (one each from four calls
 // on; with fewer, each takes several, and a lone call takes them all as a second stream), so the
-// weights stream into L2 while this group computes.
-template <int E>
-void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int64_t N, int64_t Ku,
+// weights stream into L2 while this group computes. FMA: the panels on fp32 FMAs, xd's tiles
+// [2 Ku][lda] floats (else [Ku][lda] bf16 pairs).
+template <int E, bool FMA>
+void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t N, int64_t Ku,
               int64_t p0, int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
   constexpr int64_t out_per_panel = E == kSwiGlu ? NR / 2 : NR;
   const int64_t ps = Ku * NR, full_end = std::min(p1, N / out_per_panel);
   const bool wide = tiles.balanced;
   const int64_t calls = t_end - t_begin;  // micro-kernel calls per panel group in this block
   alignas(64) float edge[MR * NR];
+  const int64_t lda = tiles.lda();
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
     const int np = left >= 4 && !wide ? 4 : left >= 2 ? 2 : 1;
@@ -339,18 +395,18 @@ void run_bf16(const uint32_t* xd, const uint32_t* b, const RowTiles& tiles, int6
     int call = 0;  // calls made on this group in this block
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int rows = tiles.rows(t);
-      const uint32_t* at = xd + t * Ku * MR;
+      const void* at = static_cast<const uint32_t*>(xd) + t * (FMA ? 2 : 1) * Ku * lda;
       float* dst = c + tiles.begin(t) * ldc + p * out_per_panel;
       if (left >= 1) {
         const Prefetch pf = prefetch_for(call++);
         if (np == 4)  // narrow: the one tile has at most 6 rows
-          tile_bf16<E, 4, 6>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
+          tile_bf16<E, 4, FMA, 6>(rows, at, lda, bp, Ku, ps, dst, out_per_panel, ldc, pf);
         else if (np == 2)
-          tile_bf16<E, 2>(rows, at, bp, Ku, ps, dst, out_per_panel, ldc, pf);
+          tile_bf16<E, 2, FMA>(rows, at, lda, bp, Ku, ps, dst, out_per_panel, ldc, pf);
         else
-          tile_bf16<E, 1>(rows, at, bp, Ku, ps, dst, 0, ldc, pf);
+          tile_bf16<E, 1, FMA>(rows, at, lda, bp, Ku, ps, dst, 0, ldc, pf);
       } else {  // the last, partial panel (E is kStore or kAccumulate here)
-        tile_bf16<kStore, 1>(rows, at, bp, Ku, ps, edge, 0, NR, Prefetch{});
+        tile_bf16<kStore, 1, FMA>(rows, at, lda, bp, Ku, ps, edge, 0, NR, Prefetch{});
         add_edge<E>(edge, rows, N - p * out_per_panel, dst, ldc);
       }
     }
@@ -375,28 +431,34 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
     return;
   }
 
-  // x -> tiles [count][Ku][MR], the rows past a tile's own zero; bf16 pairs rounded from fp32.
+  // x -> tiles [count][Kt][lda] (lda: RowTiles::lda) of fp32 (Kt = K), bf16 pairs rounded from
+  // fp32 (Kt = Ku), or for the FMA loop on bf16 panels the rounded values as floats (Kt = 2 Ku,
+  // an odd K's last k zero). A tile's rows past its own are left as they are: every micro-kernel
+  // reads exactly the tile's rows.
+  const bool fma = pairs && gemm_bf16_fma_enabled();
+  const int64_t Kt = fma ? 2 * Ku : Ku;
   const RowTiles row_tiles(M, pairs && M >= 7);
+  const int64_t lda = row_tiles.lda();
   const int64_t tiles = row_tiles.count;
   const float* xs = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   auto pack = [&](int64_t t0, int64_t t1, float* xd) {
     std::vector<uint32_t> row_pairs(pairs ? Ku : 0);  // one row of x as bf16 pairs
     for (int64_t t = t0; t < t1; ++t) {
-      float* d = xd + t * Ku * MR;
+      float* d = xd + t * Kt * lda;
       auto* du = reinterpret_cast<uint32_t*>(d);
       const int64_t rows = row_tiles.rows(t);
-      for (int64_t i = 0; i < MR; ++i) {
-        if (i >= rows) {
-          for (int64_t k = 0; k < Ku; ++k) d[k * MR + i] = 0.f;
-          continue;
-        }
+      for (int64_t i = 0; i < rows; ++i) {
         const float* src = xs + (row_tiles.begin(t) + i) * ldx;
         if (!pairs) {
-          for (int64_t k = 0; k < K; ++k) d[k * MR + i] = src[k];
+          for (int64_t k = 0; k < K; ++k) d[k * lda + i] = src[k];
+        } else if (fma) {  // each bf16 of the pairs as the float it is (its bits << 16)
+          round_row_bf16(src, K, row_pairs.data());
+          const auto* h = reinterpret_cast<const uint16_t*>(row_pairs.data());
+          for (int64_t k = 0; k < Kt; ++k) du[k * lda + i] = static_cast<uint32_t>(h[k]) << 16;
         } else {
           round_row_bf16(src, K, row_pairs.data());
-          for (int64_t k = 0; k < Ku; ++k) du[k * MR + i] = row_pairs[k];
+          for (int64_t k = 0; k < Ku; ++k) du[k * lda + i] = row_pairs[k];
         }
       }
     }
@@ -406,8 +468,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   auto panels_over = [&](const float* xd, int64_t p0, int64_t p1, int64_t t_begin,
                          int64_t t_end) {
     if (pairs) {
-      run_bf16<E>(reinterpret_cast<const uint32_t*>(xd), reinterpret_cast<const uint32_t*>(b),
-                  row_tiles, N, Ku, p0, p1, t_begin, t_end, c, ldc);
+      const auto* bu = reinterpret_cast<const uint32_t*>(b);
+      if (fma)
+        run_bf16<E, true>(xd, bu, row_tiles, N, Ku, p0, p1, t_begin, t_end, c, ldc);
+      else
+        run_bf16<E, false>(xd, bu, row_tiles, N, Ku, p0, p1, t_begin, t_end, c, ldc);
       return;
     }
     alignas(64) float edge[MR * NR];  // the last panel's tile when N is not a multiple of 16
@@ -416,16 +481,16 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
       const int64_t cols = std::min<int64_t>(out_per_panel, N - p * out_per_panel);
       for (int64_t t = t_begin; t < t_end; ++t) {
         const int rows = row_tiles.rows(t);
-        const float* at = xd + t * K * MR;
+        const float* at = xd + t * K * lda;
         float* dst = c + row_tiles.begin(t) * ldc + p * out_per_panel;
         if (cols == out_per_panel) {
           if (t == t_begin)
-            tile<true, E>(rows, at, bp, K, dst, ldc);
+            tile<true, E>(rows, at, lda, bp, K, dst, ldc);
           else
-            tile<false, E>(rows, at, bp, K, dst, ldc);
+            tile<false, E>(rows, at, lda, bp, K, dst, ldc);
           continue;
         }
-        tile<false, kStore>(rows, at, bp, K, edge, NR);  // E is kStore or kAccumulate here
+        tile<false, kStore>(rows, at, lda, bp, K, edge, NR);  // E is kStore or kAccumulate here
         add_edge<E>(edge, rows, cols, dst, ldc);
       }
     }
@@ -433,7 +498,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   // Rows in blocks of about kTileBlockBytes of packed x: every panel passes over a block while
   // it is still in L2 (one pass over all the rows per panel re-read x from memory at prefill
   // sizes), and the weights are read once per block.
-  const int64_t block = std::max<int64_t>(1, kTileBlockBytes / (Ku * MR * 4));
+  const int64_t block = std::max<int64_t>(1, kTileBlockBytes / (Kt * MR * 4));
   if (tiles <= kOwnPackTiles) {
     // A decode batch: every thread packs the rows itself. Packed by the calling thread alone,
     // the others waited for it and then read the packed rows from its core's cache; on an AMX
@@ -442,13 +507,13 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
     // (11 tiles, packed in parallel anyway) packing them twice was 1 % slower.
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       thread_local std::vector<float> own;
-      float* xd = vec::aligned_scratch(own, static_cast<size_t>(tiles * Ku * MR));
+      float* xd = vec::aligned_scratch(own, static_cast<size_t>(tiles * Kt * MR));
       pack(0, tiles, xd);
       panels_over(xd, p0, p1, 0, tiles);
     });
     return;
   }
-  at::Tensor xa = x.new_empty({tiles, Ku, MR});
+  at::Tensor xa = x.new_empty({tiles, Kt, MR});
   float* xd = xa.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { pack(t0, t1, xd); });
   for (int64_t t_begin = 0; t_begin < tiles; t_begin += block) {
@@ -459,7 +524,30 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   }
 }
 
+// vdpbf16ps or fp32 FMAs for bf16 panels (see micro_kernel_bf16_fma); FMAs by default on Intel
+// CPUs. Measured on a 2-core Xeon (family 6 model 207, AVX512-BF16, no AMX): 16 independent
+// vdpbf16ps chains issue one instruction per 0.80 ns, fp32 FMA chains one per 0.19-0.23 ns, so
+// vdpbf16ps does half the FMAs' work per second; on AMD Zen 5 both issue two per cycle.
+std::atomic<int> bf16_fma_on{-1};  // -1: the CPU's default, not yet read
+
 }  // namespace
+
+bool gemm_bf16_fma_enabled() {
+  int on = bf16_fma_on.load(std::memory_order_relaxed);
+  if (on < 0) {
+    __builtin_cpu_init();
+    on = __builtin_cpu_is("intel") ? 1 : 0;
+    int unset = -1;
+    bf16_fma_on.compare_exchange_strong(unset, on);  // a set_gemm_bf16_fma that came first wins
+    on = bf16_fma_on.load(std::memory_order_relaxed);
+  }
+  return gemm_bf16_supported() && on == 1;
+}
+
+bool set_gemm_bf16_fma(bool on) {
+  bf16_fma_on.store(on ? 1 : 0, std::memory_order_relaxed);
+  return gemm_bf16_fma_enabled();
+}
 
 bool gemm_bf16_supported() {
 #if defined(PAGEDLLM_GEMM_AVX512)

@@ -11,6 +11,12 @@ constexpr int kGemmPanel = 16;
 at::Tensor gemm_pack_weight(const at::Tensor& weight);
 // Whether bf16 panels run here: the avx512 variant on a CPU with avx512_bf16.
 bool gemm_bf16_supported();
+// Whether bf16 panels run on fp32 FMAs (widened in registers) instead of vdpbf16ps: by default
+// on Intel CPUs, where vdpbf16ps issues at a quarter of the FMA rate; set_gemm_bf16_fma switches
+// it for the process (tests, benchmarks) and returns gemm_bf16_fma_enabled(). Same sums as fp32
+// arithmetic on the bf16-rounded x and weights, in k order. AMX tiles, where they run, come first.
+bool gemm_bf16_fma_enabled();
+bool set_gemm_bf16_fma(bool on);
 // Fused gate/up W [2I, K] float32 (gate rows first, I % 8 == 0) -> panels [I / 8, K, 16]: panel
 // p holds gate rows 8p..8p+7 in its first 8 columns and up rows 8p..8p+7 in its last 8.
 at::Tensor gemm_pack_swiglu_weight(const at::Tensor& weight);

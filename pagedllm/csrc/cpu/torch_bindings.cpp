@@ -2,8 +2,9 @@
 //
 // Each schema names its arguments and marks those written in place (Tensor(a!)), so the ops are
 // ordinary dispatcher ops (torch.ops.pagedllm.rms_norm, ...). The tensor ops get a CPU kernel;
-// simd_level, gemm_bf16_supported, gemm_amx, gguf_isa, int8_gemm_isa, attention_bf16_dot and
-// attention_amx have no tensor argument and are registered for every backend. Typed Python wrappers:
+// simd_level, gemm_bf16_supported, gemm_amx, gemm_bf16_fma, gguf_isa, int8_gemm_isa,
+// attention_bf16_dot and attention_amx have no tensor argument and are registered for every
+// backend. Typed Python wrappers:
 // pagedllm/ops/__init__.py. One build of these sources per ISA variant (avx512, avx2, scalar;
 // pagedllm/ops/loader.py), and a process loads exactly one of them.
 #include <ATen/core/Tensor.h>
@@ -62,6 +63,12 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("gemm_amx(int mode) -> bool", [](int64_t mode) {
     if (mode >= 0) pagedllm::set_gemm_amx(mode != 0);
     return pagedllm::gemm_amx_enabled();
+  });
+  // mode 1 / 0 runs bf16 panels on fp32 FMAs / on vdpbf16ps, -1 leaves it; returns whether the
+  // FMAs run.
+  m.def("gemm_bf16_fma(int mode) -> bool", [](int64_t mode) {
+    if (mode >= 0) pagedllm::set_gemm_bf16_fma(mode != 0);
+    return pagedllm::gemm_bf16_fma_enabled();
   });
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor argmax, Tensor logsumexp)");
   m.def("gguf_q4_linear(Tensor x, Tensor w, int n) -> Tensor");
