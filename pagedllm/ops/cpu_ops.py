@@ -170,8 +170,10 @@ class CpuOps:
         """Whether the attention kernels use bf16 dot products on bfloat16 KV caches (head_dim a
         multiple of 32): q and the softmax probabilities rounded to bf16, products summed in
         fp32 by ``vdpbf16ps`` (the avx512 variant on a CPU with ``avx512_bf16``; decode and
-        prefill stay bit-identical to each other). ``enable`` turns them on / off for the
-        process first (no effect where they cannot run); ``None`` only asks."""
+        prefill stay bit-identical to each other). Off by default on Intel CPUs without AMX
+        tiles, where ``vdpbf16ps`` does half the work per second of fp32 FMAs (the kernels then
+        keep fp32 arithmetic). ``enable`` turns them on / off for the process first (no effect
+        where they cannot run); ``None`` only asks."""
         return bool(self._attention_bf16_dot(-1 if enable is None else int(enable)))
 
     def attention_amx(self, enable: bool | None = None) -> bool:

@@ -43,7 +43,7 @@ Environment:
         for the former behaviour); part of the build hash.
     PAGEDLLM_ATTENTION_BF16_DOT=0 (or false / no / off, :func:`env_turns_off`): the attention
         kernels keep fp32 arithmetic on bf16 KV caches (:meth:`CpuOps.attention_bf16_dot`; on by
-        default where the CPU has avx512_bf16).
+        default where the CPU has avx512_bf16, except Intel CPUs without AMX tiles).
     PAGEDLLM_GEMM_AMX=0 (or false / no / off): bf16 GEMM panels run on vdpbf16ps instead of AMX
         tiles (:meth:`CpuOps.gemm_amx`; on by default where the CPU has amx_bf16).
     PAGEDLLM_ATTENTION_AMX=0 (or false / no / off): the bf16 attention dot products (scores and

@@ -24,7 +24,8 @@ namespace attn {
 constexpr int kMaxHeadDim = 512;
 
 // Whether the kernels use the bf16 tiles for bf16 caches: the avx512 variant on a CPU with
-// avx512_bf16, unless turned off by set_bf16_dot(false).
+// avx512_bf16, unless turned off by set_bf16_dot(false); off by default where vdpbf16ps is slow
+// (vec::vdpbf16ps_slow: Intel CPUs) unless AMX tiles run them (amx::tiles_usable).
 bool bf16_dot_enabled();
 // Turns the bf16 tiles on or off for the whole process (a no-op where they cannot run); returns
 // the previous setting. For tests and A/B benchmarks of the fp32 path on the same CPU.

@@ -164,11 +164,13 @@ __attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, 
   for (int j = 0; j < NP; ++j) store_tile<ROWS, E>(acc[j], c + j * c_step, ldc);
 }
 
-// The same bf16 panels on fp32 FMAs (gemm_bf16_fma_enabled()): a_tile [2 K2][lda] holds x's
-// bf16-rounded values as floats, k by k; a bf16 pair widens to two fp32 vectors by a shift (k)
-// and a mask (k + 1), so each accumulator adds its products in k order, as the fp32 kernel's do.
-// On Intel Xeons without AMX, vdpbf16ps issues one per ~2 cycles against two FMAs per cycle,
-// which makes this loop ~1.7x the vdpbf16ps loop's FLOP rate at compute-bound row counts.
+// The same bf16 panels on fp32 FMAs (gemm_bf16_fma_enabled()): a_rows [ROWS][lda] holds x's
+// bf16-rounded values as floats, row by row (lda >= 2 K2; no transposed tile to build: each row
+// is its own stream of broadcasts, a cache line per 16 k). A bf16 pair widens to two fp32
+// vectors by a shift (k) and a mask (k + 1), so each accumulator adds its products in k order,
+// as the fp32 kernel's do. On a Xeon without AMX (family 6 model 207, 2 threads) vdpbf16ps issues
+// one per ~2.3 cycles against ~2 FMAs per cycle: this loop ran SmolLM2's linears 1.3-1.6x as
+// fast as the vdpbf16ps loop at 64-256 rows, 1.1-1.5x at 8, 0.93x at 1 (memory-bound).
 template <int ROWS, int E, int NP>
 void micro_kernel_bf16_fma(const float* a, int64_t lda, const uint32_t* b, int64_t K2,
                            int64_t panel_stride, float* c, int64_t c_step, int64_t ldc,
@@ -188,10 +190,10 @@ void micro_kernel_bf16_fma(const float* a, int64_t lda, const uint32_t* b, int64
         bv[j] = _mm512_castsi512_ps(half ? _mm512_and_si512(v, high_half)
                                          : _mm512_slli_epi32(v, 16));
       }
-      const float* ak = a + (2 * k + half) * lda;
+      const float* ak = a + 2 * k + half;
 #pragma GCC unroll 12
       for (int i = 0; i < ROWS; ++i) {
-        const __m512 av = _mm512_set1_ps(ak[i]);
+        const __m512 av = _mm512_set1_ps(ak[i * lda]);
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_fmadd_ps(av, bv[j], acc[j][i]);
       }
@@ -280,7 +282,7 @@ void tile(int rows, const float* a, int64_t lda, const float* b, int64_t K, floa
   }
 }
 
-// micro_kernel_bf16<rows> (FMA: micro_kernel_bf16_fma, a then [2 K2][lda] floats) for
+// micro_kernel_bf16<rows> (FMA: micro_kernel_bf16_fma, a then [rows][lda] floats) for
 // 1 <= rows <= ROWS over NP panels; only called where gemm_bf16_supported().
 template <int E, int NP, bool FMA, int ROWS = MR>
 void tile_bf16(int rows, const void* a, int64_t lda, const uint32_t* b, int64_t K2,
@@ -311,6 +313,15 @@ inline void round_row_bf16(const float* x, int64_t K, uint32_t* pairs) {
 #endif
   for (; k < K; ++k) vec::from_float(x[k], out + k);
   if (K % 2) pairs[K / 2] &= 0xFFFFu;
+}
+
+// bf16 [n] -> fp32 [n], exact.
+inline void widen_row_bf16(const vec::bf16* h, int64_t n, float* out) {
+  int64_t k = 0;
+#if PAGEDLLM_VEC_AVX512 || PAGEDLLM_VEC_AVX2
+  for (; k + vec::W <= n; k += vec::W) vec::store(out + k, vec::load(h + k));
+#endif
+  for (; k < n; ++k) out[k] = vec::to_float(h[k]);
 }
 
 void check_x(const at::Tensor& x, const at::Tensor& packed) {
@@ -361,7 +372,7 @@ struct RowTiles {
 // its own panels ahead; its later calls share the next group's panels (one each from four calls
 // on; with fewer, each takes several, and a lone call takes them all as a second stream), so the
 // weights stream into L2 while this group computes. FMA: the panels on fp32 FMAs, xd's tiles
-// [2 Ku][lda] floats (else [Ku][lda] bf16 pairs).
+// [rows][2 Ku] floats, row-major (else [Ku][lda] bf16 pairs).
 template <int E, bool FMA>
 void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t N, int64_t Ku,
               int64_t p0, int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
@@ -370,7 +381,8 @@ void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t 
   const bool wide = tiles.balanced;
   const int64_t calls = t_end - t_begin;  // micro-kernel calls per panel group in this block
   alignas(64) float edge[MR * NR];
-  const int64_t lda = tiles.lda();
+  const int64_t lda = FMA ? 2 * Ku : tiles.lda();  // FMA: a row's stride; else a k step's
+  const int64_t tile_units = Ku * (FMA ? 2 * MR : tiles.lda());  // 32-bit units per x tile
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
     const int np = left >= 4 && !wide ? 4 : left >= 2 ? 2 : 1;
@@ -395,7 +407,7 @@ void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t 
     int call = 0;  // calls made on this group in this block
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int rows = tiles.rows(t);
-      const void* at = static_cast<const uint32_t*>(xd) + t * (FMA ? 2 : 1) * Ku * lda;
+      const void* at = static_cast<const uint32_t*>(xd) + t * tile_units;
       float* dst = c + tiles.begin(t) * ldc + p * out_per_panel;
       if (left >= 1) {
         const Prefetch pf = prefetch_for(call++);
@@ -431,10 +443,10 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
     return;
   }
 
-  // x -> tiles [count][Kt][lda] (lda: RowTiles::lda) of fp32 (Kt = K), bf16 pairs rounded from
-  // fp32 (Kt = Ku), or for the FMA loop on bf16 panels the rounded values as floats (Kt = 2 Ku,
-  // an odd K's last k zero). A tile's rows past its own are left as they are: every micro-kernel
-  // reads exactly the tile's rows.
+  // x -> tiles [count][Kt][lda] (lda: RowTiles::lda) of fp32 (Kt = K) or bf16 pairs rounded from
+  // fp32 (Kt = Ku); for the FMA loop on bf16 panels, tiles [count][MR][Kt] of the rounded values
+  // as floats, row-major (Kt = 2 Ku, an odd K's last k zero). A tile's rows past its own are left
+  // as they are: every micro-kernel reads exactly the tile's rows.
   const bool fma = pairs && gemm_bf16_fma_enabled();
   const int64_t Kt = fma ? 2 * Ku : Ku;
   const RowTiles row_tiles(M, pairs && M >= 7);
@@ -445,17 +457,16 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   auto pack = [&](int64_t t0, int64_t t1, float* xd) {
     std::vector<uint32_t> row_pairs(pairs ? Ku : 0);  // one row of x as bf16 pairs
     for (int64_t t = t0; t < t1; ++t) {
-      float* d = xd + t * Kt * lda;
+      float* d = xd + t * Kt * (fma ? MR : lda);
       auto* du = reinterpret_cast<uint32_t*>(d);
       const int64_t rows = row_tiles.rows(t);
       for (int64_t i = 0; i < rows; ++i) {
         const float* src = xs + (row_tiles.begin(t) + i) * ldx;
         if (!pairs) {
           for (int64_t k = 0; k < K; ++k) d[k * lda + i] = src[k];
-        } else if (fma) {  // each bf16 of the pairs as the float it is (its bits << 16)
+        } else if (fma) {  // each bf16 of the pairs as the float it is
           round_row_bf16(src, K, row_pairs.data());
-          const auto* h = reinterpret_cast<const uint16_t*>(row_pairs.data());
-          for (int64_t k = 0; k < Kt; ++k) du[k * lda + i] = static_cast<uint32_t>(h[k]) << 16;
+          widen_row_bf16(reinterpret_cast<const vec::bf16*>(row_pairs.data()), Kt, d + i * Kt);
         } else {
           round_row_bf16(src, K, row_pairs.data());
           for (int64_t k = 0; k < Ku; ++k) du[k * lda + i] = row_pairs[k];
@@ -524,24 +535,15 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   }
 }
 
-// vdpbf16ps or fp32 FMAs for bf16 panels (see micro_kernel_bf16_fma); FMAs by default on Intel
-// CPUs. Measured on a 2-core Xeon (family 6 model 207, AVX512-BF16, no AMX): 16 independent
-// vdpbf16ps chains issue one instruction per 0.80 ns, fp32 FMA chains one per 0.19-0.23 ns, so
-// vdpbf16ps does half the FMAs' work per second; on AMD Zen 5 both issue two per cycle.
-std::atomic<int> bf16_fma_on{-1};  // -1: the CPU's default, not yet read
+// vdpbf16ps or fp32 FMAs for bf16 panels (see micro_kernel_bf16_fma): -1 until a
+// set_gemm_bf16_fma, then its choice; by default FMAs where vdpbf16ps is slow (Intel CPUs).
+std::atomic<int> bf16_fma_on{-1};
 
 }  // namespace
 
 bool gemm_bf16_fma_enabled() {
-  int on = bf16_fma_on.load(std::memory_order_relaxed);
-  if (on < 0) {
-    __builtin_cpu_init();
-    on = __builtin_cpu_is("intel") ? 1 : 0;
-    int unset = -1;
-    bf16_fma_on.compare_exchange_strong(unset, on);  // a set_gemm_bf16_fma that came first wins
-    on = bf16_fma_on.load(std::memory_order_relaxed);
-  }
-  return gemm_bf16_supported() && on == 1;
+  const int on = bf16_fma_on.load(std::memory_order_relaxed);
+  return gemm_bf16_supported() && (on < 0 ? vec::vdpbf16ps_slow() : on == 1);
 }
 
 bool set_gemm_bf16_fma(bool on) {

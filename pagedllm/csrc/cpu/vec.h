@@ -48,6 +48,19 @@ inline float to_float(fp8 x) { return static_cast<float>(x); }
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, bf16* dst) { *dst = bf16(x); }  // round to nearest even
 
+// Whether vdpbf16ps is slow on this CPU: on Intel CPUs (measured on a 2-core Xeon, family 6
+// model 207) 16 independent chains issue one per ~2.3 cycles against ~2 fp32 FMAs per cycle, so
+// it does half the FMAs' multiply-adds per second; on AMD Zen 4 / Zen 5 it does twice as many.
+// The bf16 GEMM (gemm.cpp) and the attention tiles (attention_bf16.cpp) then default to fp32
+// FMAs on widened bf16 operands.
+inline bool vdpbf16ps_slow() {
+  static const bool slow = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return slow;
+}
+
 #if defined(PAGEDLLM_VEC_AVX512)
 constexpr int W = 16;
 using V = __m512;
