@@ -66,6 +66,7 @@ constexpr int MR = 6;
 constexpr int kPanelAlign = 32;
 #endif
 constexpr int kPrefetch = 24;  // k steps ahead (24 x 64 bytes) for the first tile of a panel
+constexpr int kFmaBlockK = 16;  // k per block of the FMA loop's packed x (one 64-byte line)
 constexpr int64_t kTileBlockBytes = 384 << 10;  // packed x per pass of the panels (see run)
 constexpr int64_t kOwnPackTiles = 2;  // up to this many row tiles, each thread packs x (see run)
 
@@ -164,13 +165,15 @@ __attribute__((target("avx512bf16"))) void micro_kernel_bf16(const uint32_t* a, 
   for (int j = 0; j < NP; ++j) store_tile<ROWS, E>(acc[j], c + j * c_step, ldc);
 }
 
-// The same bf16 panels on fp32 FMAs (gemm_bf16_fma_enabled()): a_rows [ROWS][lda] holds x's
-// bf16-rounded values as floats, row by row (lda >= 2 K2; no transposed tile to build: each row
-// is its own stream of broadcasts, a cache line per 16 k). A bf16 pair widens to two fp32
-// vectors by a shift (k) and a mask (k + 1), so each accumulator adds its products in k order,
-// as the fp32 kernel's do. On a Xeon without AMX (family 6 model 207, 2 threads) vdpbf16ps issues
-// one per ~2.3 cycles against ~2 FMAs per cycle: this loop ran SmolLM2's linears 1.3-1.6x as
-// fast as the vdpbf16ps loop at 64-256 rows, 1.1-1.5x at 8, 0.93x at 1 (memory-bound).
+// The same bf16 panels on fp32 FMAs (gemm_bf16_fma_enabled()): a [ceil(2 K2 / 16)][lda][16]
+// holds x's bf16-rounded values as floats in blocks of 16 k, a row's 16 values one cache line
+// (kFmaBlockK). The pack is whole-vector stores, no transposition, and a k step's broadcasts
+// sit at fixed offsets from one pointer (a row-major tile cost a pointer per row, more than the
+// general registers, reloaded from the stack: 108 against 148 GFLOP/s on one core). A bf16 pair
+// widens to two fp32 vectors by a shift (k) and a mask (k + 1), so each accumulator adds its
+// products in k order, as the fp32 kernel's do. On a Xeon without AMX (family 6 model 207)
+// vdpbf16ps issues one per ~2.3 cycles against ~2 FMAs per cycle: on one core with the operands
+// in cache this loop runs 143-149 GFLOP/s (of a ~165 FMA peak), the vdpbf16ps loop 83.
 template <int ROWS, int E, int NP>
 void micro_kernel_bf16_fma(const float* a, int64_t lda, const uint32_t* b, int64_t K2,
                            int64_t panel_stride, float* c, int64_t c_step, int64_t ldc,
@@ -179,6 +182,8 @@ void micro_kernel_bf16_fma(const float* a, int64_t lda, const uint32_t* b, int64
 #pragma GCC unroll 24
   for (int n = 0; n < NP * ROWS; ++n) acc[n / ROWS][n % ROWS] = _mm512_setzero_ps();
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const float* block = a;  // the 16-k block of k step k
+  int64_t in_block = 0;    // k's pair index in it
   for (int64_t k = 0; k < K2; ++k) {
     prefetch_step(pf, k);
 #pragma GCC unroll 2
@@ -190,13 +195,17 @@ void micro_kernel_bf16_fma(const float* a, int64_t lda, const uint32_t* b, int64
         bv[j] = _mm512_castsi512_ps(half ? _mm512_and_si512(v, high_half)
                                          : _mm512_slli_epi32(v, 16));
       }
-      const float* ak = a + 2 * k + half;
+      const float* ak = block + 2 * in_block + half;
 #pragma GCC unroll 12
       for (int i = 0; i < ROWS; ++i) {
-        const __m512 av = _mm512_set1_ps(ak[i * lda]);
+        const __m512 av = _mm512_set1_ps(ak[i * kFmaBlockK]);
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_fmadd_ps(av, bv[j], acc[j][i]);
       }
+    }
+    if (++in_block == kFmaBlockK / 2) {
+      in_block = 0;
+      block += lda * kFmaBlockK;
     }
   }
 #pragma GCC unroll 4
@@ -282,7 +291,7 @@ void tile(int rows, const float* a, int64_t lda, const float* b, int64_t K, floa
   }
 }
 
-// micro_kernel_bf16<rows> (FMA: micro_kernel_bf16_fma, a then [rows][lda] floats) for
+// micro_kernel_bf16<rows> (FMA: micro_kernel_bf16_fma, a then 16-k blocks of floats) for
 // 1 <= rows <= ROWS over NP panels; only called where gemm_bf16_supported().
 template <int E, int NP, bool FMA, int ROWS = MR>
 void tile_bf16(int rows, const void* a, int64_t lda, const uint32_t* b, int64_t K2,
@@ -372,7 +381,7 @@ struct RowTiles {
 // its own panels ahead; its later calls share the next group's panels (one each from four calls
 // on; with fewer, each takes several, and a lone call takes them all as a second stream), so the
 // weights stream into L2 while this group computes. FMA: the panels on fp32 FMAs, xd's tiles
-// [rows][2 Ku] floats, row-major (else [Ku][lda] bf16 pairs).
+// 16-k blocks [ceil(2 Ku / 16)][lda][16] of floats (else [Ku][lda] bf16 pairs).
 template <int E, bool FMA>
 void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t N, int64_t Ku,
               int64_t p0, int64_t p1, int64_t t_begin, int64_t t_end, float* c, int64_t ldc) {
@@ -381,8 +390,9 @@ void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t 
   const bool wide = tiles.balanced;
   const int64_t calls = t_end - t_begin;  // micro-kernel calls per panel group in this block
   alignas(64) float edge[MR * NR];
-  const int64_t lda = FMA ? 2 * Ku : tiles.lda();  // FMA: a row's stride; else a k step's
-  const int64_t tile_units = Ku * (FMA ? 2 * MR : tiles.lda());  // 32-bit units per x tile
+  const int64_t lda = tiles.lda();
+  // 32-bit units per x tile (FMA: 2 Ku rounded up to whole 16-k blocks)
+  const int64_t tile_units = (FMA ? (2 * Ku + kFmaBlockK - 1) / kFmaBlockK * kFmaBlockK : Ku) * lda;
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
     const int np = left >= 4 && !wide ? 4 : left >= 2 ? 2 : 1;
@@ -444,11 +454,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   }
 
   // x -> tiles [count][Kt][lda] (lda: RowTiles::lda) of fp32 (Kt = K) or bf16 pairs rounded from
-  // fp32 (Kt = Ku); for the FMA loop on bf16 panels, tiles [count][MR][Kt] of the rounded values
-  // as floats, row-major (Kt = 2 Ku, an odd K's last k zero). A tile's rows past its own are left
-  // as they are: every micro-kernel reads exactly the tile's rows.
+  // fp32 (Kt = Ku); for the FMA loop on bf16 panels, tiles [count][Kt / 16][lda][16] of the
+  // rounded values as floats (Kt = 2 Ku rounded up to whole 16-k blocks, zero past K). A tile's
+  // rows past its own are left as they are: every micro-kernel reads exactly the tile's rows.
   const bool fma = pairs && gemm_bf16_fma_enabled();
-  const int64_t Kt = fma ? 2 * Ku : Ku;
+  const int64_t Kt = fma ? (2 * Ku + kFmaBlockK - 1) / kFmaBlockK * kFmaBlockK : Ku;
   const RowTiles row_tiles(M, pairs && M >= 7);
   const int64_t lda = row_tiles.lda();
   const int64_t tiles = row_tiles.count;
@@ -456,17 +466,28 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   const int64_t ldx = x.stride(0);
   auto pack = [&](int64_t t0, int64_t t1, float* xd) {
     std::vector<uint32_t> row_pairs(pairs ? Ku : 0);  // one row of x as bf16 pairs
+    alignas(64) float block_row[kFmaBlockK];
     for (int64_t t = t0; t < t1; ++t) {
-      float* d = xd + t * Kt * (fma ? MR : lda);
+      float* d = xd + t * Kt * lda;
       auto* du = reinterpret_cast<uint32_t*>(d);
       const int64_t rows = row_tiles.rows(t);
       for (int64_t i = 0; i < rows; ++i) {
         const float* src = xs + (row_tiles.begin(t) + i) * ldx;
         if (!pairs) {
           for (int64_t k = 0; k < K; ++k) d[k * lda + i] = src[k];
-        } else if (fma) {  // each bf16 of the pairs as the float it is
+        } else if (fma) {  // each bf16 of the pairs as the float it is, 16 k per block
           round_row_bf16(src, K, row_pairs.data());
-          widen_row_bf16(reinterpret_cast<const vec::bf16*>(row_pairs.data()), Kt, d + i * Kt);
+          const auto* h = reinterpret_cast<const vec::bf16*>(row_pairs.data());
+          for (int64_t k = 0; k < Kt; k += kFmaBlockK) {
+            float* out = d + (k / kFmaBlockK * lda + i) * kFmaBlockK;
+            if (k + kFmaBlockK <= 2 * Ku) {
+              widen_row_bf16(h + k, kFmaBlockK, out);
+            } else {  // the last, partial block: zeros past 2 Ku
+              std::fill_n(block_row, kFmaBlockK, 0.f);
+              widen_row_bf16(h + k, 2 * Ku - k, block_row);
+              std::memcpy(out, block_row, sizeof(block_row));
+            }
+          }
         } else {
           round_row_bf16(src, K, row_pairs.data());
           for (int64_t k = 0; k < Ku; ++k) du[k * lda + i] = row_pairs[k];
