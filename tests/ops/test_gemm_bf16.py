@@ -235,3 +235,19 @@ def _check_fma_loop(bf16_ops, m, n, k):
         bf16_ops.gemm_swiglu(x, bf16_ops.gemm_pack_swiglu_weight(gu)),
         bf16_ops.gemm_swiglu(xr, bf16_ops.gemm_pack_swiglu_weight(gu.float())),
     )
+
+
+def test_fp32_fmas_are_the_default_on_intel_cpus(cpu_ops):
+    """Where vdpbf16ps is slow (Intel CPUs: half an FMA's multiply-adds per second on a Xeon
+    without AMX), the bf16 panels run on fp32 FMAs and the attention keeps fp32 arithmetic
+    unless AMX tiles run its products; AMD CPUs keep vdpbf16ps for both."""
+    with bf16_ops_on(cpu_ops, "vdpbf16ps"):
+        pass  # skips where bf16 panels cannot run; restores the process's settings
+    with open("/proc/cpuinfo") as f:
+        intel = any(
+            line.split(":")[-1].strip() == "GenuineIntel"
+            for line in f
+            if line.startswith("vendor_id")
+        )
+    assert cpu_ops.gemm_bf16_fma() == intel
+    assert cpu_ops.attention_bf16_dot() == (not intel or cpu_flags().amx_bf16)
