@@ -324,6 +324,11 @@ inline void round_row_bf16(const float* x, int64_t K, uint32_t* pairs) {
   if (K % 2) pairs[K / 2] &= 0xFFFFu;
 }
 
+// k per row of the FMA loop's packed x for Ku pairs: 2 Ku rounded up to whole 16-k blocks.
+inline int64_t fma_tile_k(int64_t Ku) {
+  return (2 * Ku + kFmaBlockK - 1) / kFmaBlockK * kFmaBlockK;
+}
+
 // bf16 [n] -> fp32 [n], exact.
 inline void widen_row_bf16(const vec::bf16* h, int64_t n, float* out) {
   int64_t k = 0;
@@ -391,8 +396,7 @@ void run_bf16(const void* xd, const uint32_t* b, const RowTiles& tiles, int64_t 
   const int64_t calls = t_end - t_begin;  // micro-kernel calls per panel group in this block
   alignas(64) float edge[MR * NR];
   const int64_t lda = tiles.lda();
-  // 32-bit units per x tile (FMA: 2 Ku rounded up to whole 16-k blocks)
-  const int64_t tile_units = (FMA ? (2 * Ku + kFmaBlockK - 1) / kFmaBlockK * kFmaBlockK : Ku) * lda;
+  const int64_t tile_units = (FMA ? fma_tile_k(Ku) : Ku) * lda;  // 32-bit units per x tile
   for (int64_t p = p0; p < p1;) {
     const int64_t left = full_end - p;  // full panels from p in this thread's range
     const int np = left >= 4 && !wide ? 4 : left >= 2 ? 2 : 1;
@@ -458,7 +462,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   // rounded values as floats (Kt = 2 Ku rounded up to whole 16-k blocks, zero past K). A tile's
   // rows past its own are left as they are: every micro-kernel reads exactly the tile's rows.
   const bool fma = pairs && gemm_bf16_fma_enabled();
-  const int64_t Kt = fma ? (2 * Ku + kFmaBlockK - 1) / kFmaBlockK * kFmaBlockK : Ku;
+  const int64_t Kt = fma ? fma_tile_k(Ku) : Ku;
   const RowTiles row_tiles(M, pairs && M >= 7);
   const int64_t lda = row_tiles.lda();
   const int64_t tiles = row_tiles.count;
