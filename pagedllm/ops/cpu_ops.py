@@ -204,7 +204,7 @@ class CpuOps:
         pair widened to two fp32 vectors in registers, instead of ``vdpbf16ps``: the same
         products (x rounded to bf16), summed in k order. On by default on Intel CPUs, where
         ``vdpbf16ps`` issues at a quarter of the FMA rate (half the FLOPs); off on AMD, where
-        both issue at the same rate. ``enable`` switches it for the process first (no effect
+        it does at least an FMA's work (Zen 4, Zen 5). ``enable`` switches it for the process first (no effect
         where bf16 panels cannot run); ``None`` only asks."""
         return bool(self._gemm_bf16_fma(-1 if enable is None else int(enable)))
 

@@ -470,7 +470,6 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
   const int64_t ldx = x.stride(0);
   auto pack = [&](int64_t t0, int64_t t1, float* xd) {
     std::vector<uint32_t> row_pairs(pairs ? Ku : 0);  // one row of x as bf16 pairs
-    alignas(64) float block_row[kFmaBlockK];
     for (int64_t t = t0; t < t1; ++t) {
       float* d = xd + t * Kt * lda;
       auto* du = reinterpret_cast<uint32_t*>(d);
@@ -479,21 +478,18 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, float* c, int
         const float* src = xs + (row_tiles.begin(t) + i) * ldx;
         if (!pairs) {
           for (int64_t k = 0; k < K; ++k) d[k * lda + i] = src[k];
-        } else if (fma) {  // each bf16 of the pairs as the float it is, 16 k per block
-          round_row_bf16(src, K, row_pairs.data());
+          continue;
+        }
+        round_row_bf16(src, K, row_pairs.data());
+        if (fma) {  // each bf16 of the pairs as the float it is, 16 k per block, zeros past 2 Ku
           const auto* h = reinterpret_cast<const vec::bf16*>(row_pairs.data());
           for (int64_t k = 0; k < Kt; k += kFmaBlockK) {
             float* out = d + (k / kFmaBlockK * lda + i) * kFmaBlockK;
-            if (k + kFmaBlockK <= 2 * Ku) {
-              widen_row_bf16(h + k, kFmaBlockK, out);
-            } else {  // the last, partial block: zeros past 2 Ku
-              std::fill_n(block_row, kFmaBlockK, 0.f);
-              widen_row_bf16(h + k, 2 * Ku - k, block_row);
-              std::memcpy(out, block_row, sizeof(block_row));
-            }
+            const int64_t n = std::min<int64_t>(kFmaBlockK, 2 * Ku - k);
+            widen_row_bf16(h + k, n, out);
+            std::fill(out + n, out + kFmaBlockK, 0.f);
           }
         } else {
-          round_row_bf16(src, K, row_pairs.data());
           for (int64_t k = 0; k < Ku; ++k) du[k * lda + i] = row_pairs[k];
         }
       }
